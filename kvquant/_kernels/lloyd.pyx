@@ -1,0 +1,147 @@
+# Rotated scalar codec ("tq<b>"): randomized Hadamard rotation, per-row radius, nearest level of a
+# b-bit Lloyd-Max codebook, codes bit-packed LSB first. REFERENCE.md §1.2-1.3 and §2.
+# The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
+# the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
+# decoder divides the radius by sqrtf(n).
+from cython.parallel cimport parallel, prange
+from libc.math cimport fabsf, sqrt, sqrtf, isfinite
+from libc.float cimport FLT_MAX
+from libc.stdint cimport uint8_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+from kvquant._kernels._common cimport fwht, pack_bits, unpack_bits
+
+# Row status codes written by encode_rows (the Python layer turns them into errors).
+cdef enum:
+    ROW_OK = 0
+    ROW_NONFINITE = 1
+    ROW_NORM_OVERFLOW = 2
+
+
+cdef float INERT_NORM = 1e-35
+
+
+cdef inline uint8_t nearest_by_distance(float y, const float* levels, int n_levels) noexcept nogil:
+    """The engine's rule: first level with the strictly smallest float distance (ties go down)."""
+    cdef int k, best = 0
+    cdef float d, best_d = 1e30
+    for k in range(n_levels):
+        d = fabsf(y - levels[k])
+        if d < best_d:
+            best_d = d
+            best = k
+    return <uint8_t>best
+
+
+cdef inline uint8_t nearest_level(float y, const float* bnd, int n_bnd) noexcept nogil:
+    """Index of the nearest level: the number of boundaries strictly below y (ties go down)."""
+    cdef int lo = 0, hi = n_bnd, mid
+    # binary search for the first boundary >= y
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bnd[mid] < y:
+            lo = mid + 1
+        else:
+            hi = mid
+    return <uint8_t>lo
+
+
+def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of two
+                const float[::1] signs,         # IN  (n,) +-1
+                const float[::1] levels,        # IN  (2**bits,) ascending, N(0,1) units
+                const float[::1] boundaries,    # IN  (2**bits - 1,) ascending
+                int bits,
+                bint unbiased,                  # side = |x|^2/<x, x^_unit> instead of |x|
+                bint by_distance,               # engine's distance scan instead of boundaries
+                uint8_t[:, ::1] codes,          # OUT (n_rows, ceil(n*bits/8))
+                float[::1] side,                # OUT (n_rows,)
+                uint8_t[::1] status,            # OUT (n_rows,) ROW_* codes
+                int n_threads):
+    cdef Py_ssize_t n_rows = X.shape[0], n = X.shape[1], code_bytes = codes.shape[1]
+    cdef Py_ssize_t r, i
+    cdef int n_bnd = boundaries.shape[0], n_levels = levels.shape[0]
+    cdef float sqrtf_n = sqrtf(<float>n)
+    cdef float inv_sqrt_n = (<float>1.0) / sqrtf_n
+    cdef double norm2, dot
+    cdef float radius, to_unit
+    cdef float* y
+    cdef uint8_t* c
+    if n_rows == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        y = <float*>malloc(n * sizeof(float))
+        c = <uint8_t*>malloc(n * sizeof(uint8_t))
+        for r in prange(n_rows, schedule="static"):
+            norm2 = 0.0
+            for i in range(n):
+                norm2 = norm2 + <double>X[r, i] * <double>X[r, i]
+            radius = <float>sqrt(norm2)
+            if not (radius > INERT_NORM) or radius > FLT_MAX:
+                # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
+                memset(&codes[r, 0], 0, code_bytes)
+                side[r] = 0.0
+                if not isfinite(norm2):
+                    status[r] = ROW_NONFINITE
+                elif radius > FLT_MAX:
+                    status[r] = ROW_NORM_OVERFLOW
+                else:
+                    status[r] = ROW_OK
+                continue
+            status[r] = ROW_OK
+            for i in range(n):
+                y[i] = X[r, i] * signs[i]
+            fwht(y, n)
+            for i in range(n):
+                y[i] = y[i] * inv_sqrt_n
+            to_unit = sqrtf_n / radius
+            if by_distance:
+                for i in range(n):
+                    y[i] = y[i] * to_unit
+                    c[i] = nearest_by_distance(y[i], &levels[0], n_levels)
+            else:
+                for i in range(n):
+                    y[i] = y[i] * to_unit
+                    c[i] = nearest_level(y[i], &boundaries[0], n_bnd)
+            pack_bits(c, n, bits, &codes[r, 0])
+            if unbiased:
+                # <x, unrotate(level[c])/sqrt(n)> = (norm/n) <y, level[c]>; side = |x|^2 / that
+                dot = 0.0
+                for i in range(n):
+                    dot = dot + <double>y[i] * <double>levels[c[i]]
+                side[r] = <float>(n * <double>radius / dot) if dot > 0.0 else radius
+            else:
+                side[r] = radius
+        free(y)
+        free(c)
+
+
+def decode_rows(const uint8_t[:, ::1] codes,    # IN  (n_rows, ceil(n*bits/8))
+                const float[::1] side,          # IN  (n_rows,)
+                const float[::1] signs,         # IN  (n,)
+                const float[::1] levels,        # IN  (2**bits,)
+                int bits,
+                float[:, ::1] out,              # OUT (n_rows, n)
+                int n_threads):
+    cdef Py_ssize_t n_rows = out.shape[0], n = out.shape[1]
+    cdef Py_ssize_t r, i
+    cdef float sqrtf_n = sqrtf(<float>n)
+    cdef float inv_sqrt_n = (<float>1.0) / sqrtf_n
+    cdef float step
+    cdef uint8_t* c
+    if n_rows == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        c = <uint8_t*>malloc(n * sizeof(uint8_t))
+        for r in prange(n_rows, schedule="static"):
+            unpack_bits(&codes[r, 0], n, bits, c)
+            if not (side[r] > 0.0) or side[r] > FLT_MAX:
+                step = 0.0   # inert row (also a damaged side value: never decoded as data)
+            else:
+                step = side[r] / sqrtf_n
+            for i in range(n):
+                out[r, i] = levels[c[i]] * step
+            fwht(&out[r, 0], n)
+            for i in range(n):
+                out[r, i] = out[r, i] * inv_sqrt_n * signs[i]
+        free(c)

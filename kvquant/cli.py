@@ -1,0 +1,96 @@
+"""The ``kvquant`` command."""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def _parse_codecs(text):
+    return [s.strip() for s in text.split(";" if ":" in text and ";" in text else ",") if s.strip()]
+
+
+def cmd_distortion(args):
+    from kvquant import get_codec
+    from kvquant.metrics import measure_distortion
+
+    if args.data:
+        try:
+            X = np.load(args.data, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvquant distortion: cannot read {args.data!r} as a .npy array: {exc}")
+        if X.ndim != 2:
+            raise SystemExit(f"kvquant distortion: {args.data!r} holds shape {X.shape}; "
+                             "expected a 2-D array (n_rows, dim)")
+        dims = [X.shape[1]]
+    else:
+        dims = args.dim
+    results = []
+    for dim in dims:
+        if not args.data:
+            X = np.random.default_rng(args.seed).standard_normal((args.rows, dim)).astype(np.float32)
+        for spec in _parse_codecs(args.codecs):
+            try:
+                codec = get_codec(spec, dim)
+            except ValueError as exc:
+                raise SystemExit(f"kvquant distortion: {exc}")
+            row = measure_distortion(codec, X, n_threads=args.threads)
+            results.append(row)
+    if args.json:
+        print(json.dumps({"rows": int(X.shape[0]), "seed": args.seed,
+                          "data": args.data or "gaussian", "results": results}, indent=1))
+        return 0
+    print(f"{'codec':<28} {'dim':>5} {'bits/val':>8} {'B/row':>6} {'ratio':>6} "
+          f"{'relL2 mean':>10} {'relL2 max':>10}")
+    for r in results:
+        print(f"{r['codec']:<28} {r['dim']:>5} {r['bits_per_value']:>8.3f} {r['bytes_per_row']:>6} "
+              f"{r['compression']:>6.2f} {r['rel_l2_mean']:>10.5f} {r['rel_l2_max']:>10.5f}")
+    return 0
+
+
+def cmd_info(args):
+    import kvquant
+    from kvquant._kernels import _build_info
+    print(f"kvquant {kvquant.__version__}")
+    print(f"openmp: {'on' if _build_info.openmp_enabled() else 'off'} "
+          f"(default threads {_build_info.openmp_max_threads()})")
+    return 0
+
+
+def _int_list(text):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="kvquant", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("distortion", help="relative L2 error and bytes per row of codecs")
+    p.add_argument("--codecs", default="kv8,tq2,tq3,tq4",
+                   help="comma-separated codec specs (e.g. kv8,kv8-g32,tq4,tq4:compat=colibri)")
+    p.add_argument("--dim", type=_int_list, default=[512], help="row width(s), comma-separated")
+    p.add_argument("--rows", type=int, default=4096, help="Gaussian rows to draw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", help="a .npy file of shape (n_rows, dim) to use instead")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_distortion)
+
+    p = sub.add_parser("info", help="build facts (OpenMP, threads)")
+    p.set_defaults(func=cmd_info)
+
+    from kvquant import codebooks
+    codebooks.add_cli(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Codec registry: ``get_codec(spec, dim, **options)``.
+
+A spec is a base name with optional options after a colon, e.g. ``kv8``, ``kv8-g32``, ``tq4``,
+``tq3:codebook=gaussian,side=unbiased``, ``tq4:compat=colibri``, ``tq4:seed=0x1234``. Keyword
+options given to ``get_codec`` are merged with those in the spec (a conflict is an error).
+Each family module exposes ``parse(base, dim, options)`` returning a codec or None.
+"""
+from kvquant.codecs import fp8, identity, lloyd
+from kvquant.codecs.base import Codec, EncodedRows
+
+_FAMILIES = (identity.parse, fp8.parse, lloyd.parse)
+_INT_OPTIONS = ("seed", "group", "bits")
+
+__all__ = ["Codec", "EncodedRows", "get_codec", "parse_spec"]
+
+
+def parse_spec(spec):
+    """Split ``"tq4:side=unbiased,seed=7"`` into ``("tq4", {"side": "unbiased", "seed": 7})``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a codec spec must be a non-empty string, got {spec!r}")
+    base, _, opt_text = spec.strip().partition(":")
+    options = {}
+    for item in filter(None, (part.strip() for part in opt_text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key or not value:
+            raise ValueError(f"option {item!r} in spec {spec!r} is not of the form key=value")
+        if key in options:
+            raise ValueError(f"option {key!r} given twice in spec {spec!r}")
+        if key in _INT_OPTIONS:
+            try:
+                value = int(value, 0)
+            except ValueError:
+                raise ValueError(f"option {key}={value!r} in spec {spec!r} must be an integer")
+        options[key] = value
+    return base.lower(), options
+
+
+def get_codec(spec, dim, **options):
+    """Build the codec named by ``spec`` for rows of width ``dim``.
+
+    Examples
+    --------
+    >>> get_codec("tq4", 128).bytes_per_row
+    68
+    """
+    base, spec_options = parse_spec(spec)
+    for key, value in options.items():
+        if key in spec_options and spec_options[key] != value:
+            raise ValueError(
+                f"option {key!r} is {spec_options[key]!r} in the spec and {value!r} as a keyword"
+            )
+    merged = {**spec_options, **options}
+    for family_parse in _FAMILIES:
+        try:
+            codec = family_parse(base, dim, merged)
+        except TypeError as exc:
+            raise ValueError(f"spec {spec!r}: unknown option ({exc})") from None
+        if codec is not None:
+            return codec
+    raise ValueError(
+        f"unknown codec spec {spec!r}; known: f32, kv8, kv8-g<N>, tq<b> (b = 1..8)"
+    )

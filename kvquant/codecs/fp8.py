@@ -1,0 +1,64 @@
+"""``kv8`` and ``kv8-g<N>``: fp8 e4m3fn with f32 scales (REFERENCE.md §1.1).
+
+``kv8`` keeps one scale per row (scale = max|x| / 448), as the engine's KV8 tier; ``kv8-g<N>`` one
+scale per N consecutive elements (the engine's KV8_GS=N, applied here to any row).
+"""
+import re
+
+import numpy as np
+
+from kvquant._kernels import fp8 as _fp8
+from kvquant.codecs.base import Codec
+
+
+class FP8Codec(Codec):
+    """fp8 e4m3fn codec.
+
+    Parameters
+    ----------
+    dim : int
+        Row width.
+    group : int or None
+        Elements per scale; None for one scale per row. Must divide ``dim``.
+    nonfinite : {"raise", "inert"}
+    """
+
+    family = "kv8"
+
+    def __init__(self, dim, group=None, nonfinite="raise"):
+        super().__init__(dim, nonfinite)
+        if group is None:
+            self.group = self.dim
+            self.spec = "kv8"
+            self.engine_tag = 1
+        else:
+            if group < 1 or self.dim % group:
+                raise ValueError(
+                    f"kv8 group size {group} must be a positive divisor of the width {self.dim}"
+                )
+            self.group = int(group)
+            self.spec = f"kv8-g{self.group}"
+        self.code_bytes = self.dim
+        self.n_side = self.dim // self.group
+
+    def _encode(self, X, n_threads):
+        n = X.shape[0]
+        codes = np.empty((n, self.dim), np.uint8)
+        scales = np.empty((n, self.n_side), np.float32)
+        status = np.empty(n, np.uint8)
+        _fp8.encode_rows(X, self.group, codes, scales, status, n_threads)
+        return codes, scales, status
+
+    def _decode(self, codes, side, n_threads):
+        out = np.empty((codes.shape[0], self.dim), np.float32)
+        _fp8.decode_rows(codes, side, self.group, out, n_threads)
+        return out
+
+
+def parse(base, dim, options):
+    if base == "kv8":
+        return FP8Codec(dim, **options)
+    m = re.fullmatch(r"kv8-g(\d+)", base)
+    if m:
+        return FP8Codec(dim, group=int(m.group(1)), **options)
+    return None

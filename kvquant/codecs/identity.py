@@ -1,0 +1,29 @@
+"""``f32``: rows stored as they are, the reference every other codec is measured against."""
+import numpy as np
+
+from kvquant.codecs.base import Codec
+
+
+class F32Codec(Codec):
+    family = "f32"
+    engine_tag = 0
+
+    def __init__(self, dim, nonfinite="raise"):
+        super().__init__(dim, nonfinite)
+        self.spec = "f32"
+        self.code_bytes = 4 * self.dim
+        self.n_side = 0
+
+    def _encode(self, X, n_threads):
+        status = (~np.isfinite(X).all(axis=1)).astype(np.uint8)
+        codes = X.view(np.uint8).copy()
+        return codes, np.zeros((X.shape[0], 0), np.float32), status
+
+    def _decode(self, codes, side, n_threads):
+        return codes.view(np.float32).copy()
+
+
+def parse(base, dim, options):
+    if base != "f32":
+        return None
+    return F32Codec(dim, **options)

@@ -1,0 +1,141 @@
+"""``tq<b>``: the rotated Lloyd-Max codec, b = 1..8 bits per element plus one f32 side value.
+
+A row x of width n (a power of two) is rotated (randomized Hadamard, REFERENCE.md §1.2), scaled to
+unit variance per coordinate, y = rotate(x) * sqrt(n) / |x|, and each coordinate is snapped to the
+nearest level of a b-bit Lloyd-Max codebook (ties go to the lower level); codes are bit-packed LSB
+first. The side value is the norm |x| (default) or the unbiased scale |x|^2 / <x, v> with v the
+decoded unit-radius row (REFERENCE.md §2: removes the inner-product shrink of MSE codebooks).
+
+``compat="colibri"`` (4 bits only) is the engine's codec bit for bit: its 16 Gaussian levels rounded
+to three decimals, the norm as radius, nibble order element 2j low / 2j+1 high.
+"""
+import hashlib
+import re
+
+import numpy as np
+
+from kvquant._kernels import lloyd as _lloyd
+from kvquant.codebooks import load_codebook
+from kvquant.codecs.base import Codec
+from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
+
+# The engine's 4-bit levels (Gaussian Lloyd-Max, Max 1960, three decimals), positive half.
+ENGINE_TQ4_LEVELS_POSITIVE = (0.128, 0.388, 0.657, 0.942, 1.256, 1.618, 2.069, 2.733)
+CODEBOOKS = ("beta", "gaussian")
+SIDE_KINDS = ("norm", "unbiased")
+MIN_BITS, MAX_BITS = 1, 8
+
+
+def engine_tq4_levels():
+    pos = np.array(ENGINE_TQ4_LEVELS_POSITIVE, dtype=np.float64)
+    return np.concatenate([-pos[::-1], pos])
+
+
+def levels_checksum(levels):
+    return hashlib.sha256(np.asarray(levels, dtype="<f8").tobytes()).hexdigest()
+
+
+class LloydCodec(Codec):
+    """Rotated Lloyd-Max codec.
+
+    Parameters
+    ----------
+    dim : int
+        Row width, a power of two >= 2.
+    bits : int
+        Bits per element, 1..8.
+    seed : int
+        Rotation seed (32 bits); default the engine's.
+    codebook : {"beta", "gaussian"}
+        ``beta`` is fitted for the exact coordinate density at ``dim``; ``gaussian`` is N(0,1).
+    side : {"norm", "unbiased"}
+    compat : None or "colibri"
+    nonfinite : {"raise", "inert"}
+    """
+
+    family = "tq"
+
+    def __init__(self, dim, bits, seed=ENGINE_SEED, codebook="beta", side="norm", compat=None,
+                 nonfinite="raise"):
+        super().__init__(dim, nonfinite)
+        if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not (
+                MIN_BITS <= bits <= MAX_BITS):
+            raise ValueError(f"tq bits must be an integer in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+        if not is_power_of_two(self.dim) or self.dim < 2:
+            raise ValueError(
+                f"tq{bits} needs a power-of-two row width (the Hadamard rotation), got {self.dim}; "
+                f"use kv8 (or q8_0/q4_0) for width {self.dim}"
+            )
+        if codebook not in CODEBOOKS:
+            raise ValueError(f"codebook={codebook!r} is not one of {CODEBOOKS}")
+        if side not in SIDE_KINDS:
+            raise ValueError(f"side={side!r} is not one of {SIDE_KINDS}")
+        if compat not in (None, "colibri"):
+            raise ValueError(f"compat={compat!r} is not known; the only one is 'colibri'")
+        self.bits = int(bits)
+        self.seed = int(seed)
+        self.compat = compat
+        self.side_kind = side
+        if compat == "colibri":
+            if self.bits != 4 or side != "norm" or codebook != "beta":
+                raise ValueError(
+                    "compat='colibri' is the engine's 4-bit codec with its own levels and the norm "
+                    f"as side value: use 'tq4:compat=colibri' without codebook/side options "
+                    f"(got bits={bits}, codebook={codebook!r}, side={side!r})"
+                )
+            levels = engine_tq4_levels()
+            self.codebook_name = "colibri"
+            self.codebook_identity = "colibri-tq4"
+            self.engine_tag = 0x104 if self.seed == ENGINE_SEED else None
+        else:
+            cb = load_codebook(codebook, self.dim, self.bits)
+            levels = np.asarray(cb.levels, dtype=np.float64)
+            self.codebook_name = codebook
+            self.codebook_identity = cb.identity
+        self.levels64 = levels
+        self.codebook_checksum = levels_checksum(levels)
+        self.levels = levels.astype(np.float32)
+        # Boundaries in float32: a coordinate strictly above boundary k gets a code > k.
+        self.boundaries = ((levels[:-1] + levels[1:]) / 2).astype(np.float32)
+        for arr in (self.levels, self.boundaries):
+            arr.flags.writeable = False
+        self.rotation = HadamardRotation(self.dim, self.seed)
+        self.code_bytes = (self.dim * self.bits + 7) // 8
+        self.n_side = 1
+        self.spec = self._canonical_spec(codebook)
+
+    def _canonical_spec(self, codebook):
+        opts = []
+        if self.compat:
+            opts.append(f"compat={self.compat}")
+        else:
+            if codebook != "beta":
+                opts.append(f"codebook={codebook}")
+            if self.side_kind != "norm":
+                opts.append(f"side={self.side_kind}")
+        if self.seed != ENGINE_SEED:
+            opts.append(f"seed={self.seed:#x}")
+        return f"tq{self.bits}" + (":" + ",".join(opts) if opts else "")
+
+    def _encode(self, X, n_threads):
+        n = X.shape[0]
+        codes = np.empty((n, self.code_bytes), np.uint8)
+        side = np.empty(n, np.float32)
+        status = np.empty(n, np.uint8)
+        _lloyd.encode_rows(X, self.rotation.signs, self.levels, self.boundaries, self.bits,
+                           self.side_kind == "unbiased", self.compat == "colibri", codes, side,
+                           status, n_threads)
+        return codes, side.reshape(n, 1), status
+
+    def _decode(self, codes, side, n_threads):
+        out = np.empty((codes.shape[0], self.dim), np.float32)
+        _lloyd.decode_rows(codes, np.ascontiguousarray(side[:, 0]), self.rotation.signs,
+                           self.levels, self.bits, out, n_threads)
+        return out
+
+
+def parse(base, dim, options):
+    m = re.fullmatch(r"tq(\d+)", base)
+    if not m:
+        return None
+    return LloydCodec(dim, int(m.group(1)), **options)

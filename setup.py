@@ -1,0 +1,89 @@
+"""Build the Cython kernels of kvquant.
+
+Every ``kvquant/_kernels/*.pyx`` becomes an extension module. OpenMP is used when the compiler
+accepts ``-fopenmp`` (probed below); without it the kernels build and run single-threaded.
+Flags: ``-O3``, never ``-ffast-math`` (NaN handling and rounding are part of the formats) and
+``-ffp-contract=off`` (no silent FMA: the same rounding with or without -march=native).
+Set ``KVQUANT_NATIVE=1`` to add ``-march=native`` (faster on the build machine, not portable).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+KERNEL_DIR = Path("kvquant") / "_kernels"
+
+
+def _compiler_accepts_openmp(compiler_cmd):
+    """Compile and link a tiny OpenMP program; True when it works."""
+    src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
+    tmp = tempfile.mkdtemp()
+    try:
+        c_file = os.path.join(tmp, "probe.c")
+        with open(c_file, "w") as f:
+            f.write(src)
+        result = subprocess.run(
+            compiler_cmd + ["-fopenmp", c_file, "-o", os.path.join(tmp, "probe")],
+            capture_output=True,
+        )
+        return result.returncode == 0
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        compiler = getattr(self.compiler, "compiler_so", None) or ["cc"]
+        use_openmp = os.environ.get("KVQUANT_NO_OPENMP") != "1" and _compiler_accepts_openmp(
+            [compiler[0]]
+        )
+        # no contraction into FMA: results must not depend on -march (and match the numpy references)
+        extra_compile = ["-O3", "-fno-fast-math", "-ffp-contract=off"]
+        if os.environ.get("KVQUANT_NATIVE") == "1":
+            extra_compile.append("-march=native")
+        extra_link = []
+        if use_openmp:
+            extra_compile.append("-fopenmp")
+            extra_link.append("-fopenmp")
+        else:
+            print("kvquant: the compiler has no OpenMP; kernels will run single-threaded",
+                  file=sys.stderr)
+        for ext in self.extensions:
+            ext.extra_compile_args = extra_compile + list(ext.extra_compile_args or [])
+            ext.extra_link_args = extra_link + list(ext.extra_link_args or [])
+        super().build_extensions()
+
+
+def _extensions():
+    from Cython.Build import cythonize
+
+    exts = [
+        Extension(
+            f"kvquant._kernels.{pyx.stem}",
+            [str(pyx)],
+            include_dirs=[str(KERNEL_DIR)],
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        )
+        for pyx in sorted(KERNEL_DIR.glob("*.pyx"))
+    ]
+    return cythonize(
+        exts,
+        language_level=3,
+        compiler_directives={
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+            "nonecheck": False,
+        },
+    )
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildExt})
