@@ -7,7 +7,11 @@ import numpy as np
 
 
 def _parse_codecs(text):
-    return [s.strip() for s in text.split(";" if ":" in text and ";" in text else ",") if s.strip()]
+    from kvquant.codecs import split_spec_list
+    try:
+        return split_spec_list(text)
+    except ValueError as exc:
+        raise SystemExit(f"kvquant: {exc}")
 
 
 def cmd_distortion(args):

@@ -57,6 +57,7 @@ __all__ = [
     "fit_lloyd_max",
     "gaussian_density",
     "load_codebook",
+    "quantizer_mse",
     "read_codebook",
     "regenerate",
     "write_codebook",
@@ -66,7 +67,7 @@ DISTS = ("gaussian", "beta")
 BITS_RANGE = (1, 8)
 STORED_BETA_DIMS = tuple(2**k for k in range(4, 13))  # 16 .. 4096
 DEFAULT_TOL = 1e-12
-# With Newton acceleration the stored codebooks need at most a few dozen steps; the budget is
+# With Newton acceleration the stored codebooks need at most 5 updates; the budget is
 # large so that callers without a pdf (plain Lloyd) still converge at 8 bits.
 DEFAULT_MAX_ITER = 200_000
 
@@ -311,8 +312,8 @@ def fit_lloyd_max(cdf, partial_moment, lo, hi, n_levels, *, pdf=None, partial_se
     boundaries = 0.5 * (levels[:-1] + levels[1:])
     mse = math.nan
     if partial_second_moment is not None:
-        mse = _quantizer_mse(free, center, odd, lo, hi, cdf, partial_moment,
-                             partial_second_moment, symmetric)
+        mse = _squared_error(levels, lo, hi, center, cdf, partial_moment,
+                             partial_second_moment)
     return LloydMaxResult(levels=levels, boundaries=boundaries, mse=mse, iterations=iterations,
                           newton_steps=newton_steps, max_change=max_change)
 
@@ -342,38 +343,52 @@ def _mirror(free, center, odd):
     return np.concatenate([free, middle, upper])
 
 
-def _cells_sq_error(levels, b, cdf, partial_moment, partial_second_moment):
-    """Sum over cells [b_{i-1}, b_i] of the integral of (t - levels_i)^2 f(t) dt."""
-    F = np.empty_like(b)
-    M = np.empty_like(b)
-    S = np.empty_like(b)
-    F[0] = M[0] = S[0] = 0.0
-    F[1:] = cdf(b[1:])
-    M[1:] = partial_moment(b[1:])
-    S[1:] = partial_second_moment(b[1:])
-    dF, dM, dS = np.diff(F), np.diff(M), np.diff(S)
-    return float(np.sum(dS - 2.0 * levels * dM + levels * levels * dF))
+def _squared_error(levels, lo, hi, center, cdf, partial_moment, partial_second_moment):
+    """Integral of (t - q(t))^2 f(t) with q the nearest of ``levels`` (midpoint boundaries).
+
+    Per cell [a, b] with level c: ``dS - 2 c dM + c^2 dF``. Cells wholly above ``center`` are
+    mirrored below it, where a symmetric density's tails are small numbers rather than 1 - small.
+    Endpoints equal to ``lo`` are not evaluated (all three functions are 0 there).
+    """
+    bounds = np.concatenate([[lo], 0.5 * (levels[:-1] + levels[1:]), [hi]])
+    a, b, c = bounds[:-1].copy(), bounds[1:].copy(), levels.astype(np.float64, copy=True)
+    if center is not None:
+        up = a >= center
+        a[up], b[up], c[up] = 2.0 * center - b[up], 2.0 * center - a[up], 2.0 * center - c[up]
+
+    def moments(x):
+        F, M, S = np.zeros_like(x), np.zeros_like(x), np.zeros_like(x)
+        inner = x != lo
+        F[inner] = cdf(x[inner])
+        M[inner] = partial_moment(x[inner])
+        S[inner] = partial_second_moment(x[inner])
+        return F, M, S
+
+    (Fa, Ma, Sa), (Fb, Mb, Sb) = moments(a), moments(b)
+    return float(np.sum((Sb - Sa) - 2.0 * c * (Mb - Ma) + c * c * (Fb - Fa)))
 
 
-def _quantizer_mse(free, center, odd, lo, hi, cdf, partial_moment, partial_second_moment,
-                   symmetric):
-    n = free.size
-    if not symmetric:
-        b = np.concatenate([[lo], 0.5 * (free[:-1] + free[1:]), [hi]])
-        return _cells_sq_error(free, b, cdf, partial_moment, partial_second_moment)
-    last = (0.5 * (free[-1] + center) if odd else center) if n else center
-    b = np.concatenate([[lo], 0.5 * (free[:-1] + free[1:]), [last]]) if n else np.array([lo])
-    half = _cells_sq_error(free, b, cdf, partial_moment, partial_second_moment) if n else 0.0
-    if odd:
-        # Half of the central cell [last, center] around the central level, by symmetry.
-        lower = np.array([lo, last]) if n else np.array([lo])
-        sub = np.concatenate([lower, [center]])
-        F = np.concatenate([[0.0], cdf(sub[1:])])
-        M = np.concatenate([[0.0], partial_moment(sub[1:])])
-        S = np.concatenate([[0.0], partial_second_moment(sub[1:])])
-        dF, dM, dS = F[-1] - F[-2], M[-1] - M[-2], S[-1] - S[-2]
-        half += dS - 2.0 * center * dM + center * center * dF
-    return float(2.0 * half)
+def quantizer_mse(levels, density):
+    """Mean squared error of nearest-level quantization of ``density`` with any ``levels``.
+
+    Closed form per cell (no quadrature), valid off the Lloyd fixed point too, e.g. for the
+    engine's 3-decimal levels.
+
+    Parameters
+    ----------
+    levels : array_like of shape (n_levels,)
+        Strictly ascending; boundaries are the midpoints.
+    density : ScalarDensity
+
+    Returns
+    -------
+    float
+    """
+    levels = np.array(levels, dtype=np.float64).reshape(-1)
+    if levels.size < 1 or not (np.all(np.isfinite(levels)) and np.all(np.diff(levels) > 0)):
+        raise ValueError("levels must be a non-empty, finite, strictly ascending sequence")
+    return _squared_error(levels, density.lo, density.hi, density.center, density.cdf,
+                          density.partial_moment, density.partial_second_moment)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,7 +462,7 @@ def beta_density(dim):
     """Density of ``y = t sqrt(dim)``, ``t`` one coordinate of a uniform unit vector of R^dim.
 
     ``f_t(t) = (1 - t^2)^a / B(1/2, a + 1)`` on [-1, 1] with ``a = (dim - 3) / 2``. Closed forms
-    (with ``u = t^2`` and ``I`` the regularized incomplete beta function):
+    (with ``u = t^2`` and ``betaincc`` the complemented regularized incomplete beta function):
 
     * ``F_t(t) = betaincc(1/2, a + 1, u) / 2`` for ``t <= 0`` and ``1 - F_t(-t)`` above (the
       complement function keeps full relative precision in the lower tail);

@@ -158,3 +158,42 @@ def tq_decode_rows(packed, side, levels, bits, n, seed=0x9E3779B9):
     Y = np.asarray(levels, dtype=np.float64)[codes] * (np.asarray(side, np.float64)[:, None]
                                                         / np.sqrt(n))
     return unrotate(Y, seed)
+
+
+# -- the engine's 4-bit codec, float32 step by step (REFERENCE.md §1.3) ----------------------
+
+def fwht_f32(X):
+    """Butterflies in the engine's order (h = 1, 2, 4, ...), every add in float32."""
+    X = np.array(X, dtype=np.float32, copy=True)
+    n_rows, n = X.shape
+    h = 1
+    while h < n:
+        blocks = X.reshape(n_rows, n // (2 * h), 2, h)
+        a, b = blocks[:, :, 0, :].copy(), blocks[:, :, 1, :].copy()
+        blocks[:, :, 0, :] = a + b
+        blocks[:, :, 1, :] = a - b
+        h *= 2
+    return X
+
+
+def engine_tq4_encode_rows(X, levels):
+    """The engine's encoder: double-accumulated norm rounded to float; rotation as signs,
+    butterflies, x (1/sqrtf(n)); then x (sqrtf(n)/norm); nearest level by float distance with
+    ties to the lower code; even elements in the low nibble."""
+    X = np.asarray(X, dtype=np.float32)
+    n_rows, n = X.shape
+    lev = np.asarray(levels, dtype=np.float32)
+    norm = np.sqrt((X.astype(np.float64) ** 2).sum(axis=1)).astype(np.float32)
+    live = (norm > np.float32(1e-35)) & (norm <= np.finfo(np.float32).max)
+    signs = sign_vector(n).astype(np.float32)
+    Y = fwht_f32(np.where(live[:, None], X, 0) * signs)
+    sqrtf_n = np.sqrt(np.float32(n))
+    Y = Y * (np.float32(1.0) / sqrtf_n)
+    with np.errstate(divide="ignore", over="ignore"):
+        invstd = np.where(live, sqrtf_n / np.where(live, norm, 1), 0).astype(np.float32)
+    V = (Y * invstd[:, None]).astype(np.float32)
+    dist = np.abs(V[:, :, None] - lev[None, None, :])
+    codes = np.argmin(dist, axis=2).astype(np.uint8)
+    codes[~live] = 0
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return packed, np.where(live, norm, 0).astype(np.float32)

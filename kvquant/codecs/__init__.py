@@ -11,7 +11,7 @@ from kvquant.codecs.base import Codec, EncodedRows
 _FAMILIES = (identity.parse, fp8.parse, lloyd.parse)
 _INT_OPTIONS = ("seed", "group", "bits")
 
-__all__ = ["Codec", "EncodedRows", "get_codec", "parse_spec"]
+__all__ = ["Codec", "EncodedRows", "get_codec", "parse_spec", "split_spec_list"]
 
 
 def parse_spec(spec):
@@ -33,6 +33,25 @@ def parse_spec(spec):
                 raise ValueError(f"option {key}={value!r} in spec {spec!r} must be an integer")
         options[key] = value
     return base.lower(), options
+
+
+def split_spec_list(text):
+    """Split a comma-separated list of specs whose options may hold commas too.
+
+    A piece with ``=`` but no ``:`` continues the options of the spec before it:
+    ``"kv8,tq3:codebook=gaussian,side=unbiased,tq4"`` -> ``["kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]``.
+    """
+    specs = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece:
+            if not specs or ":" not in specs[-1]:
+                raise ValueError(f"option {piece!r} in {text!r} follows no spec with options")
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
 
 
 def get_codec(spec, dim, **options):

@@ -1,0 +1,48 @@
+"""The command line, run as a user would."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "kvquant.cli", *args], capture_output=True,
+                          text=True)
+
+
+def test_distortion_json():
+    res = run("distortion", "--codecs", "kv8,tq4:compat=colibri,tq3:codebook=gaussian,side=unbiased",
+              "--dim", "128", "--rows", "512", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    rows = {r["codec"]: r for r in out["results"]}
+    assert set(rows) == {"kv8", "tq4:compat=colibri", "tq3:codebook=gaussian,side=unbiased"}
+    for r in rows.values():
+        assert set(r) >= {"codec", "dim", "bits_per_value", "bytes_per_row", "rel_l2_mean",
+                          "rel_l2_max"}
+        assert r["rel_l2_max"] >= r["rel_l2_mean"] > 0
+    assert rows["kv8"]["bytes_per_row"] == 132
+    assert 0.094 < rows["tq4:compat=colibri"]["rel_l2_mean"] < 0.098
+
+
+def test_distortion_on_user_data(tmp_path):
+    X = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    path = tmp_path / "rows.npy"
+    np.save(path, X)
+    res = run("distortion", "--codecs", "kv8", "--data", str(path), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["results"][0]["dim"] == 32
+
+
+def test_distortion_bad_width_is_explained():
+    res = run("distortion", "--codecs", "tq4", "--dim", "100")
+    assert res.returncode != 0
+    assert "power-of-two" in res.stderr and "kv8" in res.stderr
+
+
+def test_distortion_unreadable_data(tmp_path):
+    bad = tmp_path / "x.npy"
+    bad.write_text("not numpy")
+    res = run("distortion", "--data", str(bad))
+    assert res.returncode != 0 and "cannot read" in res.stderr
