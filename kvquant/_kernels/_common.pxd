@@ -1,22 +1,15 @@
-# Inline helpers shared by the codec kernels: the Walsh-Hadamard transform and bit packing.
-# They are included into each kernel module at compile time (no cross-module calls).
+# Helpers shared by the codec kernels: the Walsh-Hadamard transform (from rowops.h) and bit
+# packing. They are compiled into each kernel module (no cross-module calls).
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+
+cdef extern from "rowops.h" nogil:
+    void kvq_fwht(float* y, Py_ssize_t n)
 
 
 cdef inline void fwht(float* x, Py_ssize_t n) noexcept nogil:
     """Unnormalized fast Walsh-Hadamard transform in natural (Sylvester) order, in place."""
-    cdef Py_ssize_t h = 1, i, j
-    cdef float a, b
-    while h < n:
-        i = 0
-        while i < n:
-            for j in range(i, i + h):
-                a = x[j]
-                b = x[j + h]
-                x[j] = a + b
-                x[j + h] = a - b
-            i += 2 * h
-        h *= 2
+    kvq_fwht(x, n)
 
 
 cdef inline void pack_bits(const uint8_t* codes, Py_ssize_t n, int bits,

@@ -19,32 +19,17 @@ cdef enum:
     ROW_NORM_OVERFLOW = 2
 
 
+cdef extern from "rowops.h" nogil:
+    double kvq_sum_squares(const float* x, Py_ssize_t n, int in_index_order)
+    void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
+                              float to_unit, float* y)
+    void kvq_pack_codes(const uint8_t* code, Py_ssize_t n, int bits, uint8_t* out)
+    void kvq_nearest_codes(const float* y, Py_ssize_t n, const float* bnd, int n_bnd,
+                           uint8_t* code)
+    void kvq_nearest_by_distance(const float* y, Py_ssize_t n, const float* levels, int n_levels,
+                                 float* best_d, uint8_t* code)
+
 cdef float INERT_NORM = 1e-35
-
-
-cdef inline uint8_t nearest_by_distance(float y, const float* levels, int n_levels) noexcept nogil:
-    """The engine's rule: first level with the strictly smallest float distance (ties go down)."""
-    cdef int k, best = 0
-    cdef float d, best_d = 1e30
-    for k in range(n_levels):
-        d = fabsf(y - levels[k])
-        if d < best_d:
-            best_d = d
-            best = k
-    return <uint8_t>best
-
-
-cdef inline uint8_t nearest_level(float y, const float* bnd, int n_bnd) noexcept nogil:
-    """Index of the nearest level: the number of boundaries strictly below y (ties go down)."""
-    cdef int lo = 0, hi = n_bnd, mid
-    # binary search for the first boundary >= y
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if bnd[mid] < y:
-            lo = mid + 1
-        else:
-            hi = mid
-    return <uint8_t>lo
 
 
 def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of two
@@ -66,16 +51,16 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
     cdef double norm2, dot
     cdef float radius, to_unit
     cdef float* y
+    cdef float* scratch
     cdef uint8_t* c
     if n_rows == 0:
         return
     with nogil, parallel(num_threads=n_threads):
         y = <float*>malloc(n * sizeof(float))
+        scratch = <float*>malloc(n * sizeof(float))
         c = <uint8_t*>malloc(n * sizeof(uint8_t))
         for r in prange(n_rows, schedule="static"):
-            norm2 = 0.0
-            for i in range(n):
-                norm2 = norm2 + <double>X[r, i] * <double>X[r, i]
+            norm2 = kvq_sum_squares(&X[r, 0], n, by_distance)
             radius = <float>sqrt(norm2)
             if not (radius > INERT_NORM) or radius > FLT_MAX:
                 # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
@@ -89,21 +74,13 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
                     status[r] = ROW_OK
                 continue
             status[r] = ROW_OK
-            for i in range(n):
-                y[i] = X[r, i] * signs[i]
-            fwht(y, n)
-            for i in range(n):
-                y[i] = y[i] * inv_sqrt_n
             to_unit = sqrtf_n / radius
+            kvq_rotate_scale_row(&X[r, 0], &signs[0], n, inv_sqrt_n, to_unit, y)
             if by_distance:
-                for i in range(n):
-                    y[i] = y[i] * to_unit
-                    c[i] = nearest_by_distance(y[i], &levels[0], n_levels)
+                kvq_nearest_by_distance(y, n, &levels[0], n_levels, scratch, c)
             else:
-                for i in range(n):
-                    y[i] = y[i] * to_unit
-                    c[i] = nearest_level(y[i], &boundaries[0], n_bnd)
-            pack_bits(c, n, bits, &codes[r, 0])
+                kvq_nearest_codes(y, n, &boundaries[0], n_bnd, c)
+            kvq_pack_codes(c, n, bits, &codes[r, 0])
             if unbiased:
                 # <x, unrotate(level[c])/sqrt(n)> = (norm/n) <y, level[c]>; side = |x|^2 / that
                 dot = 0.0
@@ -113,6 +90,7 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
             else:
                 side[r] = radius
         free(y)
+        free(scratch)
         free(c)
 
 
