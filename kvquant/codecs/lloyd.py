@@ -9,13 +9,12 @@ decoded unit-radius row (REFERENCE.md §2: removes the inner-product shrink of M
 ``compat="colibri"`` (4 bits only) is the engine's codec bit for bit: its 16 Gaussian levels rounded
 to three decimals, the norm as radius, nibble order element 2j low / 2j+1 high.
 """
-import hashlib
 import re
 
 import numpy as np
 
 from kvquant._kernels import lloyd as _lloyd
-from kvquant.codebooks import load_codebook
+from kvquant.codebooks import levels_checksum, load_codebook
 from kvquant.codecs.base import Codec
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
@@ -29,10 +28,6 @@ MIN_BITS, MAX_BITS = 1, 8
 def engine_tq4_levels():
     pos = np.array(ENGINE_TQ4_LEVELS_POSITIVE, dtype=np.float64)
     return np.concatenate([-pos[::-1], pos])
-
-
-def levels_checksum(levels):
-    return hashlib.sha256(np.asarray(levels, dtype="<f8").tobytes()).hexdigest()
 
 
 class LloydCodec(Codec):
