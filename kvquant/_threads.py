@@ -8,8 +8,24 @@ import os
 from kvquant._kernels import _build_info
 
 
-def resolve_n_threads(n_threads=None):
-    """Return the number of threads a kernel call should use."""
+# Below this many elements per thread, waking another thread costs more than it saves. Results do
+# not depend on the thread count, so capping it changes speed only.
+MIN_ELEMENTS_PER_THREAD = 32768
+
+
+def resolve_n_threads(n_threads=None, work=None):
+    """Return the number of threads a kernel call should use.
+
+    ``work`` (elements to process), when given, caps the count so that small calls stay on one
+    thread.
+    """
+    n = _resolve(n_threads)
+    if work is not None:
+        n = max(1, min(n, int(work) // MIN_ELEMENTS_PER_THREAD))
+    return n
+
+
+def _resolve(n_threads):
     if n_threads is None:
         return max(1, _build_info.openmp_max_threads())
     if isinstance(n_threads, bool) or not isinstance(n_threads, int):

@@ -1,0 +1,230 @@
+"""``kvquant inspect FILE [--mode SPEC]``: the header and a summary of any supported cache file."""
+import json
+import os
+
+from kvquant.kvfile import engine, kvq
+from kvquant.kvfile._common import (
+    CacheFileRefused, KVFileShape, Stream, build_codec, pread_exact)
+from kvquant.kvfile.cachefile import CacheFile
+
+# Header-derived sizes above these are reported, not acted on (no codec is built for them, so
+# a lying header cannot make inspect allocate).
+_MAX_DIM = 1 << 20
+_MAX_ROWS = 1 << 16
+
+ENGINE_INTEGRITY = ("engine tiers carry no checksum: a flipped byte reads as data unless it puts "
+                    "a side value out of range, makes an fp8 NaN byte, or a token id leaves the "
+                    "vocabulary")
+
+
+def _try_open(path, **kw):
+    """Readonly dry run: what opening under these settings would do."""
+    try:
+        cf = CacheFile.open(path, readonly=True, **kw)
+    except CacheFileRefused as exc:
+        return {"result": "refused", "reason": exc.reason, "records": 0, "messages": [str(exc)]}
+    except ValueError as exc:
+        return {"result": "error", "reason": "mode", "records": 0, "messages": [str(exc)]}
+    rep = cf.report
+    cf.close()
+    result = {"loaded": "loads", "upgraded": "upgrade", "ignored": "ignored",
+              "new": "empty", "started-over": "refused"}[rep.status]
+    return {"result": result, "reason": None, "records": rep.loaded, "tier": cf.tier,
+            "messages": rep.messages, "events": [e.kind for e in rep.events]}
+
+
+def inspect_file(path, mode=None):
+    """Describe a cache file: tier, header, shape, counts, bytes, codec, integrity, and
+    whether it would load under ``mode`` (a codec spec; for MLA files it applies to L and R).
+
+    Returns
+    -------
+    dict
+        JSON-able. ``supported`` is False for files that are not cache files of a known tier.
+    """
+    path = os.fspath(path)
+    info = {"path": path, "supported": False, "tier": None, "problem": None}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        head = pread_exact(fd, min(size, kvq.HEADER_OFFSET + kvq.MAX_HEADER_BYTES), 0)
+    finally:
+        os.close(fd)
+    info["bytes"] = size
+    info["magic"] = repr(bytes(head[:8]))
+    if head[:8] == kvq.MAGIC:
+        _inspect_kvq(path, head, size, info, mode)
+    elif head[:8] in engine.TIER_OF_MAGIC:
+        _inspect_engine(path, head, size, info, mode)
+    elif size == 0:
+        info["problem"] = "empty file"
+    else:
+        info["problem"] = "not a cache file of a known tier"
+    return info
+
+
+def _inspect_engine(path, head, size, info, mode):
+    info["tier"] = engine.TIER_OF_MAGIC[head[:8]]
+    if size < engine.HEADER_BYTES:
+        info["problem"] = f"short header ({size} of {engine.HEADER_BYTES} bytes)"
+        return
+    info["supported"] = True
+    _, words = engine.parse_header(head)
+    info["header"] = dict(zip(engine.WORD_NAMES, words))
+    n_layers, kv_lora, qk_rope, index_hd, nic, vocab, count, tag = words
+    info["count"] = count
+    info["tag"] = tag
+    info["tier_name"] = engine.describe_tier(info["tier"], tag)
+    spec = {"v1": "f32", "v2": "kv8"}.get(info["tier"]) or engine.spec_of_tag(tag)
+    info["codec"] = spec
+    info["integrity"] = ENGINE_INTEGRITY
+    if not (1 <= n_layers <= _MAX_ROWS and 1 <= kv_lora <= _MAX_DIM and 1 <= qk_rope <= _MAX_DIM
+            and 0 <= index_hd <= _MAX_DIM and 0 <= nic <= _MAX_ROWS and vocab >= 0):
+        info["problem"] = "implausible header words (negative or huge sizes)"
+        return
+    shape = KVFileShape(n_layers, kv_lora, qk_rope, index_hd, nic, vocab)
+    info["shape"] = shape.as_dict()
+    try:
+        if spec is None:
+            raise ValueError(f"tag {tag:#x} names no codec of this kvquant")
+        cl, cr = build_codec(spec, kv_lora, "inert"), build_codec(spec, qk_rope, "inert")
+        per_layer = (4 * (kv_lora + qk_rope) if info["tier"] == "v1"
+                     else cl.code_bytes + cr.code_bytes + 8)
+        rec = 4 + n_layers * per_layer + (4 * nic * index_hd if shape.has_index else 0)
+    except ValueError as exc:
+        info["problem"] = f"codec of this file unknown here: {exc}"
+        return
+    info["record_bytes"] = rec
+    info["complete_records"] = (size - engine.HEADER_BYTES) // rec
+    info["as_written"] = _try_open(path, shape=shape, mode=spec)
+    if mode is not None:
+        info["load"] = {"mode": mode, **_try_open(path, shape=shape, mode=mode)}
+
+
+def _inspect_kvq(path, head, size, info, mode):
+    info["tier"] = "kvq"
+    info["tier_name"] = engine.describe_tier("kvq")
+    try:
+        header, header_crc, data_offset = kvq.read_header(path, head, size)
+    except CacheFileRefused as exc:
+        info["problem"] = str(exc)
+        return
+    info["supported"] = True
+    info["header"] = header
+    info["data_offset"] = data_offset
+    info["record_bytes"] = header["record_bytes"]
+    info["block_records"] = header["block_records"]
+    valid, invalid = kvq.read_slots(head, header_crc)
+    info["slots"] = [{"slot": "AB"[i], "count": c, "seq": s} for i, c, s, _ in valid]
+    info["damaged_slots"] = ["AB"[i] for i in invalid]
+    info["count"] = max(valid, key=lambda v: v[2])[1] if valid else None
+    info["codec"] = {s["name"]: s["spec"] for s in header["streams"]}
+    info["integrity"] = "CRC32 per block of records, per commit slot and over the header"
+    streams = header["streams"]
+    if any(s["dim"] > _MAX_DIM or s["rows"] > _MAX_ROWS for s in streams):
+        info["problem"] = "implausible stream sizes"
+        return
+    model = dict(header["model"])
+    kind = model.pop("kind", None)
+    try:
+        if kind == "mla":
+            shape = KVFileShape(**model)
+            own = {s["name"]: s["spec"] for s in streams}
+            opener = {"shape": shape}
+            as_written = {"mode": own}
+            asked = ({"mode": {"L": mode, "R": mode, "index": own.get("index", "f32")}}
+                     if shape.has_index else {"mode": mode})
+        else:
+            vocab = model.get("vocab", 0)
+            opener = {"vocab": vocab}
+            as_written = {"streams": [Stream(s["name"], s["dim"], s["rows"], s["spec"])
+                                      for s in streams]}
+            asked = {"streams": [Stream(s["name"], s["dim"], s["rows"], mode) for s in streams]}
+    except (TypeError, ValueError) as exc:
+        info["problem"] = f"header model not understood: {exc}"
+        return
+    info["as_written"] = _try_open(path, tier="kvq", **opener, **as_written)
+    if mode is not None:
+        info["load"] = {"mode": mode, **_try_open(path, **opener, **asked)}
+
+
+def format_inspection(info):
+    """Human-readable lines for :func:`inspect_file`'s dict."""
+    lines = [f"file       {info['path']} ({info['bytes']} bytes, magic {info['magic']})"]
+    if info.get("tier"):
+        lines.append(f"tier       {info['tier']}: {info.get('tier_name', '')}")
+    if info["tier"] in ("v1", "v2", "v3") and "header" in info:
+        h = info["header"]
+        lines.append("header     " + " ".join(f"{k}={v}" for k, v in h.items()))
+        lines.append(f"codec      {info.get('codec') or 'unknown'} (L and R"
+                     + (", index rows f32)" if h["n_index_layers"] and h["index_hd"] else ")"))
+    elif info["tier"] == "kvq" and "header" in info:
+        h = info["header"]
+        lines.append(f"model      {h['model']}")
+        for s in h["streams"]:
+            extra = ""
+            if s.get("rotation"):
+                r = s["rotation"]
+                extra += (f"  rotation seed {r['seed']:#010x} ({r['sign_hash']}, "
+                          f"{r['ordering']})")
+            if s.get("codebook"):
+                cb = s["codebook"]
+                extra += f"  codebook {cb['identity']} (sha256 {str(cb['checksum'])[:12]}...)"
+            lines.append(f"stream     {s['name']}: {s['rows']} x {s['dim']}  {s['spec']}  "
+                         f"{s['code_bytes']} B + {s['n_side']} side ({s['side']}){extra}")
+        slots = ", ".join(f"{s['slot']} count {s['count']} seq {s['seq']}"
+                          for s in info["slots"])
+        damaged = (f"; damaged: {', '.join(info['damaged_slots'])}"
+                   if info["damaged_slots"] else "")
+        lines.append(f"commit     {slots or 'no valid slot'}{damaged}")
+        lines.append(f"blocks     {info['block_records']} records per block + CRC32, data from "
+                     f"byte {info['data_offset']}")
+    if "record_bytes" in info:
+        complete = info.get("complete_records")
+        lines.append(f"records    {info.get('count')} committed, {info['record_bytes']} bytes each"
+                     + (f", {complete} complete in the file" if complete is not None else ""))
+    if info.get("integrity"):
+        lines.append(f"integrity  {info['integrity']}")
+    if info.get("as_written"):
+        r = info["as_written"]
+        lines.append(f"as written {r['result']}: {r['records']} record(s)")
+        lines.extend(f"           {m}" for m in r["messages"])
+    if info.get("load"):
+        r = info["load"]
+        tail = f" ({r['reason']})" if r.get("reason") else ""
+        lines.append(f"mode       {r['mode']!r}: {r['result']}{tail}, {r['records']} record(s)")
+        lines.extend(f"           {m}" for m in r["messages"])
+    if info.get("problem"):
+        lines.append(f"problem    {info['problem']}")
+    return "\n".join(lines)
+
+
+def cmd_inspect(args):
+    try:
+        info = inspect_file(args.file, args.mode)
+    except OSError as exc:
+        raise SystemExit(f"kvquant inspect: cannot read {args.file!r}: {exc.strerror}")
+    print(json.dumps(info, indent=1, default=str) if args.json else format_inspection(info))
+    ok = info["supported"] and not info.get("problem")
+    if args.mode is not None:
+        ok = ok and info.get("load", {}).get("result") in ("loads", "upgrade")
+    return 0 if ok else 1
+
+
+def add_cli(subparsers):
+    """Register ``kvquant inspect FILE [--mode SPEC] [--json]``.
+
+    Exit status 0 when the file is a supported cache file (and, with ``--mode``, would load or
+    be upgraded under it), 1 otherwise.
+    """
+    p = subparsers.add_parser(
+        "inspect", help="header and summary of a cache file (.coli_kv v1/v2/v3 or kvq)",
+        description="Print the header and a summary of a cache file: tier, shape, count, "
+                    "bytes, codec, and whether it would load under --mode.")
+    p.add_argument("file", help="the cache file")
+    p.add_argument("--mode", default=None,
+                   help="a codec spec (e.g. kv8, tq4:compat=colibri): would the file load "
+                        "under it?")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_inspect)
+    return p

@@ -1,0 +1,274 @@
+"""Our self-describing tier (``kvq``): everything the engine's header forgets, and checksums.
+
+Layout (little-endian)::
+
+    0    8  magic b"KVQCACHE"
+    8    4  u32 format version (1)
+    12   4  u32 header length J
+    16   4  u32 CRC32 of the header JSON
+    20   4  u32 CRC32 of bytes 0..19
+    24  24  commit slot A: u64 count, u64 seq, u32 tail CRC, u32 CRC32(slot bytes 0..19, seeded
+            with the header CRC, so that a slot never validates against another header)
+    48  24  commit slot B (same)
+    72   J  header JSON (sorted keys): model shape, streams with codec spec, family, bits,
+            dim, code bytes, side-value count and kind, engine tag, rotation (identity, seed,
+            sign hash, ordering), codebook (identity, SHA-256 of its levels), record bytes,
+            records per block
+    D       data, D = 72 + J rounded up to 8: blocks of ``block_records`` records; a full
+            block is followed by the u32 CRC32 of its bytes
+
+A record is: i32 token, then per stream in header order its codes (rows x code_bytes) and
+its side values (rows x n_side f32). The commit slot with the highest seq whose CRC holds is the
+commit: its count says how many records exist and its tail CRC covers the records of the last,
+partial block (whose trailer is not written yet). Appends write the records (and the trailers
+of the blocks they complete), fsync, then write the other slot and fsync: a crash at any point
+leaves the previous slot valid and every block it covers intact.
+"""
+import json
+import struct
+import zlib
+
+import numpy as np
+
+from kvquant.kvfile._common import CacheFileCorrupt, CacheFileMismatch, codec_identity
+
+MAGIC = b"KVQCACHE"
+VERSION = 1
+PREFIX = struct.Struct("<8sIIII")
+SLOT = struct.Struct("<QQII")
+SLOT_BODY = struct.Struct("<QQI")
+SLOT_OFFSETS = (24, 48)
+HEADER_OFFSET = 72
+MAX_HEADER_BYTES = 1 << 20
+MAX_STREAMS = 64
+MAX_RECORD_BYTES = 1 << 31
+DEFAULT_BLOCK_BYTES = 1 << 16
+MAX_BLOCK_RECORDS = 1 << 16
+FORMAT_NAME = "kvquant-cache"
+
+
+def _align8(n):
+    return (n + 7) & ~7
+
+
+class KvqLayout:
+    """Record and block layout of a kvq file for given streams and codecs."""
+
+    def __init__(self, model, streams, codecs, block_records=None, writer=""):
+        self.model = dict(model)
+        self.streams = list(streams)
+        self.codecs = dict(codecs)
+        fields = [("token", "<i4")]
+        for s in self.streams:
+            c = self.codecs[s.name]
+            fields.append((s.name + ".codes", "u1", (s.rows, c.code_bytes)))
+            if c.n_side:
+                fields.append((s.name + ".side", "<f4", (s.rows, c.n_side)))
+        self.dtype = np.dtype(fields)
+        self.record_bytes = self.dtype.itemsize
+        if self.record_bytes > MAX_RECORD_BYTES:
+            raise ValueError(f"a record of {self.record_bytes} bytes is too large")
+        if block_records is None:
+            block_records = max(1, min(MAX_BLOCK_RECORDS, DEFAULT_BLOCK_BYTES // self.record_bytes))
+        if not (1 <= int(block_records) <= MAX_BLOCK_RECORDS):
+            raise ValueError(
+                f"block_records must be in 1..{MAX_BLOCK_RECORDS}, got {block_records}")
+        self.block_records = int(block_records)
+        self.stride = self.block_records * self.record_bytes + 4
+        self.header = {
+            "format": FORMAT_NAME,
+            "version": VERSION,
+            "byteorder": "little",
+            "token": "int32",
+            "model": self.model,
+            "record_bytes": self.record_bytes,
+            "block_records": self.block_records,
+            "streams": [{"name": s.name, "rows": s.rows, **codec_identity(self.codecs[s.name])}
+                        for s in self.streams],
+            "writer": writer,
+        }
+        self.header_json = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
+        if len(self.header_json) > MAX_HEADER_BYTES:
+            raise ValueError("the kvq header would exceed 1 MiB")
+        self.header_crc = zlib.crc32(self.header_json)
+        self.data_offset = _align8(HEADER_OFFSET + len(self.header_json))
+
+    # -- fixed parts ---------------------------------------------------------------------------
+    def prefix(self):
+        head = PREFIX.pack(MAGIC, VERSION, len(self.header_json), self.header_crc, 0)[:20]
+        return head + struct.pack("<I", zlib.crc32(head))
+
+    def slot(self, count, seq, tail_crc):
+        body = SLOT_BODY.pack(count, seq, tail_crc)
+        return body + struct.pack("<I", zlib.crc32(body, self.header_crc))
+
+    def file_head(self, count, tail_crc):
+        """Everything before the data: prefix, slot A (the commit), slot B (empty), header."""
+        pad = b"\0" * (self.data_offset - HEADER_OFFSET - len(self.header_json))
+        return (self.prefix() + self.slot(count, 1, tail_crc) + self.slot(0, 0, 0)
+                + self.header_json + pad)
+
+    def record_offset(self, i):
+        b, r = divmod(i, self.block_records)
+        return self.data_offset + b * self.stride + r * self.record_bytes
+
+    # -- records -------------------------------------------------------------------------------
+    def to_bytes(self, tokens, codes, side):
+        arr = np.zeros(len(tokens), self.dtype)
+        arr["token"] = tokens
+        for s in self.streams:
+            arr[s.name + ".codes"] = codes[s.name]
+            if self.codecs[s.name].n_side:
+                arr[s.name + ".side"] = side[s.name]
+        return arr.tobytes()
+
+    def from_bytes(self, buf, n):
+        arr = np.frombuffer(buf, self.dtype, count=n)
+        codes, side = {}, {}
+        for s in self.streams:
+            c = self.codecs[s.name]
+            codes[s.name] = np.array(arr[s.name + ".codes"], dtype=np.uint8, order="C")
+            if c.n_side:
+                side[s.name] = np.array(arr[s.name + ".side"], dtype=np.float32, order="C")
+            else:
+                side[s.name] = np.zeros((n, s.rows, 0), np.float32)
+        return arr["token"].astype(np.int32), codes, side
+
+    def data_bytes(self, start, raw, tail_crc):
+        """Lay out serialized records ``raw`` starting at record index ``start``: insert the
+        trailer of every block they complete. Returns (bytes, new tail CRC).
+
+        ``tail_crc`` is the CRC of the records already in the block that ``start`` falls in.
+        """
+        B, rec = self.block_records, self.record_bytes
+        out = []
+        crc = tail_crc if start % B else 0
+        i, pos, n = start, 0, len(raw) // rec
+        end = start + n
+        while i < end:
+            block_end = (i // B + 1) * B
+            stop = min(end, block_end)
+            chunk = raw[pos:pos + (stop - i) * rec]
+            crc = zlib.crc32(chunk, crc)
+            out.append(chunk)
+            pos += len(chunk)
+            if stop == block_end:
+                out.append(struct.pack("<I", crc))
+                crc = 0
+            i = stop
+        return b"".join(out), crc
+
+
+# -- reading -----------------------------------------------------------------------------------
+def _corrupt(path, what, reason="header"):
+    return CacheFileCorrupt(
+        f"{path}: kvq cache file is damaged ({what}); refusing it rather than overwriting it "
+        "(open with on_mismatch='start_over' to replace it at the first save)",
+        reason, path, "kvq")
+
+
+def read_header(path, head, size):
+    """Validate the prefix and header of a kvq file. ``head`` holds at least the first
+    min(size, 72 + 1 MiB) bytes. Returns (header dict, header_crc, data_offset)."""
+    if size < HEADER_OFFSET:
+        raise _corrupt(path, f"the file is {size} bytes, shorter than the 72-byte kvq prefix")
+    magic, version, hlen, hcrc, pcrc = PREFIX.unpack_from(head)
+    if zlib.crc32(head[:20]) != pcrc:
+        raise _corrupt(path, "the prefix checksum does not match")
+    if version != VERSION:
+        raise CacheFileMismatch(
+            f"{path}: kvq cache file of format version {version}; this kvquant reads version "
+            f"{VERSION}: refusing it", "version", path, "kvq")
+    if hlen > MAX_HEADER_BYTES or HEADER_OFFSET + hlen > size:
+        raise _corrupt(path, f"header length {hlen} runs past the end of the file ({size} bytes)")
+    raw = bytes(head[HEADER_OFFSET:HEADER_OFFSET + hlen])
+    if len(raw) != hlen or zlib.crc32(raw) != hcrc:
+        raise _corrupt(path, "the header checksum does not match")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _corrupt(path, "the header is not valid JSON") from None
+    problem = _header_problem(header)
+    if problem:
+        raise _corrupt(path, f"the header is not a valid kvq header: {problem}")
+    return header, hcrc, _align8(HEADER_OFFSET + hlen)
+
+
+def _is_int(v, low, high):
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _header_problem(h):
+    if not isinstance(h, dict):
+        return "not an object"
+    if h.get("format") != FORMAT_NAME or h.get("version") != VERSION:
+        return "format/version fields"
+    if h.get("byteorder") != "little" or h.get("token") != "int32":
+        return "byte order or token type"
+    if not isinstance(h.get("model"), dict):
+        return "model"
+    if not _is_int(h.get("block_records"), 1, MAX_BLOCK_RECORDS):
+        return "block_records"
+    if not _is_int(h.get("record_bytes"), 4, MAX_RECORD_BYTES):
+        return "record_bytes"
+    streams = h.get("streams")
+    if not isinstance(streams, list) or not 1 <= len(streams) <= MAX_STREAMS:
+        return "streams"
+    total, names = 4, set()
+    for s in streams:
+        if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s["name"] in names:
+            return "stream name"
+        names.add(s["name"])
+        if not (_is_int(s.get("rows"), 1, 1 << 24) and _is_int(s.get("dim"), 1, 1 << 24)
+                and _is_int(s.get("code_bytes"), 0, 1 << 28)
+                and _is_int(s.get("n_side"), 0, 1 << 24) and isinstance(s.get("spec"), str)):
+            return f"stream {s['name']!r} sizes"
+        total += s["rows"] * (s["code_bytes"] + 4 * s["n_side"])
+    if total != h["record_bytes"]:
+        return f"record_bytes {h['record_bytes']} != {total} from the streams"
+    return None
+
+
+def read_slots(head, header_crc):
+    """Both commit slots: list of (index, count, seq, tail_crc) for the valid ones, and the
+    indices of invalid ones."""
+    valid, invalid = [], []
+    for idx, off in enumerate(SLOT_OFFSETS):
+        count, seq, tail_crc, crc = SLOT.unpack_from(head, off)
+        if zlib.crc32(SLOT_BODY.pack(count, seq, tail_crc), header_crc) == crc:
+            valid.append((idx, count, seq, tail_crc))
+        else:
+            invalid.append(idx)
+    return valid, invalid
+
+
+def verify_blocks(buf, count, layout, tail_crc):
+    """Check the blocks of the first ``count`` records in ``buf`` (the data region as read).
+
+    Returns (records verified, problem or None, raw record bytes without trailers), where
+    problem is ("truncated" | "corrupt", first bad record index).
+    """
+    B, rec, stride = layout.block_records, layout.record_bytes, layout.stride
+    mv = memoryview(buf)
+    parts, good = [], 0
+    full, tail = divmod(count, B)
+    for k in range(full):
+        start = k * stride
+        end = start + B * rec
+        if end + 4 > len(buf):
+            return good, ("truncated", good), parts
+        (trailer,) = struct.unpack_from("<I", buf, end)
+        if zlib.crc32(mv[start:end]) != trailer:
+            return good, ("corrupt", good), parts
+        parts.append(mv[start:end])
+        good += B
+    if tail:
+        start = full * stride
+        end = start + tail * rec
+        if end > len(buf):
+            return good, ("truncated", good), parts
+        if zlib.crc32(mv[start:end]) != tail_crc:
+            return good, ("corrupt", good), parts
+        parts.append(mv[start:end])
+        good += tail
+    return good, None, parts
