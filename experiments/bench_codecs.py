@@ -1,0 +1,174 @@
+"""Codec throughput: encode and decode rows/s of the compiled codecs against their numpy references.
+
+For each width d and codec, times ``codec.encode`` and ``codec.decode`` on Gaussian rows (median
+of ``--repeats``, ``--threads`` OpenMP threads) and the plain-numpy reference of the same codec
+from :mod:`kvquant.reference` (on ``--ref-rows`` rows, BLAS held to the same thread count), prints
+a table and writes CSV + JSON to data/results/ named by the parameters, e.g.
+``codec_throughput_d128-512_rows65536_t2.csv``. The whole-array references (f32 copy, q8_0, q4_0)
+run on all the rows; the others (Python loops, large temporaries) on the first ``--ref-rows``.
+
+    python -m experiments.bench_codecs                           # d = 128, 512; 65536 rows
+    python -m experiments.bench_codecs --rows 4096 --repeats 3   # a quick look
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from kvquant import get_codec, reference
+
+from .common import environment, write_csv, write_json
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                       "results")
+# references that are whole-array numpy (no Python loop, no (rows, d, levels) temporaries)
+FULL_SIZE_REFERENCES = ("f32", "q8_0", "q4_0")
+CODECS = ("f32", "kv8", "tq4", "tq4:compat=colibri", "polar4", "polar4:alloc=level",
+          "polar4:compat=colibri", "q8_0", "q4_0", "q4_0+rot")
+
+
+def _polar_tables(codec):
+    cb = codec.codebooks
+    return (cb.centroids64, cb.log2_cos2, cb.log2_sin2, cb.gains, codec.level_total_bits,
+            codec.alloc)
+
+
+def numpy_reference(codec):
+    """``(encode, decode)`` callables of the plain-numpy reference of ``codec``, or None."""
+    spec, d = codec.spec, codec.dim
+    if spec == "f32":
+        return (lambda X: X.view(np.uint8).copy()), (lambda c: c.view(np.float32).copy())
+    if spec == "kv8":
+        return (lambda X: reference.fp8_encode_rows(X),
+                lambda enc: reference.fp8_decode_rows(*enc))
+    if spec == "tq4:compat=colibri":
+        levels = codec.levels64
+        return (lambda X: reference.engine_tq4_encode_rows(X, levels),
+                lambda enc: reference.tq_decode_rows(enc[0], enc[1], levels, 4, d))
+    if spec.startswith("tq"):
+        levels, bits = codec.levels64, codec.bits
+        return (lambda X: reference.tq_encode_rows(X, levels, bits),
+                lambda enc: reference.tq_decode_rows(enc[0], enc[1], levels, bits, d))
+    if spec.startswith("polar") and codec.compat:
+        bits = codec.bits
+        return (lambda X: reference.polar_engine_encode_rows(X, bits),
+                lambda enc: reference.polar_engine_decode_rows(enc[0], enc[1], bits, d))
+    if spec.startswith("polar"):
+        tables = _polar_tables(codec)
+        return (lambda X: reference.polar_lloyd_encode_rows(X, *tables),
+                lambda enc: reference.polar_lloyd_decode_rows(enc[0], enc[1], *tables, d))
+    if spec in ("q8_0", "q4_0"):
+        enc_fn = getattr(reference, f"{spec}_encode_rows")
+        dec_fn = getattr(reference, f"{spec}_decode_rows")
+        return enc_fn, (lambda c: dec_fn(c, d))
+    if spec in ("q8_0+rot", "q4_0+rot"):
+        kind = spec[:4]
+        enc_fn = getattr(reference, f"{kind}_encode_rows")
+        dec_fn = getattr(reference, f"{kind}_decode_rows")
+        return ((lambda X: enc_fn(reference.rotate(X).astype(np.float32))),
+                (lambda c: reference.unrotate(dec_fn(c, d))))
+    return None
+
+
+def _median_time(fn, arg, repeats):
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn(arg)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), out
+
+
+def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads):
+    codec = get_codec(spec, d)
+    codec.encode(X[:256], n_threads=threads)                     # warm-up (codebooks, pages)
+    enc_s, enc = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats)
+    dec_s, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
+    row = {"codec": spec, "dim": d, "bytes_per_row": codec.bytes_per_row,
+           "bits_per_value": codec.bits_per_value, "rows": X.shape[0],
+           "encode_rows_per_s": X.shape[0] / enc_s, "decode_rows_per_s": X.shape[0] / dec_s,
+           "ref_rows": None, "ref_encode_rows_per_s": None, "ref_decode_rows_per_s": None,
+           "encode_speedup": None, "decode_speedup": None}
+    ref = numpy_reference(codec)
+    if ref is not None:
+        ref_encode, ref_decode = ref
+        # vectorized references run on the same rows; the slow ones on the first --ref-rows
+        X_ref = X if spec in FULL_SIZE_REFERENCES else X_ref
+        with threadpool_limits(limits=threads):
+            ref_enc_s, ref_enc = _median_time(ref_encode, X_ref, ref_repeats)
+            ref_dec_s, _ = _median_time(ref_decode, ref_enc, ref_repeats)
+        row.update(ref_rows=X_ref.shape[0],
+                   ref_encode_rows_per_s=X_ref.shape[0] / ref_enc_s,
+                   ref_decode_rows_per_s=X_ref.shape[0] / ref_dec_s)
+        row["encode_speedup"] = row["encode_rows_per_s"] / row["ref_encode_rows_per_s"]
+        row["decode_speedup"] = row["decode_rows_per_s"] / row["ref_decode_rows_per_s"]
+    return row
+
+
+def _rate(x):
+    if x is None:
+        return "-"
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k"
+
+
+def format_table(rows):
+    head = (f"| {'codec':<22} | {'d':>4} | {'B/row':>5} | {'encode/s':>9} | {'decode/s':>9} | "
+            f"{'numpy rows':>10} | {'numpy enc/s':>11} | {'numpy dec/s':>11} | {'enc x':>6} | "
+            f"{'dec x':>6} |")
+    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+    for r in rows:
+        ratio = (lambda v: "-" if v is None else (f"{v:.0f}" if v >= 10 else f"{v:.2f}"))
+        lines.append(
+            f"| {r['codec']:<22} | {r['dim']:>4} | {r['bytes_per_row']:>5} | "
+            f"{_rate(r['encode_rows_per_s']):>9} | {_rate(r['decode_rows_per_s']):>9} | "
+            f"{r['ref_rows'] or '-':>10} | "
+            f"{_rate(r['ref_encode_rows_per_s']):>11} | {_rate(r['ref_decode_rows_per_s']):>11} | "
+            f"{ratio(r['encode_speedup']):>6} | {ratio(r['decode_speedup']):>6} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", default="128,512")
+    p.add_argument("--rows", type=int, default=65536, help="rows per timed call")
+    p.add_argument("--ref-rows", type=int, default=1024,
+                   help="rows for the (slow) numpy references")
+    p.add_argument("--codecs", default=",".join(CODECS),
+                   help="';'-separated specs (commas belong to spec options)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ref-repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=RESULTS)
+    args = p.parse_args(argv)
+
+    dims = [int(x) for x in args.dims.split(",") if x.strip()]
+    sep = ";" if ";" in args.codecs else ","
+    codecs = [c.strip() for c in args.codecs.split(sep) if c.strip()]
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for d in dims:
+        X = rng.standard_normal((args.rows, d)).astype(np.float32)
+        X_ref = np.ascontiguousarray(X[:args.ref_rows])
+        for spec in codecs:
+            row = bench_one(spec, d, X, X_ref, args.repeats, args.ref_repeats, args.threads)
+            rows.append(row)
+            print(f"  d={d} {spec}: encode {_rate(row['encode_rows_per_s'])}/s, "
+                  f"decode {_rate(row['decode_rows_per_s'])}/s", file=sys.stderr, flush=True)
+    stem = (f"codec_throughput_d{'-'.join(map(str, dims))}_rows{args.rows}_t{args.threads}")
+    meta = {"dims": dims, "rows": args.rows, "ref_rows": args.ref_rows, "threads": args.threads,
+            "repeats": args.repeats, "ref_repeats": args.ref_repeats, "seed": args.seed,
+            "statistic": "median of repeats; rows/s = rows / seconds per call",
+            "environment": environment()}
+    csv_path = write_csv(os.path.join(args.out, stem + ".csv"), rows)
+    json_path = write_json(os.path.join(args.out, stem + ".json"), {**meta, "results": rows})
+    print(format_table(rows))
+    print(f"\nwrote {csv_path}, {json_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

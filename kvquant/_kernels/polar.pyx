@@ -1,0 +1,470 @@
+# PolarQuant ("polar<b>"): randomized Hadamard rotation, recursive pairwise polar transform, one
+# code per angle written LSB first through a bit cursor, level 1 first. REFERENCE.md §1.4 and
+# docs/engine-arithmetic.md §4.
+#
+# Three modes share the transform and the layout (level l starts at bit level_starts[l]):
+#   MODE_ENGINE_GRID   the engine's uniform floor-and-clamp grids, fixed widths per level; every
+#                      float operation in the engine's order (atan2f, hypotf, floorf, cosf, sinf,
+#                      the float PI constant) so that its codec 0 is reproduced bit for bit;
+#   MODE_LLOYD_LEVEL   Lloyd-Max centroids per level, fixed widths per level;
+#   MODE_LLOYD_RADIUS  Lloyd-Max centroids, each level's bits split among its angles by the
+#                      decoded sub-radii, all in fixed-point integers derived from the codes
+#                      (allocate_bits), so encoder and decoder agree exactly.
+# The norm is accumulated in double and is the stored radius; the inert rule is the engine's.
+from cython.parallel cimport parallel, prange
+from libc.math cimport atan2f, hypotf, floorf, cosf, sinf, sqrt, sqrtf, isfinite
+from libc.float cimport FLT_MAX
+from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+
+from kvquant._kernels._common cimport fwht
+
+cdef enum:
+    ROW_OK = 0
+    ROW_NONFINITE = 1
+    ROW_NORM_OVERFLOW = 2
+
+cdef enum:
+    MODE_ENGINE_GRID = 0
+    MODE_LLOYD_LEVEL = 1
+    MODE_LLOYD_RADIUS = 2
+
+cdef enum:
+    MAX_ANGLE_BITS = 8
+    MAX_LEVELS = 31
+
+cdef float INERT_NORM = 1e-35
+# Float constants as typed floats: an untyped literal such as 0.5 is a C double and would pull
+# the engine's float expressions into double precision.
+cdef float PI_F = 3.14159265358979
+cdef float F_HALF = 0.5
+cdef float F_QUARTER = 0.25
+cdef float F_ONE_AND_HALF = 1.5
+cdef float F_TWO = 2.0
+
+
+# -- bit cursor ------------------------------------------------------------------------------
+
+cdef inline void put_bits(uint8_t* out, Py_ssize_t pos, uint32_t code, int width) noexcept nogil:
+    """OR `width` bits of `code` into the zeroed byte string at bit `pos`, LSB first."""
+    cdef Py_ssize_t byte = pos >> 3
+    cdef int shift = pos & 7
+    cdef uint32_t v
+    if width == 0:
+        return
+    v = code << shift
+    out[byte] |= <uint8_t>(v & 0xFF)
+    if shift + width > 8:
+        out[byte + 1] |= <uint8_t>((v >> 8) & 0xFF)
+
+
+cdef inline uint32_t get_bits(const uint8_t* packed, Py_ssize_t pos, int width) noexcept nogil:
+    cdef Py_ssize_t byte = pos >> 3
+    cdef int shift = pos & 7
+    cdef uint32_t v
+    if width == 0:
+        return 0
+    v = packed[byte] >> shift
+    if shift + width > 8:
+        v |= (<uint32_t>packed[byte + 1]) << (8 - shift)
+    return v & ((1u << width) - 1u)
+
+
+# -- the engine's grids ----------------------------------------------------------------------
+
+cdef inline int engine_code_level1(float ang, float inv_two_pi, float scale,
+                                   int max_code) noexcept nogil:
+    cdef float u = (ang + PI_F) * inv_two_pi
+    cdef int q = <int>floorf(u * scale)
+    if q < 0:
+        q = 0
+    if q > max_code:
+        q = max_code
+    return q
+
+
+cdef inline float engine_centre_level1(int q, float scale) noexcept nogil:
+    return -PI_F + (((<float>q + F_HALF) * (F_TWO * PI_F)) / scale)
+
+
+cdef inline int engine_code_deep(float ang, float lo, float two_w, float scale,
+                                 int max_code) noexcept nogil:
+    cdef float u = (ang - lo) / two_w
+    cdef int q = <int>floorf(u * scale)
+    if q < 0:
+        q = 0
+    if q > max_code:
+        q = max_code
+    return q
+
+
+cdef inline float engine_centre_deep(int q, float lo, float two_w, float scale) noexcept nogil:
+    return lo + (((<float>q + F_HALF) * two_w) / scale)
+
+
+cdef void engine_grid(int n_levels, float* lo, float* two_w) noexcept nogil:
+    """Per deeper level: s = 2^(l-1); w = min(1.5/sqrtf(s), pi/4); lo = pi/4 - w (floats)."""
+    cdef int level
+    cdef float s, w, quarter_pi = F_QUARTER * PI_F
+    for level in range(2, n_levels + 1):
+        s = <float>(1 << (level - 1))
+        w = F_ONE_AND_HALF / sqrtf(s)
+        if not (w < quarter_pi):
+            w = quarter_pi
+        lo[level] = quarter_pi - w
+        two_w[level] = F_TWO * w
+
+
+# -- Lloyd codebooks and the radius allocation -----------------------------------------------
+
+cdef inline int nearest_centroid(float ang, const float* bnd, int n_bnd) noexcept nogil:
+    """Number of boundaries strictly below `ang` (ties go to the lower centroid)."""
+    cdef int lo = 0, hi = n_bnd, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if bnd[mid] < ang:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef void allocate_bits(const int32_t* weight,   # IN  (cnt,) log2 of each angle's radius^2
+                        Py_ssize_t cnt,
+                        const int32_t* gain,     # IN  (MAX_ANGLE_BITS,) strictly decreasing
+                        Py_ssize_t total,        # bits to hand out, 0..MAX_ANGLE_BITS*cnt
+                        uint32_t* keys,          # scratch (MAX_ANGLE_BITS * cnt,)
+                        uint8_t* width) noexcept nogil:   # OUT (cnt,)
+    """Greedy bit allocation: giving angle j its (k+1)-th bit is worth weight[j] + gain[k]; the
+    `total` largest keys win, ties to the lower index. Keys of one angle decrease with k, so the
+    winners of angle j are its first width[j] keys. The threshold (the total-th largest key) is
+    found by a most-significant-digit radix select: linear, no worst case."""
+    cdef Py_ssize_t j, i, n_keys = MAX_ANGLE_BITS * cnt, need, acc
+    cdef Py_ssize_t hist[256]
+    cdef int k, shift, digit, radix, top
+    cdef int64_t w_min, w_max, base, span
+    cdef uint32_t prefix, high_mask, t
+    if total >= n_keys or total <= 0:
+        for j in range(cnt):
+            width[j] = MAX_ANGLE_BITS if total > 0 else 0
+        return
+    w_min = weight[0]
+    w_max = weight[0]
+    for j in range(1, cnt):
+        if weight[j] < w_min:
+            w_min = weight[j]
+        if weight[j] > w_max:
+            w_max = weight[j]
+    base = w_min + gain[MAX_ANGLE_BITS - 1]
+    span = w_max + gain[0] - base          # < 2^32: tables are bounded far below
+    for j in range(cnt):
+        for k in range(MAX_ANGLE_BITS):
+            keys[j * MAX_ANGLE_BITS + k] = <uint32_t>(weight[j] + gain[k] - base)
+    # small levels: 4-bit digits (clearing and walking 256 bins would cost more than the keys)
+    radix = 8 if n_keys >= 512 else 4
+    top = (1 << radix) - 1
+    shift = 0
+    while shift + radix < 32 and (span >> (shift + radix)) > 0:
+        shift += radix
+    prefix = 0
+    need = total                           # rank of the threshold among keys sharing `prefix`
+    while shift >= 0:
+        for digit in range(top + 1):
+            hist[digit] = 0
+        high_mask = 0 if shift + radix >= 32 else ~((<uint32_t>1 << (shift + radix)) - 1)
+        for i in range(n_keys):
+            if (keys[i] & high_mask) == prefix:
+                hist[(keys[i] >> shift) & top] += 1
+        acc = 0
+        digit = top
+        while acc + hist[digit] < need:
+            acc += hist[digit]
+            digit -= 1
+        need -= acc
+        prefix |= (<uint32_t>digit) << shift
+        shift -= radix
+    # every key above t wins; `need` of the keys equal to t win, in index order
+    t = prefix
+    for j in range(cnt):
+        k = 0
+        while k < MAX_ANGLE_BITS and keys[j * MAX_ANGLE_BITS + k] > t:
+            k += 1
+        if need > 0 and k < MAX_ANGLE_BITS and keys[j * MAX_ANGLE_BITS + k] == t:
+            k += 1
+            need -= 1
+        width[j] = <uint8_t>k
+
+
+cdef inline void child_weights(const int32_t* weight, Py_ssize_t cnt, const uint8_t* width,
+                               const uint8_t* code,
+                               const int32_t* log2_cos2,    # (9, 256) tables of this level
+                               const int32_t* log2_sin2,
+                               int32_t* child) noexcept nogil:
+    """log2 radius^2 of the two halves split by each angle: + log2 cos^2 / + log2 sin^2."""
+    cdef Py_ssize_t j, k
+    for j in range(cnt):
+        k = (<Py_ssize_t>width[j] << 8) + code[j]
+        child[2 * j] = weight[j] + log2_cos2[k]
+        child[2 * j + 1] = weight[j] + log2_sin2[k]
+
+
+# -- encode ----------------------------------------------------------------------------------
+
+def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a power of two
+                const float[::1] signs,                # IN  (n,) +-1
+                int mode,                              # MODE_*
+                const int32_t[::1] level_bits,         # IN  (n_levels + 1,) fixed widths
+                const int32_t[::1] level_totals,       # IN  (n_levels + 1,) bits per level
+                const float[:, :, ::1] boundaries,     # IN  (n_levels + 1, 9, 256) Lloyd
+                const int32_t[:, :, ::1] log2_cos2,    # IN  (n_levels + 1, 9, 256)
+                const int32_t[:, :, ::1] log2_sin2,    # IN  (n_levels + 1, 9, 256)
+                const int32_t[:, ::1] gains,           # IN  (n_levels + 1, 8)
+                uint8_t[:, ::1] codes,                 # OUT (n_rows, code_bytes)
+                float[::1] side,                       # OUT (n_rows,) radius = norm
+                uint8_t[::1] status,                   # OUT (n_rows,) ROW_* codes
+                int n_threads):
+    cdef Py_ssize_t n_rows = X.shape[0], n = X.shape[1], code_bytes = codes.shape[1]
+    cdef Py_ssize_t r, i, j, off, cnt, half, rlen, pos
+    cdef int n_levels = level_bits.shape[0] - 1, level, b, q
+    cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
+    cdef float inv_two_pi = F_HALF / PI_F
+    cdef float grid_lo[MAX_LEVELS + 1]
+    cdef float grid_two_w[MAX_LEVELS + 1]
+    cdef double norm2
+    cdef float radius, a, c
+    cdef float* y
+    cdef float* ang
+    cdef uint8_t* code
+    cdef uint8_t* width
+    cdef int32_t* weight
+    cdef int32_t* child
+    cdef int32_t* swap
+    cdef int32_t* cur_w
+    cdef uint32_t* keys
+    cdef int32_t* next_w
+    cdef uint8_t* row
+    if n_rows == 0:
+        return
+    engine_grid(n_levels, grid_lo, grid_two_w)
+    with nogil, parallel(num_threads=n_threads):
+        y = <float*>malloc(n * sizeof(float))
+        ang = <float*>malloc(n * sizeof(float))
+        code = <uint8_t*>malloc(n * sizeof(uint8_t))
+        width = <uint8_t*>malloc(n * sizeof(uint8_t))
+        weight = <int32_t*>malloc(n * sizeof(int32_t))
+        child = <int32_t*>malloc(n * sizeof(int32_t))
+        keys = <uint32_t*>malloc(MAX_ANGLE_BITS * n * sizeof(uint32_t))
+        for r in prange(n_rows, schedule="static"):
+            row = &codes[r, 0]
+            memset(row, 0, code_bytes)
+            norm2 = 0.0
+            for i in range(n):
+                norm2 = norm2 + <double>X[r, i] * <double>X[r, i]
+            radius = <float>sqrt(norm2)
+            if not (radius > INERT_NORM) or radius > FLT_MAX:
+                # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
+                side[r] = 0.0
+                if not isfinite(norm2):
+                    status[r] = ROW_NONFINITE
+                elif radius > FLT_MAX:
+                    status[r] = ROW_NORM_OVERFLOW
+                else:
+                    status[r] = ROW_OK
+                continue
+            status[r] = ROW_OK
+            for i in range(n):
+                y[i] = X[r, i] * signs[i]
+            fwht(y, n)
+            for i in range(n):
+                y[i] = y[i] * inv_sqrt_n
+            # forward transform: level 1 at ang[0 .. n/2), then each level after the previous
+            rlen = n
+            off = 0
+            while rlen > 1:
+                half = rlen >> 1
+                for j in range(half):
+                    a = y[2 * j]
+                    c = y[2 * j + 1]
+                    ang[off + j] = atan2f(c, a)
+                    y[j] = hypotf(a, c)
+                off = off + half
+                rlen = half
+            # quantize, top level first (the radius allocation needs the levels above)
+            # per-row pointers: the thread's buffers stay put, only these swap
+            cur_w = weight
+            next_w = child
+            cur_w[0] = 0
+            for level in range(n_levels, 0, -1):
+                cnt = n >> level
+                off = n - (n >> (level - 1))
+                if mode == MODE_LLOYD_RADIUS:
+                    allocate_bits(cur_w, cnt, &gains[level, 0], level_totals[level], keys,
+                                  &width[off])
+                else:
+                    for j in range(cnt):
+                        width[off + j] = <uint8_t>level_bits[level]
+                for j in range(cnt):
+                    b = width[off + j]
+                    if mode == MODE_ENGINE_GRID:
+                        if level == 1:
+                            q = engine_code_level1(ang[off + j], inv_two_pi, <float>(1 << b),
+                                                   (1 << b) - 1)
+                        else:
+                            q = engine_code_deep(ang[off + j], grid_lo[level], grid_two_w[level],
+                                                 <float>(1 << b), (1 << b) - 1)
+                    else:
+                        q = nearest_centroid(ang[off + j], &boundaries[level, b, 0], (1 << b) - 1)
+                    code[off + j] = <uint8_t>q
+                if mode == MODE_LLOYD_RADIUS and level > 1:
+                    child_weights(cur_w, cnt, &width[off], &code[off], &log2_cos2[level, 0, 0],
+                                  &log2_sin2[level, 0, 0], next_w)
+                    swap = cur_w
+                    cur_w = next_w
+                    next_w = swap
+            pos = 0
+            for i in range(n - 1):
+                put_bits(row, pos, code[i], width[i])
+                pos = pos + width[i]
+            side[r] = radius
+        free(y)
+        free(ang)
+        free(code)
+        free(width)
+        free(weight)
+        free(child)
+        free(keys)
+
+
+# -- decode ----------------------------------------------------------------------------------
+
+def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes)
+                const float[::1] side,                 # IN  (n_rows,) radius
+                const float[::1] signs,                # IN  (n,)
+                int mode,
+                const int32_t[::1] level_bits,         # IN  (n_levels + 1,)
+                const int32_t[::1] level_totals,       # IN  (n_levels + 1,)
+                const int32_t[::1] level_starts,       # IN  (n_levels + 1,) first bit of a level
+                const float[:, :, ::1] centroids,      # IN  (n_levels + 1, 9, 256) Lloyd
+                const int32_t[:, :, ::1] log2_cos2,    # IN
+                const int32_t[:, :, ::1] log2_sin2,    # IN
+                const int32_t[:, ::1] gains,           # IN  (n_levels + 1, 8)
+                float[:, ::1] out,                     # OUT (n_rows, n)
+                int n_threads):
+    cdef Py_ssize_t n_rows = out.shape[0], n = out.shape[1]
+    cdef Py_ssize_t r, i, j, jj, cnt, pos
+    cdef int n_levels = level_bits.shape[0] - 1, level, b, q
+    cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
+    cdef float grid_lo[MAX_LEVELS + 1]
+    cdef float grid_two_w[MAX_LEVELS + 1]
+    cdef float radius, v
+    cdef float* buf
+    cdef float* theta
+    cdef uint8_t* code
+    cdef uint8_t* width
+    cdef int32_t* weight
+    cdef int32_t* child
+    cdef int32_t* swap
+    cdef int32_t* cur_w
+    cdef uint32_t* keys
+    cdef int32_t* next_w
+    cdef const uint8_t* row
+    if n_rows == 0:
+        return
+    engine_grid(n_levels, grid_lo, grid_two_w)
+    with nogil, parallel(num_threads=n_threads):
+        theta = <float*>malloc(n * sizeof(float))
+        code = <uint8_t*>malloc(n * sizeof(uint8_t))
+        width = <uint8_t*>malloc(n * sizeof(uint8_t))
+        weight = <int32_t*>malloc(n * sizeof(int32_t))
+        child = <int32_t*>malloc(n * sizeof(int32_t))
+        keys = <uint32_t*>malloc(MAX_ANGLE_BITS * n * sizeof(uint32_t))
+        for r in prange(n_rows, schedule="static"):
+            buf = &out[r, 0]
+            radius = side[r]
+            if not (radius > 0.0) or radius > FLT_MAX:
+                # inert row (also a damaged side value: never decoded as data)
+                for i in range(n):
+                    buf[i] = 0.0
+                continue
+            row = &codes[r, 0]
+            buf[0] = radius
+            # per-row pointers: the thread's buffers stay put, only these swap
+            cur_w = weight
+            next_w = child
+            cur_w[0] = 0
+            for level in range(n_levels, 0, -1):
+                cnt = n >> level
+                if mode == MODE_LLOYD_RADIUS:
+                    allocate_bits(cur_w, cnt, &gains[level, 0], level_totals[level], keys, width)
+                else:
+                    for j in range(cnt):
+                        width[j] = <uint8_t>level_bits[level]
+                pos = level_starts[level]
+                for j in range(cnt):
+                    b = width[j]
+                    q = <int>get_bits(row, pos, b)
+                    pos = pos + b
+                    code[j] = <uint8_t>q
+                    if mode == MODE_ENGINE_GRID:
+                        if level == 1:
+                            theta[j] = engine_centre_level1(q, <float>(1 << b))
+                        else:
+                            theta[j] = engine_centre_deep(q, grid_lo[level], grid_two_w[level],
+                                                          <float>(1 << b))
+                    else:
+                        theta[j] = centroids[level, b, q]
+                if mode == MODE_LLOYD_RADIUS and level > 1:
+                    child_weights(cur_w, cnt, width, code, &log2_cos2[level, 0, 0],
+                                  &log2_sin2[level, 0, 0], next_w)
+                    swap = cur_w
+                    cur_w = next_w
+                    next_w = swap
+                # cur[0 .. cnt) -> nxt[0 .. 2 cnt), in place from the top index down
+                for jj in range(cnt):
+                    j = cnt - 1 - jj
+                    v = buf[j]
+                    buf[2 * j] = v * cosf(theta[j])
+                    buf[2 * j + 1] = v * sinf(theta[j])
+            fwht(buf, n)
+            for i in range(n):
+                buf[i] = buf[i] * inv_sqrt_n * signs[i]
+        free(theta)
+        free(code)
+        free(width)
+        free(weight)
+        free(child)
+        free(keys)
+
+
+# -- the engine's grids, exposed for tests ---------------------------------------------------
+
+def engine_grid_centres(int level,
+                        int bits,
+                        float[::1] out):          # OUT (2**bits,) decode value of each code
+    cdef float lo[MAX_LEVELS + 1]
+    cdef float two_w[MAX_LEVELS + 1]
+    cdef int q
+    engine_grid(level, lo, two_w)
+    for q in range(1 << bits):
+        if level == 1:
+            out[q] = engine_centre_level1(q, <float>(1 << bits))
+        else:
+            out[q] = engine_centre_deep(q, lo[level], two_w[level], <float>(1 << bits))
+
+
+def engine_grid_codes(int level,
+                      int bits,
+                      const float[::1] angles,    # IN  (m,)
+                      int32_t[::1] out):          # OUT (m,) floor-then-clamp code of each angle
+    cdef float lo[MAX_LEVELS + 1]
+    cdef float two_w[MAX_LEVELS + 1]
+    cdef Py_ssize_t i
+    engine_grid(level, lo, two_w)
+    for i in range(angles.shape[0]):
+        if level == 1:
+            out[i] = engine_code_level1(angles[i], F_HALF / PI_F, <float>(1 << bits),
+                                        (1 << bits) - 1)
+        else:
+            out[i] = engine_code_deep(angles[i], lo[level], two_w[level], <float>(1 << bits),
+                                      (1 << bits) - 1)
