@@ -1,0 +1,33 @@
+"""kvquant_experiments: sweeps, tables, figures and the report, built on the kvquant library.
+
+Installed as the package ``kvquant_experiments`` (the folder ``experiments/`` of the source tree,
+mapped in setup.cfg). The library never imports it; ``kvquant report`` imports it lazily.
+
+Every sweep has the same shape (faiss ``benchs/`` style): a grid of *cells*, each a small dict of
+parameters; a pure cell function of those parameters (inputs seeded from the parameters, never
+from a global generator) that returns a dict of numbers; a runner that maps the cells over an
+executor (local processes or a Dask cluster, :mod:`kvquant_experiments.executor`) and writes one
+result file per cell, named by its parameters, skipping cells whose file exists (resume); and
+plotting code that only reads those files (:mod:`kvquant_experiments.plots`).
+
+Modules
+-------
+common          environment record, seeds from parameters, file names, codec availability
+executor        local process pool or Dask executor; the resumable cell runner
+inputs          rows to quantize: Gaussian, heavy-tailed with outlier channels, real K/V rows
+distortion      codecs x bits x d x input kind: relative L2 against bits per value
+inner_products  bias (slope) and error of q . k^ per codec
+flip_report     the flip tables (kvquant.flips), Pareto chart data, per-position flip strip
+speed           encode throughput; decode-step time of the consumers against numpy
+                (kvquant.bench), one cell per (d, T)
+memory          bytes per token and context per RAM budget (kvquant.budget)
+cache_files     cache files of each tier written, reopened, refused (kvquant.kvfile)
+plots           every figure, from result files only
+report          ``kvquant report``: runs the sections, writes REPORT.md + figures + data
+
+Set ``KVQUANT_SMOKE=1`` to shrink every default grid (CI runs the notebooks that way) and
+``KVQUANT_RESULTS`` to choose where notebooks write (default ``results/``).
+"""
+__all__ = ["__version__"]
+
+__version__ = "0.1.0"

@@ -1,0 +1,241 @@
+"""Where cells run, and the resumable runner that writes one result file per cell.
+
+Executors are ``concurrent.futures.Executor`` objects:
+
+* default: a local process pool (``spawn`` context, ``workers`` = cores), BLAS held to one thread
+  per worker so that workers do not oversubscribe the cores;
+* ``scheduler="tcp://host:port"`` (any Dask address, or a ``distributed.Client``): the cluster's
+  standard executor, ``Client.get_executor()``; the same cells, the same numbers;
+* ``scheduler="serial"``: in this process, one cell after another (notebooks, debugging).
+
+Cells are pure functions of their parameters, so where they run does not change the numbers.
+"""
+import concurrent.futures as cf
+import contextlib
+import functools
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from kvquant_experiments.common import environment, read_json, write_json
+
+__all__ = ["CellBatch", "SerialExecutor", "open_executor", "run_cells", "submit_cells"]
+
+
+class SerialExecutor(cf.Executor):
+    """Runs each submitted call at once, in this process."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = cf.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+        return future
+
+
+def _worker_init(threads):
+    # One thread per worker: workers x threads = cores, no spinning thread teams fighting for them.
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(threads)
+    except ImportError:
+        pass
+
+
+@contextlib.contextmanager
+def open_executor(scheduler=None, workers=None, threads_per_worker=1):
+    """Yield an executor for cells; closes what it opened.
+
+    Parameters
+    ----------
+    scheduler : None, "serial", str or distributed.Client
+        None: local process pool. "serial": in this process. Any other string: the address of a
+        Dask scheduler (``tcp://host:8786``). A ``distributed.Client``: use it (not closed here).
+    workers : int, optional
+        Local pool size; default the number of cores this process may use.
+    threads_per_worker : int
+        OpenMP and BLAS threads of each local worker (default 1: the pool is the parallelism).
+
+    Yields
+    ------
+    concurrent.futures.Executor, with an attribute ``kind`` ("local", "serial" or "dask").
+    """
+    if scheduler == "serial":
+        ex = SerialExecutor()
+        ex.kind, ex.description = "serial", "serial (this process)"
+        yield ex
+        return
+    if scheduler is None:
+        if workers is None:
+            try:
+                workers = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                workers = os.cpu_count() or 1
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        # spawn: a forked child of a process that already ran OpenMP regions may hang in libgomp.
+        # Workers inherit the environment when they start (lazily, on submit): OpenMP reads
+        # OMP_NUM_THREADS when it loads, before any initializer could set it.
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(int(threads_per_worker))
+        ex = cf.ProcessPoolExecutor(max_workers=workers,
+                                    mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_worker_init,
+                                    initargs=(int(threads_per_worker),))
+        ex.kind = "local"
+        ex.description = (f"local process pool ({workers} workers x {threads_per_worker} "
+                          "thread(s))")
+        try:
+            yield ex
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        return
+    try:
+        import distributed
+    except ImportError:
+        raise ImportError(
+            "a Dask scheduler was given but distributed is not installed: "
+            "pip install 'kvquant-lab[dask]'"
+        ) from None
+    if isinstance(scheduler, distributed.Client):
+        client, owned = scheduler, False
+    else:
+        client, owned = distributed.Client(scheduler), True
+    try:
+        ex = client.get_executor()
+        ex.kind = "dask"
+        ex.description = f"Dask cluster at {client.scheduler.address}"
+        yield ex
+    finally:
+        if owned:
+            client.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_environment():
+    return environment()
+
+
+def _run_one(fn, cell):
+    """Run one cell where the executor puts it; also report that process's environment.
+
+    A cell that raises becomes ``{"available": False, "failed": True, "reason": "failed: ..."}``
+    (never stored): one broken codec or model must not sink a whole sweep, and the report
+    names it.
+    """
+    t0 = time.perf_counter()
+    try:
+        result = fn(cell)
+    except Exception as exc:  # noqa: BLE001 - reported with the cell, not hidden
+        result = {"available": False, "failed": True,
+                  "reason": f"failed: {type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+    return result, _worker_environment(), time.perf_counter() - t0
+
+
+def _progress_bar(total, desc, enabled):
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="cell", file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+class CellBatch:
+    """Cells submitted to an executor; :meth:`wait` collects them and writes their files.
+
+    Made by :func:`submit_cells`. ``reused`` counts the cells taken from stored files.
+    """
+
+    def __init__(self, fn, cells, out_dir, stem, executor, resume, progress, desc):
+        self.out_dir = Path(out_dir)
+        self.cells = list(cells)
+        self.results = [None] * len(self.cells)
+        self.reused = 0
+        self._progress, self._desc = progress, desc
+        todo = []
+        for i, cell in enumerate(self.cells):
+            path = self.out_dir / f"{stem(cell)}.json"
+            if resume and path.is_file():
+                try:
+                    stored = read_json(path)
+                except (OSError, ValueError):
+                    stored = None
+                if stored is not None and stored.get("params") == cell:
+                    self.results[i] = stored["result"]
+                    self.reused += 1
+                    continue
+            todo.append((i, cell, path))
+        executor = executor if executor is not None else SerialExecutor()
+        self._futures = {executor.submit(_run_one, fn, cell): (i, cell, path)
+                         for i, cell, path in todo}
+
+    @property
+    def computed(self):
+        return len(self._futures)
+
+    def wait(self):
+        """Block until every cell is done; returns the results in the order of the cells."""
+        bar = _progress_bar(len(self._futures), self._desc, self._progress)
+        try:
+            for future in cf.as_completed(self._futures):
+                i, cell, path = self._futures[future]
+                result, env, seconds = future.result()
+                self.results[i] = result
+                if result.get("available", True):
+                    write_json(path, {"params": cell, "result": result, "environment": env,
+                                      "seconds": seconds})
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.results
+
+
+def submit_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=True, desc=None):
+    """Submit the cells not already stored and return a :class:`CellBatch` (see
+    :func:`run_cells` for the arguments); lets long batches overlap."""
+    return CellBatch(fn, cells, out_dir, stem, executor, resume, progress, desc)
+
+
+def run_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=True, desc=None):
+    """Map ``fn`` over ``cells``, one result file per cell, resuming from files already written.
+
+    Parameters
+    ----------
+    fn : callable
+        A module-level (picklable) pure function ``fn(cell) -> dict``. A result with
+        ``available == False`` (a codec not in this build, ...) is returned but not stored, so a
+        later run computes it once the piece exists.
+    cells : list of dict
+        Parameters (JSON-compatible).
+    out_dir : path
+        Folder of the result files ``<stem(cell)>.json``, each holding ``params``, ``result``,
+        ``environment`` (of the process that ran it) and ``seconds``.
+    stem : callable
+        ``stem(cell) -> str``, the file name from the parameters.
+    executor : concurrent.futures.Executor, optional
+        Default: run serially in this process.
+    resume : bool
+        Reuse a stored result whose parameters equal the cell's.
+    progress : bool
+        A tqdm bar on stderr (when tqdm is installed).
+
+    Returns
+    -------
+    list of dict
+        The results, in the order of ``cells``.
+    """
+    return submit_cells(fn, cells, out_dir, stem, executor, resume, progress, desc).wait()

@@ -1,0 +1,263 @@
+"""Token-flip tables (through :mod:`kvquant.flips`), the KL-divergence Pareto data and the
+per-position flip strip, as cells for the executor.
+
+* Table cells: ``run_flips`` of one model over a group of codecs (the f32 reference is recomputed
+  per group, so groups run in parallel and give the same rows as one run). Groups are merged into
+  one table, written in the format of ``kvquant flips`` (``flips-<model>-...json/.csv``).
+* Position cells: teacher-forced logits of each codec over one token window (the engine's protocol
+  sequence on the tiny model, a window of ``pydoc_data.topics`` on the real one); per position
+  whether the argmax differs from f32 and the KL divergence from it. That is the heat strip.
+
+A codec the model cannot take here (a codec family not yet in the build, a width it refuses) is
+listed in ``unavailable`` with the reason, never dropped silently.
+"""
+import functools
+from pathlib import Path
+
+from kvquant_experiments.common import cell_stem, environment, is_smoke, read_json, write_json
+
+__all__ = [
+    "REPORT_CODECS",
+    "available_codecs",
+    "merge_tables",
+    "pareto_points",
+    "position_cell",
+    "table_cell",
+]
+
+# What the report runs on each model (the tiny table adds the polar and llama.cpp rows to the
+# library's defaults; the real one is shorter than `kvquant flips` to fit the report's budget).
+REPORT_CODECS = {
+    "tiny-mla": None,  # None: kvquant.flips.DEFAULT_CODECS + TINY_EXTRAS
+    "smollm2": ["f32", "kv8", "tq2", "tq3", "tq4", "tq4:compat=colibri", "tq4:side=unbiased",
+                "polar4", "polar4:compat=colibri", "q8_0", "q4_0", "q4_0+rot", "kv8/tq4"],
+}
+TINY_EXTRAS = ["polar3", "polar4", "polar6", "polar6:compat=colibri", "q8_0/kv8", "q4_0/kv8",
+               "q4_0+rot/kv8"]
+REAL_DEFAULTS = {"positions": 2048, "chunk_tokens": 512, "prompts": 4}
+SMOKE_REAL = {"positions": 64, "chunk_tokens": 64, "prompts": 1}
+SMOKE_TINY = ["f32", "kv8", "tq2", "tq4", "polar4"]
+SMOKE_REAL_CODECS = ["f32", "kv8", "tq4"]
+POSITION_WINDOW = {"tiny-mla": None, "smollm2": 256}  # None: the protocol's 32-token sequence
+SMOKE_WINDOW = 32
+
+
+@functools.lru_cache(maxsize=2)
+def _model(name):
+    from kvquant.models import load_model
+    return load_model(name)
+
+
+def report_codecs(model_name, smoke=None):
+    smoke = is_smoke() if smoke is None else smoke
+    if model_name == "tiny-mla":
+        if smoke:
+            return list(SMOKE_TINY)
+        from kvquant.flips import DEFAULT_CODECS
+        return list(DEFAULT_CODECS["tiny-mla"]) + [s for s in TINY_EXTRAS
+                                                   if s not in DEFAULT_CODECS["tiny-mla"]]
+    return list(SMOKE_REAL_CODECS if smoke else REPORT_CODECS[model_name])
+
+
+def available_codecs(model_name, specs, model=None):
+    """Split specs into those the model's cache accepts and ``{spec: reason}`` for the others."""
+    model = model if model is not None else _model(model_name)
+    ok, missing = [], {}
+    for spec in specs:
+        try:
+            model.new_cache(spec)
+        except (ValueError, TypeError, ImportError) as exc:
+            missing[spec] = str(exc)
+        else:
+            ok.append(spec)
+    return ok, missing
+
+
+def table_cell(cell):
+    """``kvquant.flips.run_flips`` for one group of codecs; a pure function of ``cell``."""
+    from kvquant.flips import run_flips
+    kwargs = {}
+    if cell["model"] != "tiny-mla":
+        kwargs = {"positions": cell["positions"], "chunk_tokens": cell["chunk_tokens"],
+                  "n_prompts": cell["prompts"]}
+    result = run_flips(cell["model"], codecs=list(cell["codecs"]), model=_model(cell["model"]),
+                       **kwargs)
+    for row in result["rows"]:  # timings are not part of the numbers
+        row.pop("protocol_s", None)
+        row.pop("text_s", None)
+    result["meta"].pop("elapsed_s", None)
+    return {"available": True, **result}
+
+
+def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None, prompts=None):
+    """Cells of a flip table: the codecs (f32 first) cut into ``n_groups`` groups."""
+    codecs = [c for c in codecs if c != "f32"]
+    n_groups = max(1, min(int(n_groups), len(codecs)))
+    groups = [["f32"] + codecs[i::n_groups] for i in range(n_groups)]
+    cells = []
+    for gi, group in enumerate(groups):
+        cell = {"sweep": "flips", "model": model_name, "group": f"{gi + 1}of{n_groups}",
+                "codecs": group}
+        if model_name != "tiny-mla":
+            cell.update(positions=int(positions), chunk_tokens=int(chunk_tokens),
+                        prompts=int(prompts))
+        cells.append(cell)
+    return cells
+
+
+def table_stem(cell):
+    keys = ["model", "group"] + (["positions", "chunk_tokens", "prompts"]
+                                 if cell["model"] != "tiny-mla" else [])
+    return "table_" + cell_stem(cell, keys)
+
+
+def merge_tables(results, order):
+    """One table from group results: f32 once, then the codecs in ``order``."""
+    rows = {}
+    for res in results:
+        for row in res["rows"]:
+            rows.setdefault(row["codec"], row)
+    meta = dict(results[0]["meta"])
+    return {"meta": meta, "rows": [rows[c] for c in order if c in rows]}
+
+
+def position_cell(cell):
+    """Per position, teacher-forced: argmax flipped vs f32, and KL(p_f32 || p_codec)."""
+    from kvquant.flips import greedy, kl_rows, pydoc_text
+    model = _model(cell["model"])
+    if cell["model"] == "tiny-mla":
+        from kvquant.models.tiny_mla import ORACLE_NEW_TOKENS, ORACLE_PROMPT
+        prompt = list(ORACLE_PROMPT)
+        tokens = prompt + greedy(model, prompt, ORACLE_NEW_TOKENS, "f32")
+        source = "the engine's protocol sequence (12 prompt + 20 greedy f32 tokens)"
+    else:
+        text_ids = model.encode(pydoc_text())
+        start = int(cell["start"])
+        tokens = text_ids[start:start + cell["window"]].tolist()
+        source = f"pydoc_data.topics tokens {start}..{start + len(tokens) - 1}"
+    ref = model.forward(tokens, model.new_cache("f32"))
+    ref_top = ref.argmax(axis=1)
+    flipped, kld = [], []
+    for spec in cell["codecs"]:
+        logits = model.forward(tokens, model.new_cache(spec))
+        flipped.append((logits.argmax(axis=1) != ref_top).astype(int).tolist())
+        kld.append(kl_rows(ref, logits).tolist())
+    return {"available": True, "model": cell["model"], "codecs": list(cell["codecs"]),
+            "source": source, "n_positions": len(tokens), "flipped": flipped, "kld": kld}
+
+
+def position_cells(model_name, codecs, smoke=None):
+    smoke = is_smoke() if smoke is None else smoke
+    cell = {"sweep": "flip_positions", "model": model_name, "codecs": list(codecs)}
+    if model_name != "tiny-mla":
+        cell.update(window=SMOKE_WINDOW if smoke else POSITION_WINDOW[model_name], start=0)
+    return [cell]
+
+
+def position_stem(cell):
+    stem = f"positions_{cell['model']}_n{len(cell['codecs'])}"
+    if "window" in cell:
+        stem += f"_w{cell['window']}_s{cell['start']}"
+    return stem
+
+
+def pareto_points(table):
+    """(codec, bits per value, KLD, kind of KLD) per row of a flip table; f32 excluded.
+
+    Bits per value = 8 x stored bytes per token / values per token (side values included); the
+    KLD is the real-text mean when the table has text, else the teacher-forced mean.
+    """
+    rows = table["rows"]
+    f32 = next(r for r in rows if r["codec"] == "f32")
+    values_per_token = f32["bytes_per_token"] / 4.0
+    key = "kld_mean" if "kld_mean" in f32 else "tf_kld_mean"
+    points = []
+    for r in rows:
+        if r["codec"] == "f32":
+            continue
+        points.append({"codec": r["codec"], "bits_per_value": 8.0 * r["bytes_per_token"]
+                       / values_per_token, "kld": r[key], "kld_kind": key})
+    return points
+
+
+def pareto_front(points):
+    """Indices of points not beaten on both bits and KLD, by increasing bits."""
+    order = sorted(range(len(points)), key=lambda i: (points[i]["bits_per_value"],
+                                                      points[i]["kld"]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i]["kld"] < best:
+            front.append(i)
+            best = points[i]["kld"]
+    return front
+
+
+def write_table(table, out_dir, unavailable):
+    """Write the merged table as ``kvquant flips`` does, plus the unavailable codecs."""
+    from kvquant.flips import write_results
+    table = dict(table)
+    table["meta"] = {**table["meta"], "unavailable": unavailable, "environment": environment()}
+    return write_results(table, out_dir)
+
+
+def read_table(path):
+    return read_json(Path(path))
+
+
+def save_positions(result, path):
+    write_json(path, result)
+    return path
+
+
+def submit_model(model_name, results_dir, executor=None, smoke=None, codecs=None, sizes=None,
+                 n_groups=1, resume=True):
+    """Submit the table and position cells of one model; returns a handle for :func:`finish`.
+
+    ``sizes`` (real model): ``positions``, ``chunk_tokens``, ``prompts`` (default
+    :data:`REAL_DEFAULTS`). Codecs the model cannot take are kept with their reason.
+    """
+    from kvquant_experiments.executor import submit_cells
+    smoke = is_smoke() if smoke is None else smoke
+    codecs = report_codecs(model_name, smoke) if codecs is None else list(codecs)
+    ok, missing = available_codecs(model_name, codecs)
+    if model_name != "tiny-mla":
+        sizes = {**(SMOKE_REAL if smoke else REAL_DEFAULTS), **(sizes or {})}
+    else:
+        sizes = {}
+    flips_dir = Path(results_dir) / "flips"
+    tables = submit_cells(table_cell, table_cells(model_name, ok, n_groups, **sizes), flips_dir,
+                          table_stem, executor, resume, False)
+    positions = submit_cells(position_cell, position_cells(model_name, ok, smoke), flips_dir,
+                             position_stem, executor, resume, False)
+    return {"model": model_name, "codecs": ok, "unavailable": missing, "tables": tables,
+            "positions": positions, "dir": flips_dir}
+
+
+def finish(handle):
+    """Wait for a :func:`submit_model` handle; write the merged table (``kvquant flips`` format)
+    and the position strip data.
+
+    Returns
+    -------
+    dict with ``table`` (merged), ``positions``, ``unavailable``, ``table_json``, ``table_csv``,
+    ``positions_json``, ``reused`` (cells taken from stored files).
+    """
+    results = handle["tables"].wait()
+    positions = handle["positions"].wait()[0]
+    for res in results + [positions]:
+        if res.get("failed"):
+            raise RuntimeError(f"{handle['model']}: a flip cell {res['reason']}\n"
+                               f"{res.get('traceback', '')}")
+    table = merge_tables(results, handle["codecs"])
+    table_json, table_csv = write_table(table, handle["dir"], handle["unavailable"])
+    pos_json = save_positions(positions, handle["dir"] / f"positions_{handle['model']}.json")
+    return {"model": handle["model"], "table": table, "positions": positions,
+            "unavailable": handle["unavailable"], "table_json": table_json,
+            "table_csv": table_csv, "positions_json": pos_json,
+            "reused": handle["tables"].reused + handle["positions"].reused,
+            "computed": handle["tables"].computed + handle["positions"].computed}
+
+
+def run_model(model_name, results_dir, executor=None, **kwargs):
+    """:func:`submit_model` then :func:`finish` (blocking; serial when no executor is given)."""
+    return finish(submit_model(model_name, results_dir, executor, **kwargs))

@@ -1,0 +1,330 @@
+"""Every figure, drawn from result files only (the sweeps write them; nothing here computes).
+
+Matplotlib's object API (``matplotlib.figure.Figure``), no pyplot state, no usetex: the figures
+render the same headless, in CI, in a notebook. Each function takes the results folder (or a
+result file) and the PNG path to write, and returns that path.
+"""
+import math
+from pathlib import Path
+
+from kvquant_experiments.common import read_json
+
+__all__ = [
+    "FAMILY_STYLE",
+    "plot_distortion",
+    "plot_flip_pareto",
+    "plot_flip_strip",
+    "plot_inner_products",
+    "plot_speed_encode",
+    "plot_speed_step",
+]
+
+# One colour and marker per codec family; llama.cpp baselines are points (no line).
+FAMILY_STYLE = {
+    "tq": {"color": "#1f77b4", "marker": "o", "label": "tq (Lloyd-Max, Beta codebook at d)"},
+    "tq gaussian": {"color": "#17becf", "marker": "v", "label": "tq (Gaussian codebook)"},
+    "tq unbiased": {"color": "#9467bd", "marker": "^", "label": "tq (unbiased side value)"},
+    "tq colibri": {"color": "#000000", "marker": "*", "label": "tq4 engine (colibri)",
+                   "line": False},
+    "polar": {"color": "#2ca02c", "marker": "s", "label": "polar (Lloyd angles)"},
+    "polar colibri": {"color": "#98df8a", "marker": "D", "label": "polar engine (colibri)"},
+    "kv8": {"color": "#d62728", "marker": "P", "label": "kv8 fp8 (row / group scales)"},
+    "q8_0": {"color": "#ff7f0e", "marker": "X", "label": "llama.cpp q8_0", "line": False},
+    "q4_0": {"color": "#8c564b", "marker": "X", "label": "llama.cpp q4_0", "line": False},
+    "q8_0+rot": {"color": "#ff7f0e", "marker": "h", "label": "q8_0 + Hadamard", "line": False},
+    "q4_0+rot": {"color": "#8c564b", "marker": "h", "label": "q4_0 + Hadamard", "line": False},
+}
+_RC = {"text.usetex": False, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
+       "savefig.dpi": 110}
+
+KIND_TITLES = {"gaussian": "Gaussian rows", "heavy": "heavy-tailed rows with outlier channels",
+               "smollm2-k": "SmolLM2 K rows (after RoPE)", "smollm2-v": "SmolLM2 V rows"}
+
+
+def _figure(ncols=1, nrows=1, width=5.0, height=3.8):
+    import matplotlib
+    from matplotlib.figure import Figure
+    with matplotlib.rc_context(_RC):
+        fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def _save(fig, out):
+    import matplotlib
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with matplotlib.rc_context(_RC):
+        fig.savefig(out)
+    return out
+
+
+def _style(family):
+    return FAMILY_STYLE.get(family, {"color": "#7f7f7f", "marker": ".", "label": family})
+
+
+def _rows(source, name):
+    path = Path(source)
+    if path.is_dir():
+        path = path / name
+    return read_json(path)
+
+
+def plot_distortion(results, out, kind="gaussian"):
+    """Relative L2 (RMS over rows, log scale) against bits per value stored, one panel per d.
+
+    Lines per codec family, the Lloyd-Max theory (Beta at d; the stored codebooks) and the 4^-b
+    bound (as relative L2, 2^-b) at b code bits + one f32 side value; llama.cpp formats as points.
+    """
+    from kvquant_experiments.distortion import theory_curves
+    data = _rows(results, "distortion.json")
+    rows = [r for r in data["rows"] if r["kind"] == kind and r.get("available")]
+    dims = sorted({r["dim"] for r in rows})
+    if not dims:
+        raise ValueError(f"no available distortion results for kind {kind!r}")
+    fig, axes = _figure(ncols=len(dims))
+    for ax, dim in zip(axes[0], dims):
+        th = theory_curves(dim)
+        ax.plot(th["x"], th["lloyd_beta"], color="0.4", ls="--", lw=1,
+                label="Lloyd-Max theory (Beta d)")
+        ax.plot(th["x"], th["bound"], color="0.6", ls=":", lw=1.2, label="4^-b bound")
+        fams = {}
+        for r in rows:
+            if r["dim"] == dim:
+                fams.setdefault(r["family"], []).append(r)
+        for fam in sorted(fams, key=lambda f: list(FAMILY_STYLE).index(f)
+                          if f in FAMILY_STYLE else 99):
+            pts = sorted(fams[fam], key=lambda r: r["bits_per_value"])
+            st = _style(fam)
+            x = [p["bits_per_value"] for p in pts]
+            y = [p["rel_l2_rms"] for p in pts]
+            ls = "-" if st.get("line", True) and len(pts) > 1 else "none"
+            ax.plot(x, y, ls=ls, marker=st["marker"], color=st["color"], label=st["label"],
+                    ms=5 if st["marker"] != "*" else 9, lw=1.2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per value stored (side values included)")
+        ax.set_ylabel("relative L2 error (RMS over rows)")
+        ax.set_title(f"{KIND_TITLES.get(kind, kind)}, d = {dim}")
+    _shared_legend(fig, axes)
+    return _save(fig, out)
+
+
+def _shared_legend(fig, axes):
+    """One legend under the panels with every label that appears in any of them."""
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncol=min(6, len(handles)), fontsize=7, frameon=False)
+
+
+def plot_inner_products(results, out, kind="gaussian", dim=None):
+    """Left: slope of q.x^ on q.x (1 = unbiased) with the 1 - D theory; right: relative RMS error
+    of q.x^, against bits per value."""
+    data = _rows(results, "inner_products.json")
+    rows = [r for r in data["rows"] if r["kind"] == kind and r.get("available")]
+    if dim is None:
+        dim = max({r["dim"] for r in rows}) if rows else None
+    rows = [r for r in rows if r["dim"] == dim]
+    if not rows:
+        raise ValueError(f"no available inner-product results for kind {kind!r}")
+    fig, axes = _figure(ncols=2)
+    ax_s, ax_e = axes[0]
+    fams = {}
+    for r in rows:
+        fams.setdefault(r["family"], []).append(r)
+    for fam, pts in fams.items():
+        pts = sorted(pts, key=lambda r: r["bits_per_value"])
+        st = _style(fam)
+        ls = "-" if st.get("line", True) and len(pts) > 1 else "none"
+        x = [p["bits_per_value"] for p in pts]
+        ax_s.plot(x, [p["slope"] for p in pts], ls=ls, marker=st["marker"], color=st["color"],
+                  label=st["label"], lw=1.2)
+        ax_e.plot(x, [p["rel_rmse"] for p in pts], ls=ls, marker=st["marker"], color=st["color"],
+                  label=st["label"], lw=1.2)
+    th = sorted((r["bits_per_value"], r["theory_slope"]) for r in rows
+                if r["family"] == "tq" and r.get("theory_slope") is not None)
+    if th:
+        ax_s.plot([t[0] for t in th], [t[1] for t in th], color="0.4", ls="--", lw=1,
+                  label="1 - D (Lloyd-Max theory)")
+    ax_s.axhline(1.0, color="0.6", lw=0.8)
+    ax_s.set_xlabel("bits per value stored")
+    ax_s.set_ylabel("slope of q.x^ on q.x")
+    ax_s.set_title(f"inner-product bias, {KIND_TITLES.get(kind, kind)}, d = {dim}")
+    ax_e.set_yscale("log")
+    ax_e.set_xlabel("bits per value stored")
+    ax_e.set_ylabel("relative RMS error of q.x^")
+    ax_e.set_title("inner-product error")
+    ax_s.legend(fontsize=7, loc="lower right")
+    return _save(fig, out)
+
+
+def plot_flip_pareto(table_json, out):
+    """KL divergence from the f32 cache against bits per value, Pareto front drawn."""
+    from kvquant_experiments.distortion import codec_family
+    from kvquant_experiments.flip_report import pareto_front, pareto_points
+    table = read_json(table_json)
+    pts = pareto_points(table)
+    if not pts:
+        raise ValueError(f"{table_json}: no quantized rows to plot")
+    fig, axes = _figure(width=6.0, height=4.2)
+    ax = axes[0][0]
+    floor = min((p["kld"] for p in pts if p["kld"] > 0), default=1e-12)
+    placed = []  # (x, log10 y) of labels already written: stagger labels of nearby points
+    for p in sorted(pts, key=lambda p: (p["bits_per_value"], -p["kld"])):
+        fam = codec_family(p["codec"].split("/")[0])
+        st = _style(fam if "/" not in p["codec"] else "")
+        y = max(p["kld"], floor * 0.5)
+        ax.plot(p["bits_per_value"], y, marker=st["marker"], color=st["color"], ls="none", ms=6)
+        near = sum(1 for x0, ly0 in placed
+                   if abs(x0 - p["bits_per_value"]) < 0.4 and abs(ly0 - math.log10(y)) < 0.12)
+        placed.append((p["bits_per_value"], math.log10(y)))
+        ax.annotate(p["codec"], (p["bits_per_value"], y), fontsize=6,
+                    xytext=(4, 2 - 7 * near), textcoords="offset points")
+    front = pareto_front(pts)
+    ax.plot([pts[i]["bits_per_value"] for i in front],
+            [max(pts[i]["kld"], floor * 0.5) for i in front], color="0.3", lw=1, ls="--",
+            label="Pareto front")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per value stored (K and V or L and R, side values included)")
+    kind = "real-text mean KLD" if pts[0]["kld_kind"] == "kld_mean" else "teacher-forced mean KLD"
+    ax.set_ylabel(f"{kind} vs f32 (nats)")
+    ax.set_title(f"{table['meta']['model']['model']}: KL divergence against storage")
+    ax.legend(fontsize=7)
+    return _save(fig, out)
+
+
+def plot_flip_strip(positions_json, out):
+    """Per position (columns) and codec (rows): KL divergence from f32 as colour, flipped argmax
+    marked with a dot."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    data = read_json(positions_json)
+    kld = np.asarray(data["kld"], dtype=float)
+    flipped = np.asarray(data["flipped"], dtype=bool)
+    codecs = data["codecs"]
+    n_pos = kld.shape[1]
+    fig, axes = _figure(width=min(14.0, 2.0 + 0.05 * n_pos + (0.2 * n_pos if n_pos <= 64 else 0)),
+                        height=0.9 + 0.22 * len(codecs))
+    ax = axes[0][0]
+    positive = kld[kld > 0]
+    lo = positive.min() if positive.size else 1e-9
+    hi = max(kld.max(), lo * 10)
+    im = ax.imshow(np.maximum(kld, lo), aspect="auto", interpolation="nearest", cmap="magma_r",
+                   norm=LogNorm(vmin=lo, vmax=hi))
+    ys, xs = np.nonzero(flipped)
+    ax.plot(xs, ys, ls="none", marker="o", ms=2.5, mfc="#00bfff", mec="none",
+            label="argmax differs from f32")
+    ax.set_yticks(range(len(codecs)), codecs, fontsize=7)
+    ax.set_xlabel("position")
+    ax.set_title(f"{data['model']}: where next-token predictions move ({data['source']})",
+                 fontsize=8)
+    ax.grid(False)
+    fig.colorbar(im, ax=ax, label="KL(f32 || codec), nats", shrink=0.9)
+    if xs.size:
+        ax.legend(fontsize=7, loc="upper right", framealpha=0.8)
+    return _save(fig, out)
+
+
+def plot_speed_step(results, out, threads=None):
+    """Decode-step time against T (log-log), one panel per d: numpy f32 and each codec's
+    compressed-domain consumer, at one thread count (default the smallest measured)."""
+    data = _rows(results, "speed.json")
+    rows = data["step"]
+    if not rows:
+        raise ValueError("no decode-step results")
+    if threads is None:  # one thread: the least disturbed by other processes
+        threads = min(int(k.split("_")[-1][:-1]) for k in rows[0] if k.startswith("numpy_s_"))
+    dims = sorted({r["dim"] for r in rows}, reverse=True)
+    fig, axes = _figure(ncols=len(dims), width=5.0, height=4.0)
+    from kvquant_experiments.distortion import codec_family
+    for ax, dim in zip(axes[0], dims):
+        sub = [r for r in rows if r["dim"] == dim]
+        # numpy's time per T: the median over the codecs' interleaved runs
+        by_T = {}
+        for r in sub:
+            by_T.setdefault(r["T"], []).append(r[f"numpy_s_{threads}t"])
+        Ts = sorted(by_T)
+        ax.plot(Ts, [1e6 * sorted(by_T[t])[len(by_T[t]) // 2] for t in Ts], color="k", lw=2.2,
+                marker="o", label="numpy f32")
+        codecs = list(dict.fromkeys(r["codec"] for r in sub))
+        for ci, codec in enumerate(codecs):
+            pts = sorted((r for r in sub if r["codec"] == codec), key=lambda r: r["T"])
+            st = _style(codec_family(codec))
+            # one colour per codec (families share markers): tq2/tq4/tq8 must stay apart
+            ax.plot([p["T"] for p in pts], [1e6 * p[f"codec_s_{threads}t"] for p in pts],
+                    marker=st["marker"], color=f"C{ci % 10}" if codec != "f32" else "0.5",
+                    ls="-" if ci % 2 == 0 else "--", lw=1.2, ms=4,
+                    label=f"{codec} consumer" if codec != "f32" else "f32 consumer")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("cached rows T")
+        ax.set_ylabel("one decode step, microseconds")
+        ax.set_title(f"one decode step, d = {dim}, {threads} thread{'s' if threads > 1 else ''}")
+        ax.legend(fontsize=6, ncol=2)
+    return _save(fig, out)
+
+
+def plot_speed_encode(results, out):
+    """Encode and decode throughput (input MB/s of float32 rows) per codec and d."""
+    data = _rows(results, "speed.json")
+    rows = [r for r in data["encode"] if r.get("available")]
+    if not rows:
+        raise ValueError("no available encode results")
+    dims = sorted({r["dim"] for r in rows})
+    codecs = list(dict.fromkeys(r["codec"] for r in rows))
+    fig, axes = _figure(width=max(5.0, 0.45 * len(codecs) * len(dims)), height=3.8)
+    ax = axes[0][0]
+    width = 0.8 / (2 * len(dims))
+    for di, dim in enumerate(dims):
+        by = {r["codec"]: r for r in rows if r["dim"] == dim}
+        for k, (key, hatch) in enumerate((("encode_mb_per_s", ""), ("decode_mb_per_s", "//"))):
+            xs = [i + (2 * di + k) * width - 0.4 + width / 2 for i in range(len(codecs))]
+            ys = [by[c][key] if c in by else math.nan for c in codecs]
+            ax.bar(xs, ys, width=width, hatch=hatch, color=f"C{di}", alpha=0.85 if k == 0 else 0.5,
+                   label=f"{'encode' if k == 0 else 'decode'}, d = {dim}")
+    ax.set_xticks(range(len(codecs)), codecs, rotation=30, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("MB/s of float32 rows (one thread)")
+    ax.set_title("codec throughput")
+    ax.legend(fontsize=7)
+    return _save(fig, out)
+
+
+def plot_codebook(dim, bits, out):
+    """The density of one rotated, scaled coordinate at width ``dim`` (Beta) against N(0, 1),
+    with the levels of the stored Beta codebook and the engine's Gaussian levels."""
+    import numpy as np
+    from kvquant.codebooks import beta_density, gaussian_density, load_codebook
+    beta, gauss = beta_density(dim), gaussian_density()
+    x = np.linspace(-4, 4, 801)
+    fig, axes = _figure(width=6.0, height=3.6)
+    ax = axes[0][0]
+    ax.plot(x, beta.pdf(x), color="C0", label=f"coordinate density at d = {dim} (Beta)")
+    ax.plot(x, gauss.pdf(x), color="0.5", ls="--", label="N(0, 1)")
+    cb = load_codebook("beta", dim, bits)
+    cg = load_codebook("gaussian", None, bits)
+    top = float(beta.pdf(np.zeros(1))[0])
+    ax.vlines(cb.levels, 0, 0.12 * top, color="C0", lw=1.5, label=f"{bits}-bit Beta levels")
+    ax.vlines(cg.levels, 0.12 * top, 0.22 * top, color="C3", lw=1.5,
+              label=f"{bits}-bit Gaussian levels")
+    ax.set_xlabel("y = coordinate x sqrt(d) / |x|")
+    ax.set_title(f"codebooks: MSE {cb.mse:.5f} (Beta, d = {dim}) vs {cg.mse:.5f} (Gaussian)")
+    ax.legend(fontsize=7)
+    return _save(fig, out)
+
+
+def plot_rotation(x, rotated, out, title="a row before and after the rotation"):
+    """Coordinates of one row before and after the randomized Hadamard rotation."""
+    import numpy as np
+    fig, axes = _figure(ncols=2, width=4.5, height=3.2)
+    a, b = axes[0]
+    a.bar(np.arange(x.size), x, width=1.0, color="C3")
+    a.set_title("row x (outlier channels)")
+    a.set_xlabel("channel")
+    b.bar(np.arange(rotated.size), rotated, width=1.0, color="C0")
+    b.set_title("rotate(x): the outliers are spread")
+    b.set_xlabel("coordinate")
+    fig.suptitle(title)
+    return _save(fig, out)

@@ -1,0 +1,191 @@
+"""Speed: encode throughput per codec, and one attention decode step against T.
+
+A decode step over T cached rows of width d, for one query q: ``s = scores(X, q) / sqrt(d)``,
+``w = softmax(s)``, ``ctx = context(X, w)``. Each codec runs through its compressed-domain
+consumers (``codec.scores`` / ``codec.context``: nothing decoded); the yardstick is numpy on the
+float32 rows. The timing itself is the library's benchmark, :func:`kvquant.bench.time_cell`
+(interleaved repeats, medians, BLAS held to the same thread count); here it is one cell per
+(d, T), with resume and the figure.
+
+Encode throughput (and decode, for reference) is timed here per (codec, d).
+
+Timings are run in one process, cells one after another (concurrent cells would time each
+other). They are not reproducible numbers, so a resumed run keeps the stored ones; ask for a
+fresh run to measure again.
+"""
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvquant_experiments.common import (cell_stem, codec_status, environment, is_smoke,
+                                        read_json, stable_seed, write_csv, write_json)
+from kvquant_experiments.executor import SerialExecutor, run_cells
+
+__all__ = ["collect", "default_grid", "encode_cell", "has_consumers", "run_speed", "step_cell",
+           "time_call"]
+
+DEFAULT_CODECS = ["f32", "kv8", "kv8-g32", "tq2", "tq4", "tq8", "polar4", "q8_0", "q4_0"]
+SMOKE_CODECS = ["f32", "kv8", "tq4"]
+ENCODE_STEM = ("codec", "dim", "rows", "threads")
+
+
+def default_grid(smoke=None):
+    smoke = is_smoke() if smoke is None else smoke
+    if smoke:
+        return {"codecs": list(SMOKE_CODECS), "dims": [64], "T": [256, 1024],
+                "encode_rows": 1024, "threads": [1], "repeats": 3, "min_time_s": 0.01,
+                "step_budget_s": 0.25}
+    return {"codecs": list(DEFAULT_CODECS), "dims": [512, 128], "T": [1024, 4096, 16384, 65536],
+            "encode_rows": 16384, "threads": [1, 2], "repeats": 9, "min_time_s": 0.1,
+            "step_budget_s": 0.25}
+
+
+def has_consumers(codec):
+    return callable(getattr(codec, "scores", None)) and callable(getattr(codec, "context", None))
+
+
+def time_call(fn, min_time_s=0.2, min_repeats=5, max_repeats=10000):
+    """Median seconds of one call of ``fn()`` (after one warm-up call)."""
+    fn()
+    times = []
+    total = 0.0
+    while len(times) < min_repeats or (total < min_time_s and len(times) < max_repeats):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        total += dt
+    return float(np.median(times))
+
+
+def encode_cell(cell):
+    """Encode throughput of one codec: rows/s and input MB/s (float32 rows)."""
+    codec, reason = codec_status(cell["codec"], cell["dim"])
+    if codec is None:
+        return {"codec": cell["codec"], "available": False, "reason": reason}
+    rng = np.random.default_rng(stable_seed("speed-rows", cell["dim"], cell["rows"]))
+    X = rng.standard_normal((cell["rows"], cell["dim"])).astype(np.float32)
+    n_threads = cell["threads"]
+    enc = codec.encode(X, n_threads=n_threads)
+    encode_s = time_call(lambda: codec.encode(X, n_threads=n_threads), cell["min_time_s"])
+    decode_s = time_call(lambda: codec.decode(enc, n_threads=n_threads), cell["min_time_s"])
+    mb = X.nbytes / 1e6
+    return {"codec": cell["codec"], "available": True, "spec": codec.spec,
+            "bits_per_value": float(codec.bits_per_value), "encode_s": encode_s,
+            "decode_s": decode_s, "encode_rows_per_s": cell["rows"] / encode_s,
+            "encode_mb_per_s": mb / encode_s, "decode_mb_per_s": mb / decode_s}
+
+
+def step_cell(cell):
+    """One (d, T) cell of the attention benchmark: ``kvquant.bench.time_cell`` (numpy f32 and
+    every codec's consumers, interleaved repeats, medians).
+
+    Codecs that do not build here or have no consumers are returned in ``unavailable`` with the
+    reason instead of being timed.
+    """
+    try:
+        from kvquant import bench
+    except ImportError as exc:
+        return {"available": False, "reason": f"kvquant.bench is not in this build ({exc})"}
+    if not callable(getattr(bench, "time_cell", None)):
+        return {"available": False, "reason": "kvquant.bench has no time_cell()"}
+    usable, unavailable = [], {}
+    for spec in cell["codecs"]:
+        codec, reason = codec_status(spec, cell["dim"])
+        if codec is None:
+            unavailable[spec] = reason
+        elif not has_consumers(codec):
+            unavailable[spec] = (f"{codec.spec} has no compressed-domain consumers "
+                                 "(codec.scores / codec.context) in this build")
+        else:
+            usable.append(spec)
+    threads = tuple(cell["threads"])
+    times, errors, bpr = bench.time_cell(cell["dim"], cell["T"], usable, threads=threads,
+                                         repeats=cell["repeats"])
+    rows = []
+    for spec in usable:
+        row = {"codec": spec, "bytes_per_row": bpr[spec], "context_rel_err": errors[spec]}
+        for nt in threads:
+            row[f"numpy_s_{nt}t"] = times["numpy"][nt]
+            row[f"codec_s_{nt}t"] = times[spec][nt]
+            row[f"speedup_{nt}t"] = times["numpy"][nt] / times[spec][nt]
+        rows.append(row)
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {"available": True, "rows": rows, "unavailable": unavailable, "load_average": load}
+
+
+def _step_stem(c):
+    codecs = format(stable_seed(c["codecs"]) & 0xFFFFFF, "06x")
+    return (f"step_d{c['dim']}_T{c['T']}_n{len(c['codecs'])}-{codecs}"
+            f"_t{'-'.join(map(str, c['threads']))}_r{c['repeats']}")
+
+
+def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=True,
+              progress=True, smoke=None):
+    """Encode throughput and decode-step cells, serially in this process.
+
+    Writes ``speed_encode.csv``, ``speed_step.csv`` and ``speed.json``; returns
+    ``{"encode": rows, "step": rows, "unavailable": {spec: reason}, "grid": grid}``.
+    """
+    grid = default_grid(smoke)
+    for key, value in (("codecs", codecs), ("dims", dims), ("T", T), ("threads", threads)):
+        if value is not None:
+            grid[key] = list(value) if isinstance(value, (list, tuple)) else value
+    results_dir = Path(results_dir)
+    serial = SerialExecutor()
+    enc_cells = [{"sweep": "speed_encode", "codec": c, "dim": int(d),
+                  "rows": int(grid["encode_rows"]), "threads": int(min(grid["threads"])),
+                  "min_time_s": grid["min_time_s"]}
+                 for d in grid["dims"] for c in grid["codecs"]]
+    enc = run_cells(encode_cell, enc_cells, results_dir / "speed",
+                    lambda c: "encode_" + cell_stem(c, ENCODE_STEM), executor=serial,
+                    resume=resume, progress=progress, desc="encode speed")
+    # Per d, T ascending: a codec whose step exceeds the budget at some T is not timed at larger
+    # T (named in the report), so one slow consumer cannot hold the report for minutes.
+    step_cells, steps, slow = [], [], {}
+    for d in grid["dims"]:
+        timed = list(grid["codecs"])
+        for t in sorted(grid["T"]):
+            cell = {"sweep": "speed_step", "dim": int(d), "T": int(t), "codecs": timed,
+                    "threads": [int(n) for n in grid["threads"]], "repeats": grid["repeats"]}
+            result = run_cells(step_cell, [cell], results_dir / "speed", _step_stem,
+                               executor=serial, resume=resume, progress=False)[0]
+            step_cells.append(cell)
+            steps.append(result)
+            nt = min(cell["threads"])
+            for row in result.get("rows", []):
+                if row[f"codec_s_{nt}t"] > grid["step_budget_s"]:
+                    timed = [c for c in timed if c != row["codec"]]
+                    slow.setdefault(row["codec"], []).append(
+                        f"beyond T = {t} at d = {d} ({row[f'codec_s_{nt}t']:.2f} s per step)")
+    enc_rows = [{"dim": c["dim"], "rows": c["rows"], "threads": c["threads"], **r}
+                for c, r in zip(enc_cells, enc)]
+    loads = [r["load_average"] for r in steps if r.get("load_average")]
+    load = [max(x[i] for x in loads) for i in range(3)] if loads else None
+    step_rows, unavailable = [], {}
+    for c, r in zip(step_cells, steps):
+        if not r.get("available"):
+            unavailable["*"] = r.get("reason")
+            continue
+        unavailable.update(r["unavailable"])
+        step_rows += [{"dim": c["dim"], "T": c["T"], **row} for row in r["rows"]]
+    for r in enc_rows:
+        if not r.get("available"):
+            unavailable.setdefault(r["codec"], r.get("reason"))
+    for spec, where in slow.items():
+        unavailable.setdefault(spec, "not timed " + "; ".join(where)
+                               + f": over the budget of {grid['step_budget_s']} s per step")
+    write_csv(results_dir / "speed_encode.csv", enc_rows)
+    if step_rows:
+        write_csv(results_dir / "speed_step.csv", step_rows)
+    write_json(results_dir / "speed.json", {"grid": grid, "environment": environment(),
+                                            "encode": enc_rows, "step": step_rows,
+                                            "unavailable": unavailable, "load_average": load})
+    return {"encode": enc_rows, "step": step_rows, "unavailable": unavailable, "grid": grid,
+            "load_average": load}
+
+
+def collect(results_dir):
+    return read_json(Path(results_dir) / "speed.json")

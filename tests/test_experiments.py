@@ -1,0 +1,133 @@
+"""The research layer (kvquant_experiments): packaging, pure cells, resume, Dask = local."""
+import configparser
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _experiments_env import ROOT, ensure_importable, subprocess_env
+
+ensure_importable()
+
+from kvquant_experiments import distortion, inner_products  # noqa: E402
+from kvquant_experiments.common import cell_stem, spec_tag, stable_seed  # noqa: E402
+from kvquant_experiments.executor import SerialExecutor, open_executor, run_cells  # noqa: E402
+from kvquant_experiments.inputs import make_rows  # noqa: E402
+
+
+# -- packaging ---------------------------------------------------------------------------------
+def test_setup_cfg_lists_every_package():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvquant").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert folders <= listed, f"add {sorted(folders - listed)} to [options] packages in setup.cfg"
+    assert "kvquant_experiments" in listed
+    assert "kvquant_experiments = experiments" in cfg["options"]["package_dir"]
+
+
+def test_library_never_imports_experiments():
+    code = ("import sys, kvquant, kvquant.cli, kvquant.flips, kvquant.models\n"
+            "kvquant.cli.build_parser()\n"
+            "assert not [m for m in sys.modules if m.startswith('kvquant_experiments')]\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+
+
+# -- names and seeds ---------------------------------------------------------------------------
+def test_files_are_named_by_their_parameters():
+    cell = {"kind": "gaussian", "dim": 128, "codec": "tq4", "rows": 4096, "seed": 0}
+    assert cell_stem(cell, distortion.STEM_ORDER) == "gaussian_d128_tq4_rows4096_seed0"
+    assert spec_tag("tq3:codebook=gaussian,side=unbiased") == "tq3-codebook-gaussian-side-unbiased"
+    assert spec_tag("kv8/tq4") == "kv8_tq4"
+    assert stable_seed("a", 1) == stable_seed("a", 1) != stable_seed("a", 2)
+
+
+def test_rows_are_a_pure_function_of_their_parameters():
+    a = make_rows("heavy", 64, 300, seed=3)
+    assert np.array_equal(a, make_rows("heavy", 64, 300, seed=3))
+    assert not np.array_equal(a, make_rows("heavy", 64, 300, seed=4))
+    # Outlier channels: the same channels are large in every row.
+    scale = np.median(np.abs(a), axis=0)
+    assert (scale > 5 * np.median(scale)).sum() == 64 // 32
+    with pytest.raises(ValueError, match="unknown input kind"):
+        make_rows("uniform", 64, 4)
+
+
+# -- cells -------------------------------------------------------------------------------------
+def test_distortion_cell_matches_theory_and_marks_missing_codecs():
+    cell = {"kind": "gaussian", "dim": 128, "codec": "tq4", "rows": 2048, "seed": 0}
+    r = distortion.distortion_cell(cell)
+    assert r == distortion.distortion_cell(cell)
+    assert r["available"] and r["bits_per_value"] == 4.25
+    assert r["rel_l2_rms"] ** 2 == pytest.approx(r["theory_mse"], rel=0.05)
+    missing = distortion.distortion_cell({**cell, "codec": "nosuch4"})
+    assert missing["available"] is False and "nosuch4" in missing["reason"]
+
+
+def test_inner_product_shrink_and_unbiased_side():
+    base = {"kind": "gaussian", "dim": 128, "rows": 1024, "queries": 32, "seed": 0}
+    shrunk = inner_products.inner_product_cell({**base, "codec": "tq2"})
+    fixed = inner_products.inner_product_cell({**base, "codec": "tq2:side=unbiased"})
+    assert shrunk["slope"] == pytest.approx(shrunk["theory_slope"], abs=0.01)
+    assert shrunk["theory_slope"] == pytest.approx(0.883, abs=0.01)
+    assert fixed["slope"] == pytest.approx(1.0, abs=0.01)
+
+
+# -- runner ------------------------------------------------------------------------------------
+def _count_cell(cell):
+    return {"available": cell["x"] != 3, "value": cell["x"] ** 2, "reason": "three"}
+
+
+def test_run_cells_writes_resumes_and_never_stores_missing(tmp_path):
+    cells = [{"x": i} for i in range(5)]
+    stem = lambda c: f"x{c['x']}"  # noqa: E731
+    first = run_cells(_count_cell, cells, tmp_path, stem, progress=False)
+    assert [r["value"] for r in first] == [0, 1, 4, 9, 16]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x0.json", "x1.json", "x2.json",
+                                                         "x4.json"]
+    stored = json.loads((tmp_path / "x2.json").read_text())
+    assert stored["params"] == {"x": 2} and "versions" in stored["environment"]
+    # Resume: a stored result is reused (made visible by editing it); a changed cell is not.
+    stored["result"]["value"] = -1
+    (tmp_path / "x2.json").write_text(json.dumps(stored))
+    again = run_cells(_count_cell, cells, tmp_path, stem, progress=False)
+    assert again[2]["value"] == -1
+    fresh = run_cells(_count_cell, cells, tmp_path, stem, resume=False, progress=False)
+    assert fresh[2]["value"] == 4
+
+
+SMALL = {"codecs": ["kv8", "tq2", "tq4:compat=colibri"], "dims": [64], "kinds": ["gaussian",
+                                                                                "heavy"],
+         "rows": 128, "seed": 1}
+
+
+def test_dask_cluster_gives_the_local_numbers(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    with open_executor(workers=2) as ex:
+        local = distortion.run_sweep(tmp_path / "local", executor=ex, progress=False, **SMALL)
+    # Loopback only: the scheduler listens on tcp://127.0.0.1, the worker runs in this process.
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                                  protocol="tcp", host="127.0.0.1",
+                                  dashboard_address=None) as cluster:
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+        with open_executor(cluster.scheduler_address) as ex:
+            assert ex.kind == "dask"
+            remote = distortion.run_sweep(tmp_path / "dask", executor=ex, progress=False,
+                                          **SMALL)
+    serial = distortion.run_sweep(tmp_path / "serial", executor=SerialExecutor(),
+                                  progress=False, **SMALL)
+    assert len(local["rows"]) == 6
+    assert local["rows"] == remote["rows"] == serial["rows"]
+    assert (tmp_path / "dask" / "distortion" / "heavy_d64_tq2_rows128_seed1.json").is_file()
+
+
+def test_local_workers_run_one_thread_each():
+    from kvquant_experiments.common import environment
+    with open_executor(workers=1) as ex:
+        env = ex.submit(environment).result()
+    assert env["openmp_max_threads"] == 1
