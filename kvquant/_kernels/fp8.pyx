@@ -109,11 +109,14 @@ def decode_rows(const uint8_t[:, ::1] codes,  # IN  (n_rows, d)
                 int n_threads):
     cdef float lut[256]
     cdef Py_ssize_t n_rows = codes.shape[0], d = codes.shape[1]
-    cdef Py_ssize_t r, i
+    cdef Py_ssize_t r, i, g, n_groups = d // group
+    cdef float scale
     for i in range(256):
         lut[i] = e4m3_to_float(<uint8_t>i)
     if n_rows == 0:
         return
     for r in prange(n_rows, nogil=True, schedule="static", num_threads=n_threads):
-        for i in range(d):
-            out[r, i] = lut[codes[r, i]] * scales[r, i // group]
+        for g in range(n_groups):
+            scale = scales[r, g]
+            for i in range(g * group, (g + 1) * group):
+                out[r, i] = lut[codes[r, i]] * scale

@@ -10,7 +10,6 @@ from libc.stdint cimport uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-from kvquant._kernels._common cimport fwht, pack_bits, unpack_bits
 
 # Row status codes written by encode_rows (the Python layer turns them into errors).
 cdef enum:
@@ -24,6 +23,9 @@ cdef extern from "rowops.h" nogil:
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
     void kvq_pack_codes(const uint8_t* code, Py_ssize_t n, int bits, uint8_t* out)
+    void kvq_unpack_codes(const uint8_t* packed, Py_ssize_t n, int bits, uint8_t* code)
+    void kvq_decode_row(const uint8_t* code, Py_ssize_t n, const float* levels, float step,
+                        const float* signs, float inv_sqrt_n, float* out)
     void kvq_nearest_codes(const float* y, Py_ssize_t n, const float* bnd, int n_bnd,
                            uint8_t* code)
     void kvq_nearest_by_distance(const float* y, Py_ssize_t n, const float* levels, int n_levels,
@@ -112,14 +114,10 @@ def decode_rows(const uint8_t[:, ::1] codes,    # IN  (n_rows, ceil(n*bits/8))
     with nogil, parallel(num_threads=n_threads):
         c = <uint8_t*>malloc(n * sizeof(uint8_t))
         for r in prange(n_rows, schedule="static"):
-            unpack_bits(&codes[r, 0], n, bits, c)
+            kvq_unpack_codes(&codes[r, 0], n, bits, c)
             if not (side[r] > 0.0) or side[r] > FLT_MAX:
                 step = 0.0   # inert row (also a damaged side value: never decoded as data)
             else:
                 step = side[r] / sqrtf_n
-            for i in range(n):
-                out[r, i] = levels[c[i]] * step
-            fwht(&out[r, 0], n)
-            for i in range(n):
-                out[r, i] = out[r, i] * inv_sqrt_n * signs[i]
+            kvq_decode_row(c, n, &levels[0], step, &signs[0], inv_sqrt_n, &out[r, 0])
         free(c)

@@ -13,6 +13,62 @@
 #else
 #define KVQ_CLONES
 
+/* Inverse of kvq_pack_codes. */
+KVQ_CLONES
+static void kvq_unpack_codes(const uint8_t *packed, int64_t n, int bits, uint8_t *code)
+{
+    int64_t i, o = 0;
+    if (bits == 8) {
+        for (i = 0; i < n; i++)
+            code[i] = packed[i];
+        return;
+    }
+    if (bits == 4 && n % 2 == 0) {
+        for (i = 0; i < n / 2; i++) {
+            code[2 * i] = packed[i] & 0xF;
+            code[2 * i + 1] = packed[i] >> 4;
+        }
+        return;
+    }
+    if (bits == 2 && n % 4 == 0) {
+        for (i = 0; i < n / 4; i++) {
+            code[4 * i] = packed[i] & 3;
+            code[4 * i + 1] = (packed[i] >> 2) & 3;
+            code[4 * i + 2] = (packed[i] >> 4) & 3;
+            code[4 * i + 3] = packed[i] >> 6;
+        }
+        return;
+    }
+    {
+        uint64_t acc = 0;
+        uint32_t mask = (1u << bits) - 1u;
+        int filled = 0;
+        for (i = 0; i < n; i++) {
+            while (filled < bits) {
+                acc |= (uint64_t)packed[o++] << filled;
+                filled += 8;
+            }
+            code[i] = (uint8_t)(acc & mask);
+            acc >>= bits;
+            filled -= bits;
+        }
+    }
+}
+
+/* x = D (H (levels[code] * step)) * inv_sqrt_n: the engine's decoder (level times radius/sqrt(n),
+ * then the butterflies, the 1/sqrt(n) and the signs). */
+KVQ_CLONES
+static void kvq_decode_row(const uint8_t *code, int64_t n, const float *levels, float step,
+                           const float *signs, float inv_sqrt_n, float *out)
+{
+    int64_t i;
+    for (i = 0; i < n; i++)
+        out[i] = levels[code[i]] * step;
+    kvq_fwht(out, n);
+    for (i = 0; i < n; i++)
+        out[i] = out[i] * inv_sqrt_n * signs[i];
+}
+
 /* The engine's rule: the first level at the strictly smallest float distance (ties go down). */
 KVQ_CLONES
 static void kvq_nearest_by_distance(const float *y, int64_t n, const float *levels,
@@ -176,6 +232,62 @@ static void kvq_nearest_codes(const float *y, int64_t n, const float *bnd, int n
         }
         code[i] = (uint8_t)lo;
     }
+}
+
+/* Inverse of kvq_pack_codes. */
+KVQ_CLONES
+static void kvq_unpack_codes(const uint8_t *packed, int64_t n, int bits, uint8_t *code)
+{
+    int64_t i, o = 0;
+    if (bits == 8) {
+        for (i = 0; i < n; i++)
+            code[i] = packed[i];
+        return;
+    }
+    if (bits == 4 && n % 2 == 0) {
+        for (i = 0; i < n / 2; i++) {
+            code[2 * i] = packed[i] & 0xF;
+            code[2 * i + 1] = packed[i] >> 4;
+        }
+        return;
+    }
+    if (bits == 2 && n % 4 == 0) {
+        for (i = 0; i < n / 4; i++) {
+            code[4 * i] = packed[i] & 3;
+            code[4 * i + 1] = (packed[i] >> 2) & 3;
+            code[4 * i + 2] = (packed[i] >> 4) & 3;
+            code[4 * i + 3] = packed[i] >> 6;
+        }
+        return;
+    }
+    {
+        uint64_t acc = 0;
+        uint32_t mask = (1u << bits) - 1u;
+        int filled = 0;
+        for (i = 0; i < n; i++) {
+            while (filled < bits) {
+                acc |= (uint64_t)packed[o++] << filled;
+                filled += 8;
+            }
+            code[i] = (uint8_t)(acc & mask);
+            acc >>= bits;
+            filled -= bits;
+        }
+    }
+}
+
+/* x = D (H (levels[code] * step)) * inv_sqrt_n: the engine's decoder (level times radius/sqrt(n),
+ * then the butterflies, the 1/sqrt(n) and the signs). */
+KVQ_CLONES
+static void kvq_decode_row(const uint8_t *code, int64_t n, const float *levels, float step,
+                           const float *signs, float inv_sqrt_n, float *out)
+{
+    int64_t i;
+    for (i = 0; i < n; i++)
+        out[i] = levels[code[i]] * step;
+    kvq_fwht(out, n);
+    for (i = 0; i < n; i++)
+        out[i] = out[i] * inv_sqrt_n * signs[i];
 }
 
 /* The engine's rule: the first level at the strictly smallest float distance (ties go down). */
