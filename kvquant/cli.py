@@ -14,6 +14,14 @@ def _parse_codecs(text):
         raise SystemExit(f"kvquant: {exc}")
 
 
+# `--codecs all`: every codec at its natural bit widths, llama.cpp's cache types included so that
+# each of ours always has the baseline people already run at the same bits per value.
+ALL_CODECS = ("f32", "kv8", "kv8-g32", *(f"tq{b}" for b in range(1, 9)), "tq4:compat=colibri",
+              *(f"polar{b}" for b in range(2, 7)),
+              *(f"polar{b}:compat=colibri" for b in range(2, 7)),
+              "q8_0", "q8_0+rot", "q4_0", "q4_0+rot")
+
+
 def cmd_distortion(args):
     from kvquant import get_codec
     from kvquant.metrics import measure_distortion
@@ -33,13 +41,21 @@ def cmd_distortion(args):
     for dim in dims:
         if not args.data:
             X = np.random.default_rng(args.seed).standard_normal((args.rows, dim)).astype(np.float32)
-        for spec in _parse_codecs(args.codecs):
+        every = args.codecs.strip().lower() == "all"
+        skipped = []
+        for spec in ALL_CODECS if every else _parse_codecs(args.codecs):
             try:
                 codec = get_codec(spec, dim)
             except ValueError as exc:
+                if every:   # "all" is every codec that can take this width
+                    skipped.append(spec)
+                    continue
                 raise SystemExit(f"kvquant distortion: {exc}")
             row = measure_distortion(codec, X, n_threads=args.threads)
             results.append(row)
+        if skipped:
+            print(f"kvquant distortion: width {dim} does not suit {', '.join(skipped)} "
+                  "(power-of-two or multiple-of-32 widths only); skipped", file=sys.stderr)
     if args.json:
         print(json.dumps({"rows": int(X.shape[0]), "seed": args.seed,
                           "data": args.data or "gaussian", "results": results}, indent=1))
@@ -61,6 +77,18 @@ def cmd_info(args):
     return 0
 
 
+def cmd_report(args):
+    # The research layer is imported here only: the library never imports it, and a missing
+    # or broken kvquant_experiments must not break the other commands.
+    try:
+        from kvquant_experiments import report
+    except ImportError as exc:
+        raise SystemExit(f"kvquant report: the research package kvquant_experiments is not "
+                         f"importable ({exc}); install kvquant from its source tree "
+                         "(pip install -e '.[report]')")
+    return report.main(args.report_args)
+
+
 def _int_list(text):
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -74,7 +102,8 @@ def build_parser():
 
     p = sub.add_parser("distortion", help="relative L2 error and bytes per row of codecs")
     p.add_argument("--codecs", default="kv8,tq2,tq3,tq4",
-                   help="comma-separated codec specs (e.g. kv8,kv8-g32,tq4,tq4:compat=colibri)")
+                   help="comma-separated codec specs (e.g. kv8,kv8-g32,tq4,tq4:compat=colibri,"
+                        "polar4,q4_0+rot), or 'all': every codec at its natural bit widths")
     p.add_argument("--dim", type=_int_list, default=[512], help="row width(s), comma-separated")
     p.add_argument("--rows", type=int, default=4096, help="Gaussian rows to draw")
     p.add_argument("--seed", type=int, default=0)
@@ -86,8 +115,23 @@ def build_parser():
     p = sub.add_parser("info", help="build facts (OpenMP, threads)")
     p.set_defaults(func=cmd_info)
 
+    # Options are parsed by kvquant_experiments.report (prefix_chars: pass them through as is).
+    p = sub.add_parser("report", add_help=False, prefix_chars="\x00",
+                       help="run the sweeps and tables, write report/REPORT.md "
+                            "(kvquant report --help)")
+    p.add_argument("report_args", nargs="*")
+    p.set_defaults(func=cmd_report)
+
     from kvquant import codebooks
     codebooks.add_cli(sub)
+    from kvquant import budget
+    budget.add_cli(sub)
+    from kvquant import bench
+    bench.add_cli(sub)
+    from kvquant import kvfile
+    kvfile.add_cli(sub)
+    from kvquant import flips
+    flips.add_cli(sub)
     return parser
 
 

@@ -197,3 +197,359 @@ def engine_tq4_encode_rows(X, levels):
     codes[~live] = 0
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     return packed, np.where(live, norm, 0).astype(np.float32)
+
+
+# -- compressed-domain consumers (kvquant._kernels.consumers) ----------------------------------
+# Written as the engine states them (REFERENCE.md §1.5), in float64: the scale factored out of
+# each sum, the query rotated once, the context summed in the rotated basis and unrotated once.
+# Tests hold the kernels to these and to decode-then-dot, within the engine's tolerances.
+
+def f32_scores(X, Q):
+    """Q (m, d) . X (T, d)^T."""
+    return np.asarray(Q, np.float64) @ np.asarray(X, np.float64).T
+
+
+def f32_context(X, W):
+    """W (m, T) X (T, d)."""
+    return np.asarray(W, np.float64) @ np.asarray(X, np.float64)
+
+
+def kv8_scores(codes, scales, Q, group=None):
+    """sum_g scale_tg * sum_{i in g} q_i lut[code_ti]."""
+    vals = np.nan_to_num(e4m3_values(), nan=0.0)
+    codes = np.asarray(codes)
+    n, d = codes.shape
+    group = d if group is None else group
+    V = vals[codes].reshape(n, d // group, group)                     # (T, G, g)
+    Qg = np.asarray(Q, np.float64).reshape(-1, d // group, group)     # (m, G, g)
+    partial = np.einsum("mgi,tgi->mtg", Qg, V)
+    return (partial * np.asarray(scales, np.float64)[None]).sum(axis=2)
+
+
+def kv8_context(codes, scales, W, group=None):
+    """sum_t (w_t scale_tg) lut[code_t], the scale folded into the weight."""
+    vals = np.nan_to_num(e4m3_values(), nan=0.0)
+    codes = np.asarray(codes)
+    n, d = codes.shape
+    group = d if group is None else group
+    V = vals[codes].reshape(n, d // group, group)
+    C = np.asarray(W, np.float64)[:, :, None] * np.asarray(scales, np.float64)[None]  # (m, T, G)
+    return np.einsum("mtg,tgi->mgi", C, V).reshape(-1, d)
+
+
+def _tq_steps(side, n):
+    r = np.asarray(side, np.float64).reshape(-1)
+    live = (r > 0) & (r <= np.finfo(np.float32).max)
+    return np.where(live, r, 0.0) / np.sqrt(n)
+
+
+def tq_scores(packed, side, levels, bits, Q, seed=0x9E3779B9):
+    """(radius_t / sqrt(n)) * sum_i rotate(q)_i levels[code_ti]."""
+    Q = np.atleast_2d(np.asarray(Q, np.float64))
+    n = Q.shape[1]
+    L = np.asarray(levels, np.float64)[unpack_bits(packed, n, bits)]  # (T, n), rotated basis
+    return (rotate(Q, seed) @ L.T) * _tq_steps(side, n)[None, :]
+
+
+def tq_context(packed, side, levels, bits, W, n, seed=0x9E3779B9):
+    """unrotate(sum_t (w_t radius_t / sqrt(n)) levels[code_t])."""
+    L = np.asarray(levels, np.float64)[unpack_bits(packed, n, bits)]
+    C = np.asarray(W, np.float64) * _tq_steps(side, n)[None, :]
+    return unrotate(C @ L, seed)
+
+
+# -- PolarQuant (REFERENCE.md §1.4) ------------------------------------------------------------
+# Written apart from kvquant/_kernels/polar.pyx: the transform on strided numpy views, nearest
+# centroid by distance (argmin) instead of boundaries, the radius allocation by a full sort
+# instead of a radix select, variable-width packing through numpy bit arrays.
+
+def _polar_forward(Y):
+    """Recursive pairwise polar transform: a list of angle arrays (level 1 first)."""
+    angles, r = [], Y
+    while r.shape[1] > 1:
+        a, c = r[:, 0::2], r[:, 1::2]
+        angles.append(np.arctan2(c, a))
+        r = np.hypot(a, c)
+    return angles
+
+
+def _pack_variable(codes, widths, n_bytes):
+    """codes/widths of shape (n_rows, n_codes), each code LSB first, in order; zero padding."""
+    n_rows = codes.shape[0]
+    k = np.arange(8)
+    planes = ((codes[:, :, None].astype(np.int64) >> k) & 1).astype(np.uint8)
+    chosen = planes[k[None, None, :] < widths[:, :, None]].reshape(n_rows, -1)
+    bits = np.zeros((n_rows, 8 * n_bytes), np.uint8)
+    bits[:, :chosen.shape[1]] = chosen
+    return np.packbits(bits, axis=1, bitorder="little")
+
+
+def _read_variable(bits, start, widths):
+    """Codes of the given widths (n_rows, cnt) stored one after another from bit `start`."""
+    n_rows, cnt = widths.shape
+    offsets = start + np.concatenate([np.zeros((n_rows, 1), np.int64),
+                                      np.cumsum(widths, axis=1)[:, :-1]], axis=1)
+    k = np.arange(8)
+    idx = np.minimum(offsets[:, :, None] + k, bits.shape[1] - 1)
+    got = bits[np.arange(n_rows)[:, None, None], idx].astype(np.int64)
+    return ((got * (k < widths[:, :, None])) << k).sum(axis=2)
+
+
+def polar_row_bytes(n, bits):
+    return ((n // 2) * bits + (n // 2 - 1) * max(bits - 1, 1) + 7) // 8
+
+
+def _engine_polar_grid(level, bits):
+    """The engine's grid as float32 scalars: (kind, a, b) used by encode and decode below."""
+    f32 = np.float32
+    pi = f32(np.pi)
+    if level == 1:
+        return pi, f32(0.5) / pi
+    s = f32(2 ** (level - 1))
+    w = min(f32(1.5) / np.sqrt(s), f32(0.25) * pi)
+    return f32(0.25) * pi - w, f32(2) * w
+
+
+def polar_engine_encode_rows(X, bits, seed=0x9E3779B9):
+    """The engine's polar encoder in float32 numpy: norm in double; signs, butterflies, x 1/sqrtf(n);
+    atan2/hypot per pair; floor-then-clamp on the uniform grids (level 1 on `bits` bits over
+    [-pi, pi), deeper levels on max(bits-1, 1) bits around pi/4). numpy's float32 atan2/hypot may
+    differ from libm's in the last place, so a code on a grid edge may differ."""
+    f32 = np.float32
+    X = np.asarray(X, dtype=np.float32)
+    n_rows, n = X.shape
+    norm = np.sqrt((X.astype(np.float64) ** 2).sum(axis=1)).astype(np.float32)
+    live = (norm > f32(1e-35)) & (norm <= np.finfo(np.float32).max)
+    Y = fwht_f32(np.where(live[:, None], X, 0) * sign_vector(n, seed).astype(np.float32))
+    Y = (Y * (f32(1.0) / np.sqrt(f32(n)))).astype(np.float32)
+    codes, widths = [], []
+    for level, ang in enumerate(_polar_forward(Y), start=1):
+        b = bits if level == 1 else max(bits - 1, 1)
+        scale = f32(2**b)
+        if level == 1:
+            pi, inv_two_pi = _engine_polar_grid(1, b)
+            u = (ang + pi) * inv_two_pi
+        else:
+            lo, two_w = _engine_polar_grid(level, b)
+            u = (ang - lo) / two_w
+        q = np.clip(np.floor(u * scale), 0, 2**b - 1).astype(np.int64)
+        codes.append(q)
+        widths.append(np.full(q.shape, b))
+    codes, widths = np.concatenate(codes, axis=1), np.concatenate(widths, axis=1)
+    codes[~live] = 0
+    packed = _pack_variable(codes, widths, polar_row_bytes(n, bits))
+    return packed, np.where(live, norm, 0).astype(np.float32)
+
+
+def polar_engine_decode_rows(packed, radius, bits, n, seed=0x9E3779B9):
+    """Bin centres (float32 as the engine), top-down rebuild with cos/sin, unrotate."""
+    f32 = np.float32
+    radius = np.asarray(radius, dtype=np.float32)
+    n_rows = radius.shape[0]
+    flat = np.unpackbits(np.asarray(packed, np.uint8), axis=1, bitorder="little")
+    n_levels = n.bit_length() - 1
+    thetas, start = [], 0
+    for level in range(1, n_levels + 1):
+        cnt, b = n >> level, (bits if level == 1 else max(bits - 1, 1))
+        q = _read_variable(flat, start, np.full((n_rows, cnt), b)).astype(np.float32)
+        start += cnt * b
+        if level == 1:
+            pi, _ = _engine_polar_grid(1, b)
+            thetas.append(-pi + ((q + f32(0.5)) * (f32(2) * pi)) / f32(2**b))
+        else:
+            lo, two_w = _engine_polar_grid(level, b)
+            thetas.append(lo + ((q + f32(0.5)) * two_w) / f32(2**b))
+    live = (radius > 0) & (radius <= np.finfo(np.float32).max)
+    cur = np.where(live, radius, 0).astype(np.float32)[:, None]
+    for theta in reversed(thetas):
+        nxt = np.empty((n_rows, 2 * cur.shape[1]), np.float32)
+        nxt[:, 0::2] = cur * np.cos(theta)
+        nxt[:, 1::2] = cur * np.sin(theta)
+        cur = nxt
+    out = fwht_f32(cur) * (f32(1.0) / np.sqrt(f32(n)))
+    return (out * sign_vector(n, seed).astype(np.float32)).astype(np.float32)
+
+
+def polar_allocate(weight, gains, total):
+    """Bits per angle: the `total` largest keys weight[j] + gains[k] (angle j's (k+1)-th bit),
+    ties to the lower j then k, found by sorting every key. weight (n_rows, cnt) int."""
+    n_rows, cnt = weight.shape
+    n_bits = len(gains)
+    if total >= n_bits * cnt or total <= 0:
+        return np.full((n_rows, cnt), n_bits if total > 0 else 0, np.int64)
+    keys = weight[:, :, None].astype(np.int64) + np.asarray(gains, np.int64)[None, None, :]
+    order = np.arange(cnt * n_bits).reshape(cnt, n_bits)
+    composite = keys * (1 << 24) - order[None]
+    threshold = -np.sort(-composite.reshape(n_rows, -1), axis=1)[:, total - 1]
+    return (composite >= threshold[:, None, None]).sum(axis=2)
+
+
+def _polar_centroid_table(centroids, level):
+    """centroids[level][bits] (ragged lists or padded arrays) as a padded (bits, 256) table."""
+    table = np.zeros((len(centroids[level]), 256))
+    for bits, c in enumerate(centroids[level]):
+        c = np.asarray(c, np.float64)[:2**bits]
+        table[bits, :c.size] = c
+    return table
+
+
+def polar_lloyd_encode_rows(X, centroids, log2_cos2, log2_sin2, gains, level_totals, alloc,
+                            seed=0x9E3779B9):
+    """The Lloyd polar encoder in float64. centroids[level][bits][:2**bits] (ragged or padded),
+    log2 tables (level, bits, code), gains (level, k); level_totals[level] are
+    the bits of each level; alloc "level" gives every angle level_totals / count bits."""
+    X = np.asarray(X, dtype=np.float64)
+    n_rows, n = X.shape
+    n_levels = n.bit_length() - 1
+    norm = np.sqrt((X * X).sum(axis=1))
+    radius = norm.astype(np.float32)
+    live = (radius > np.float32(1e-35)) & np.isfinite(radius)
+    Y = rotate(np.where(live[:, None], X, 0.0), seed)
+    angles = _polar_forward(Y)
+    codes, widths = [None] * n_levels, [None] * n_levels
+    weight = np.zeros((n_rows, 1), np.int64)
+    for level in range(n_levels, 0, -1):
+        cnt = n >> level
+        if alloc == "radius":
+            w = polar_allocate(weight, gains[level], level_totals[level])
+        else:
+            w = np.full((n_rows, cnt), level_totals[level] // cnt)
+        q = np.zeros((n_rows, cnt), np.int64)
+        for b in np.unique(w):
+            sel = w == b
+            cents = _polar_centroid_table(centroids, level)[b, :2**b]
+            dist = np.abs(angles[level - 1][sel][:, None] - cents[None, :])
+            q[sel] = np.argmin(dist, axis=1)                            # first of equals: lower
+        codes[level - 1], widths[level - 1] = q, w
+        if level > 1:
+            child = np.empty((n_rows, 2 * cnt), np.int64)
+            child[:, 0::2] = weight + np.asarray(log2_cos2)[level][w, q]
+            child[:, 1::2] = weight + np.asarray(log2_sin2)[level][w, q]
+            weight = child
+    codes, widths = np.concatenate(codes, axis=1), np.concatenate(widths, axis=1)
+    codes[~live] = 0
+    n_bytes = (int(sum(level_totals)) + 7) // 8
+    return _pack_variable(codes, widths, n_bytes), np.where(live, norm, 0).astype(np.float32)
+
+
+def polar_lloyd_decode_rows(packed, radius, centroids, log2_cos2, log2_sin2, gains, level_totals,
+                            alloc, n, seed=0x9E3779B9):
+    radius = np.asarray(radius, dtype=np.float64)
+    n_rows = radius.shape[0]
+    n_levels = n.bit_length() - 1
+    flat = np.unpackbits(np.asarray(packed, np.uint8), axis=1, bitorder="little")
+    starts = np.concatenate([[0], np.cumsum(level_totals[1:n_levels + 1])])
+    live = (radius > 0) & (radius <= np.finfo(np.float32).max)
+    cur = np.where(live, radius, 0.0)[:, None]
+    weight = np.zeros((n_rows, 1), np.int64)
+    for level in range(n_levels, 0, -1):
+        cnt = n >> level
+        if alloc == "radius":
+            w = polar_allocate(weight, gains[level], level_totals[level])
+        else:
+            w = np.full((n_rows, cnt), level_totals[level] // cnt)
+        q = _read_variable(flat, starts[level - 1], w)
+        theta = _polar_centroid_table(centroids, level)[w, q]
+        if level > 1:
+            child = np.empty((n_rows, 2 * cnt), np.int64)
+            child[:, 0::2] = weight + np.asarray(log2_cos2)[level][w, q]
+            child[:, 1::2] = weight + np.asarray(log2_sin2)[level][w, q]
+            weight = child
+        nxt = np.empty((n_rows, 2 * cnt))
+        nxt[:, 0::2] = cur * np.cos(theta)
+        nxt[:, 1::2] = cur * np.sin(theta)
+        cur = nxt
+    return unrotate(cur, seed)
+
+
+# -- llama.cpp Q8_0 / Q4_0 (REFERENCE.md §3) ---------------------------------------------------
+# From the format's definition (ggml-quants.c, quantize_row_q8_0_ref / q4_0_ref), in float32 where
+# ggml computes in float32; rounding half away from zero as floor(|v| + 1/2) in float64.
+
+def _round_half_away(v):
+    v64 = np.asarray(v, np.float64)
+    return np.sign(v64) * np.floor(np.abs(v64) + 0.5)
+
+
+def q8_0_encode_rows(X):
+    X = np.asarray(X, dtype=np.float32)
+    n_rows, d = X.shape
+    B = X.reshape(n_rows, d // 32, 32)
+    amax = np.abs(B).max(axis=2)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+        v = (B * inv[:, :, None]).astype(np.float32)
+    q = np.where(np.isfinite(v), _round_half_away(np.where(np.isfinite(v), v, 0)), 0)
+    blocks = np.concatenate([scale.astype("<f2").view(np.uint8).reshape(n_rows, -1, 2),
+                             q.astype(np.int8).view(np.uint8)], axis=2)
+    return blocks.reshape(n_rows, -1)
+
+
+def q8_0_decode_rows(codes, d):
+    codes = np.asarray(codes, np.uint8)
+    n_rows = codes.shape[0]
+    blocks = codes.reshape(n_rows, d // 32, 34)
+    scale = blocks[:, :, :2].copy().view("<f2").astype(np.float32)
+    q = blocks[:, :, 2:].view(np.int8).astype(np.float32)
+    return (q * scale).reshape(n_rows, d)
+
+
+def q4_0_encode_rows(X):
+    X = np.asarray(X, dtype=np.float32)
+    n_rows, d = X.shape
+    B = X.reshape(n_rows, d // 32, 32)
+    first_peak = np.argmax(np.abs(B), axis=2)          # the first element of largest magnitude
+    peak = np.take_along_axis(B, first_peak[:, :, None], axis=2)[:, :, 0]
+    scale = (peak / np.float32(-8)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+        v = ((B * inv[:, :, None]).astype(np.float32) + np.float32(8.5)).astype(np.float32)
+    q = np.where(np.isfinite(v), np.minimum(15, np.floor(np.where(np.isfinite(v), v, 0))), 0)
+    q = q.astype(np.uint8)
+    packed = q[:, :, :16] | (q[:, :, 16:] << 4)
+    blocks = np.concatenate([scale.astype("<f2").view(np.uint8).reshape(n_rows, -1, 2), packed],
+                            axis=2)
+    return blocks.reshape(n_rows, -1)
+
+
+def q4_0_decode_rows(codes, d):
+    codes = np.asarray(codes, np.uint8)
+    n_rows = codes.shape[0]
+    blocks = codes.reshape(n_rows, d // 32, 18)
+    scale = blocks[:, :, :2].copy().view("<f2").astype(np.float32)
+    nib = blocks[:, :, 2:]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=2).astype(np.float32) - np.float32(8)
+    return (scale * q).reshape(n_rows, d)
+
+
+def _ggml_blocks(codes, dim, bits):
+    """Block scales (T, n_blocks) and integer values (T, n_blocks, 32) of q8_0 / q4_0 rows."""
+    codes = np.asarray(codes, np.uint8)
+    bb = 34 if bits == 8 else 18
+    B = codes.reshape(codes.shape[0], dim // 32, bb)
+    d = B[:, :, :2].copy().view("<f2")[:, :, 0].astype(np.float64)
+    if bits == 8:
+        v = B[:, :, 2:].view(np.int8).astype(np.float64)
+    else:
+        nib = B[:, :, 2:]
+        v = np.concatenate([nib & 0x0F, nib >> 4], axis=2).astype(np.float64) - 8.0
+    return d, v
+
+
+def ggml_scores(codes, Q, bits, rotated=False, seed=0x9E3779B9):
+    """sum_b d_tb * sum_{i in b} q_i v_ti, with q rotated first for +rot."""
+    Q = np.atleast_2d(np.asarray(Q, np.float64))
+    dim = Q.shape[1]
+    Q = rotate(Q, seed) if rotated else Q
+    d, v = _ggml_blocks(codes, dim, bits)
+    partial = np.einsum("mbi,tbi->mtb", Q.reshape(Q.shape[0], dim // 32, 32), v)
+    return (partial * d[None]).sum(axis=2)
+
+
+def ggml_context(codes, W, dim, bits, rotated=False, seed=0x9E3779B9):
+    """sum_t (w_t d_tb) v_t, unrotated once for +rot."""
+    d, v = _ggml_blocks(codes, dim, bits)
+    C = np.asarray(W, np.float64)[:, :, None] * d[None]            # (m, T, n_blocks)
+    ctx = np.einsum("mtb,tbi->mbi", C, v).reshape(-1, dim)
+    return unrotate(ctx, seed) if rotated else ctx

@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-KERNEL_MODULES = ["_build_info", "bitpack", "fp8", "rotation", "lloyd"]
+KERNEL_MODULES = ["_build_info", "bitpack", "fp8", "rotation", "lloyd", "consumers", "polar",
+                  "ggml"]
 
 
 @pytest.mark.parametrize("name", KERNEL_MODULES)

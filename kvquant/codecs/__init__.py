@@ -5,10 +5,10 @@ A spec is a base name with optional options after a colon, e.g. ``kv8``, ``kv8-g
 options given to ``get_codec`` are merged with those in the spec (a conflict is an error).
 Each family module exposes ``parse(base, dim, options)`` returning a codec or None.
 """
-from kvquant.codecs import fp8, identity, lloyd
+from kvquant.codecs import fp8, ggml, identity, lloyd, polar
 from kvquant.codecs.base import Codec, EncodedRows
 
-_FAMILIES = (identity.parse, fp8.parse, lloyd.parse)
+_FAMILIES = (identity.parse, fp8.parse, lloyd.parse, polar.parse, ggml.parse)
 _INT_OPTIONS = ("seed", "group", "bits")
 
 __all__ = ["Codec", "EncodedRows", "get_codec", "parse_spec", "split_spec_list"]
@@ -77,5 +77,6 @@ def get_codec(spec, dim, **options):
         if codec is not None:
             return codec
     raise ValueError(
-        f"unknown codec spec {spec!r}; known: f32, kv8, kv8-g<N>, tq<b> (b = 1..8)"
+        f"unknown codec spec {spec!r}; known: f32, kv8, kv8-g<N>, tq<b> (b = 1..8), "
+        "polar<b> (b = 2..6), q8_0, q4_0, q8_0+rot, q4_0+rot"
     )

@@ -160,7 +160,7 @@ class Codec:
         EncodedRows
         """
         X32 = self.as_rows(X)
-        codes, side, status = self._encode(X32, resolve_n_threads(n_threads))
+        codes, side, status = self._encode(X32, resolve_n_threads(n_threads, X32.size))
         if status is not None:
             self._raise_on_bad_rows(status)
         return EncodedRows(codes, side, self.spec, self.dim)
@@ -168,8 +168,103 @@ class Codec:
     def decode(self, enc, n_threads=None):
         """Rebuild rows, float32 of shape (n_rows, dim)."""
         codes, side = self.check_encoded(enc)
-        return self._decode(codes, side, resolve_n_threads(n_threads))
+        return self._decode(codes, side, resolve_n_threads(n_threads, codes.shape[0] * self.dim))
 
     def roundtrip(self, X, n_threads=None):
         """decode(encode(X))."""
         return self.decode(self.encode(X, n_threads), n_threads)
+
+    # -- compressed-domain consumers ---------------------------------------------------------
+    def scores(self, enc, q, n_threads=None):
+        """Dot products of queries with every stored row, read from the codes (never decoded).
+
+        Parameters
+        ----------
+        enc : EncodedRows
+            T rows written by this codec.
+        q : array-like of shape (dim,) or (m, dim), float32 or float64
+        n_threads : int or None
+
+        Returns
+        -------
+        ndarray of shape (T,) or (m, T), dtype float32
+            ``q . x^_t`` with ``x^ = decode(enc)``, to rounding (REFERENCE.md §1.5).
+        """
+        codes, side = self.check_encoded(enc)
+        Q, one = _as_matrix(q, self.dim, "queries q", f"the row width {self.dim}")
+        out = np.empty((Q.shape[0], codes.shape[0]), np.float32)
+        self._scores(codes, side, Q, out, resolve_n_threads(n_threads))
+        return out[0] if one else out
+
+    def context(self, enc, w, n_threads=None):
+        """Weighted sums of the stored rows, read from the codes (never decoded).
+
+        Parameters
+        ----------
+        enc : EncodedRows
+            T rows written by this codec.
+        w : array-like of shape (T,) or (m, T), float32 or float64
+        n_threads : int or None
+
+        Returns
+        -------
+        ndarray of shape (dim,) or (m, dim), dtype float32
+            ``sum_t w_t x^_t``, to rounding. The same bits for any ``n_threads``.
+        """
+        codes, side = self.check_encoded(enc)
+        W, one = _as_matrix(w, codes.shape[0], "weights w", f"the number of rows {codes.shape[0]}")
+        out = np.empty((W.shape[0], self.dim), np.float32)
+        self._context(codes, side, W, out, resolve_n_threads(n_threads))
+        return out[0] if one else out
+
+    # Consumer hooks. Q (m, dim) and W (m, T) arrive C-contiguous float32, codes and side checked;
+    # fill `out`. The versions here decode and then multiply: a reference for prototyping a new
+    # codec, NOT for shipping. Every codec in the registry overrides both with a compressed-domain
+    # kernel (kvquant._kernels.consumers); tests/test_consumers.py fails on one that does not.
+    def _scores(self, codes, side, Q, out, n_threads):
+        X = self._decode(codes, side, n_threads)
+        np.matmul(Q, X.T, out=out)
+
+    def _context(self, codes, side, W, out, n_threads):
+        X = self._decode(codes, side, n_threads)
+        np.matmul(W, X, out=out)
+
+    # For codecs whose rows only exist once rebuilt (polar: cos/sin down a tree): rebuild
+    # DECODE_BLOCK rows at a time, never the whole cache, and read each block with the f32 kernels.
+    # The block size is part of the context's summation order, so it is a constant.
+    DECODE_BLOCK = 4096
+
+    def _scores_by_decoded_blocks(self, codes, side, Q, out, n_threads):
+        from kvquant._kernels import consumers
+        for r0 in range(0, codes.shape[0], self.DECODE_BLOCK):
+            r1 = min(r0 + self.DECODE_BLOCK, codes.shape[0])
+            X = self._decode(codes[r0:r1], side[r0:r1], n_threads)
+            block = np.empty((Q.shape[0], r1 - r0), np.float32)
+            consumers.scores_f32(X.view(np.uint8), Q, block, n_threads)
+            out[:, r0:r1] = block
+
+    def _context_by_decoded_blocks(self, codes, side, W, out, n_threads):
+        from kvquant._kernels import consumers
+        out[:] = 0.0
+        block = np.empty_like(out)
+        for r0 in range(0, codes.shape[0], self.DECODE_BLOCK):
+            r1 = min(r0 + self.DECODE_BLOCK, codes.shape[0])
+            X = self._decode(codes[r0:r1], side[r0:r1], n_threads)
+            consumers.context_f32(X.view(np.uint8), np.ascontiguousarray(W[:, r0:r1]), block,
+                                  n_threads)
+            out += block
+
+
+def _as_matrix(a, width, what, width_name):
+    """Coerce a vector (width,) or a matrix (m, width) of floats to C-contiguous float32 (m, width);
+    also return whether the input was a vector."""
+    a = np.asarray(a)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{what} must be floating point (float32 or float64), got dtype {a.dtype}")
+    if a.ndim not in (1, 2) or a.shape[-1] != width:
+        raise ValueError(
+            f"{what} must have shape ({width},) or (m, {width}) to match {width_name}, "
+            f"got shape {a.shape}"
+        )
+    one = a.ndim == 1
+    return np.ascontiguousarray(a.reshape(1, -1) if one else a, dtype=np.float32), one

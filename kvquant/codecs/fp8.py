@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 
+from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import fp8 as _fp8
 from kvquant.codecs.base import Codec
 
@@ -53,6 +54,14 @@ class FP8Codec(Codec):
         out = np.empty((codes.shape[0], self.dim), np.float32)
         _fp8.decode_rows(codes, side, self.group, out, n_threads)
         return out
+
+    # Decoded inline; the scale is factored out of each (per-group) sum, and folded into the
+    # weight of the context.
+    def _scores(self, codes, side, Q, out, n_threads):
+        _consumers.scores_kv8(codes, side, self.group, Q, out, n_threads)
+
+    def _context(self, codes, side, W, out, n_threads):
+        _consumers.context_kv8(codes, side, self.group, W, out, n_threads)
 
 
 def parse(base, dim, options):

@@ -1,6 +1,7 @@
 """``f32``: rows stored as they are, the reference every other codec is measured against."""
 import numpy as np
 
+from kvquant._kernels import consumers as _consumers
 from kvquant.codecs.base import Codec
 
 
@@ -21,6 +22,12 @@ class F32Codec(Codec):
 
     def _decode(self, codes, side, n_threads):
         return codes.view(np.float32).copy()
+
+    def _scores(self, codes, side, Q, out, n_threads):
+        _consumers.scores_f32(codes, Q, out, n_threads)
+
+    def _context(self, codes, side, W, out, n_threads):
+        _consumers.context_f32(codes, W, out, n_threads)
 
 
 def parse(base, dim, options):

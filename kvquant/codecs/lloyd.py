@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 
+from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import lloyd as _lloyd
 from kvquant.codebooks import levels_checksum, load_codebook
 from kvquant.codecs.base import Codec
@@ -127,6 +128,16 @@ class LloydCodec(Codec):
         _lloyd.decode_rows(codes, np.ascontiguousarray(side[:, 0]), self.rotation.signs,
                            self.levels, self.bits, out, n_threads)
         return out
+
+    # The query is rotated once and dotted with the levels, the radius applied once per row; the
+    # context is accumulated in the rotated basis and unrotated once.
+    def _scores(self, codes, side, Q, out, n_threads):
+        _consumers.scores_tq(codes, side, self.rotation.signs, self.levels, self.bits, Q, out,
+                             n_threads)
+
+    def _context(self, codes, side, W, out, n_threads):
+        _consumers.context_tq(codes, side, self.rotation.signs, self.levels, self.bits, W, out,
+                              n_threads)
 
 
 def parse(base, dim, options):

@@ -1,0 +1,448 @@
+# Compressed-domain attention consumers: scores s_t = q . x^_t and contexts sum_t w_t x^_t, read
+# straight from the stored codes and side values; the cache is never decoded (DESIGN.md, Kernels).
+#
+# Each codec family brings two row kernels (C, in consumers_<family>.h: a portable version and an
+# AVX-512 one, chosen at run time); this module runs them over the rows in parallel:
+#   scores:  rows in blocks, one prange iteration per block; each score is one row's own sum.
+#   context: rows in chunks of CONTEXT_CHUNK (a constant, not a function of the thread count); each
+#            chunk sums its rows in order into its own partial vector, and the partials are added
+#            in chunk order. So results are the same bits for any thread count, and the portable
+#            and AVX-512 paths agree bit for bit (the reduction order is defined in simd.h).
+# Kernels never validate; kvquant.codecs does.
+import os
+
+import numpy as np
+
+from cython.parallel cimport prange
+from libc.math cimport sqrtf
+from libc.stdint cimport uint8_t, int64_t
+from libc.string cimport memcpy, memset
+
+from kvquant._kernels._common cimport fwht
+
+cdef extern from "simd.h":
+    ctypedef struct kvq_params:
+        int64_t n_rows
+        int64_t dim
+        int64_t code_bytes
+        int64_t n_side
+        int64_t group
+        int bits
+        float sqrtf_n
+        const float* levels
+        const float* table
+        const uint8_t* planes
+        int vbmi
+    ctypedef void (*kvq_dot_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                                int64_t r0, int64_t r1, const float* q,
+                                float* out) noexcept nogil
+    ctypedef void (*kvq_axpy_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                                 int64_t r0, int64_t r1, const float* w,
+                                 float* acc) noexcept nogil
+    int kvq_cpu_simd_level() noexcept nogil
+    int kvq_compiled_simd_level() noexcept nogil
+    int KVQ_SIMD_PORTABLE
+    int KVQ_SIMD_AVX512
+    int KVQ_SIMD_AVX512VBMI
+
+cdef extern from "consumers_f32.h":
+    void kvq_f32_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                              const float*, float*) noexcept nogil
+    void kvq_f32_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                               const float*, float*) noexcept nogil
+    void kvq_f32_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                            const float*, float*) noexcept nogil
+    void kvq_f32_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                             const float*, float*) noexcept nogil
+
+cdef extern from "consumers_kv8.h":
+    void kvq_e4m3_init() noexcept nogil
+    float kvq_e4m3_value(uint8_t c) noexcept nogil
+    void kvq_kv8_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                              const float*, float*) noexcept nogil
+    void kvq_kv8_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                               const float*, float*) noexcept nogil
+    void kvq_kv8_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                            const float*, float*) noexcept nogil
+    void kvq_kv8_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                             const float*, float*) noexcept nogil
+
+cdef extern from "consumers_tq.h":
+    void kvq_tq_init() noexcept nogil
+    void kvq_tq_prepare(const float* levels, int bits, float* table,
+                        uint8_t* planes) noexcept nogil
+    void kvq_tq_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                             const float*, float*) noexcept nogil
+    void kvq_tq_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                              const float*, float*) noexcept nogil
+    void kvq_tq_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                           const float*, float*) noexcept nogil
+    void kvq_tq_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                            const float*, float*) noexcept nogil
+
+cdef extern from "consumers_ggml.h":
+    void kvq_ggml_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                               const float*, float*) noexcept nogil
+    void kvq_ggml_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t,
+                                int64_t, const float*, float*) noexcept nogil
+    void kvq_ggml_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                             const float*, float*) noexcept nogil
+    void kvq_ggml_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                              const float*, float*) noexcept nogil
+
+kvq_e4m3_init()
+kvq_tq_init()
+
+# Rows per context chunk. Part of the definition of a context's rounding: never derive it from
+# the thread count.
+CONTEXT_CHUNK = 1024
+cdef int64_t _CONTEXT_CHUNK = CONTEXT_CHUNK
+cdef int64_t _SUB_BLOCK = 64      # rows handed to a row kernel at a time (all queries in turn)
+cdef int64_t _SCORE_BLOCK = 128   # rows per parallel iteration of scores
+cdef int64_t _MERGE_BLOCK = 256   # context elements per parallel iteration of the merge
+# Element operations below which another thread costs more than it saves (waking a thread takes
+# microseconds, much more on a busy machine). Results do not depend on the thread count, so this
+# only changes speed.
+cdef int64_t _MIN_WORK_PER_THREAD = 1 << 16
+
+
+cdef inline int _threads_for(int64_t work, int n_threads) noexcept nogil:
+    cdef int64_t useful = work // _MIN_WORK_PER_THREAD
+    if useful < 1:
+        return 1
+    return <int>useful if useful < n_threads else n_threads
+
+# -- which instruction set runs ----------------------------------------------------------------
+SIMD_NAMES = {0: "portable", 2: "avx512", 3: "avx512vbmi"}
+cdef int _cpu_level = kvq_cpu_simd_level() if kvq_compiled_simd_level() else 0
+cdef int _level = _cpu_level
+
+
+def cpu_simd():
+    """The best path this CPU and build can run: ``"avx512vbmi"``, ``"avx512"`` or
+    ``"portable"``."""
+    return SIMD_NAMES[_cpu_level]
+
+
+def get_simd():
+    """The path the consumers use now."""
+    return SIMD_NAMES[_level]
+
+
+def set_simd(mode):
+    """Choose the path: ``"auto"`` (the best available), ``"portable"``, ``"avx512"`` or
+    ``"avx512vbmi"`` (AVX-512 plus byte permutes, used by 6- to 8-bit tq).
+
+    Every path gives the same bits; forcing one is for tests and benchmarks. Returns the previous
+    path's name. The environment variable ``KVQUANT_SIMD`` sets the initial mode.
+    """
+    global _level
+    previous = SIMD_NAMES[_level]
+    levels = {"portable": KVQ_SIMD_PORTABLE, "avx512": KVQ_SIMD_AVX512,
+              "avx512vbmi": KVQ_SIMD_AVX512VBMI}
+    if mode == "auto":
+        _level = _cpu_level
+    elif mode in levels:
+        if _cpu_level < levels[mode]:
+            raise ValueError(f"this CPU or build cannot run the {mode!r} path (it has "
+                             f"{SIMD_NAMES[_cpu_level]!r})")
+        _level = levels[mode]
+    else:
+        raise ValueError(f"simd mode must be 'auto' or one of {sorted(levels)}, got {mode!r}")
+    return previous
+
+
+set_simd(os.environ.get("KVQUANT_SIMD", "auto") or "auto")
+
+
+# -- drivers -----------------------------------------------------------------------------------
+cdef void _run_scores(kvq_dot_fn fn, const kvq_params* p, const uint8_t* codes,
+                      const float* side,
+                      const float[:, ::1] Q,      # IN  (m, d) in the codec's basis
+                      float[:, ::1] out,          # OUT (m, T)
+                      int n_threads) noexcept nogil:
+    cdef int64_t T = p.n_rows, m = Q.shape[0]
+    cdef int64_t n_blocks = (T + _SCORE_BLOCK - 1) // _SCORE_BLOCK
+    cdef int64_t b, j, r0, r1
+    if T == 0 or m == 0:
+        return
+    n_threads = _threads_for(T * m * p.dim, n_threads)
+    for b in prange(n_blocks, schedule="static", num_threads=n_threads):
+        r0 = b * _SCORE_BLOCK
+        r1 = min(r0 + _SCORE_BLOCK, T)
+        for j in range(m):
+            fn(p, codes, side, r0, r1, &Q[j, 0], &out[j, 0])
+
+
+cdef void _run_context(kvq_axpy_fn fn, const kvq_params* p, const uint8_t* codes,
+                       const float* side,
+                       const float[:, ::1] W,         # IN  (m, T)
+                       float[:, :, ::1] partial,      # scratch (n_chunks, m, d)
+                       float[:, ::1] out,             # OUT (m, d) in the codec's basis
+                       int n_threads) noexcept nogil:
+    cdef int64_t T = p.n_rows, m = W.shape[0], d = p.dim
+    cdef int64_t n_chunks = (T + _CONTEXT_CHUNK - 1) // _CONTEXT_CHUNK
+    cdef int64_t n_eblocks = (d + _MERGE_BLOCK - 1) // _MERGE_BLOCK
+    cdef int64_t c, j, r0, r1, s, e, k, i, i0, i1
+    if m == 0:
+        return
+    if T == 0:
+        memset(&out[0, 0], 0, m * d * sizeof(float))
+        return
+    for c in prange(n_chunks, schedule="static",
+                    num_threads=_threads_for(T * m * d, n_threads)):
+        memset(&partial[c, 0, 0], 0, m * d * sizeof(float))
+        r0 = c * _CONTEXT_CHUNK
+        r1 = min(r0 + _CONTEXT_CHUNK, T)
+        s = r0
+        while s < r1:
+            e = min(s + _SUB_BLOCK, r1)
+            for j in range(m):
+                fn(p, codes, side, s, e, &W[j, 0], &partial[c, j, 0])
+            s = e
+    # chunk partials added in chunk order, element by element
+    for k in prange(m * n_eblocks, schedule="static",
+                    num_threads=_threads_for(n_chunks * m * d, n_threads)):
+        j = k // n_eblocks
+        i0 = (k % n_eblocks) * _MERGE_BLOCK
+        i1 = min(i0 + _MERGE_BLOCK, d)
+        memcpy(&out[j, i0], &partial[0, j, i0], (i1 - i0) * sizeof(float))
+        for c in range(1, n_chunks):
+            for i in range(i0, i1):
+                out[j, i] = out[j, i] + partial[c, j, i]
+
+
+cdef inline object _partials(int64_t T, int64_t m, int64_t d):
+    return np.empty((max(1, (T + _CONTEXT_CHUNK - 1) // _CONTEXT_CHUNK), m, d), np.float32)
+
+
+cdef void _rotate_rows(const float[:, ::1] X, const float[::1] signs, float[:, ::1] out,
+                       int n_threads) noexcept nogil:
+    """H (D x) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation."""
+    cdef int64_t r, i, m = X.shape[0], n = X.shape[1]
+    cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
+    for r in prange(m, schedule="static", num_threads=_threads_for(m * n * 8, n_threads)):
+        for i in range(n):
+            out[r, i] = X[r, i] * signs[i]
+        fwht(&out[r, 0], n)
+        for i in range(n):
+            out[r, i] = out[r, i] * inv_sqrt_n
+
+
+cdef void _unrotate_rows_inplace(float[:, ::1] Y, const float[::1] signs,
+                                 int n_threads) noexcept nogil:
+    """D (H y) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation."""
+    cdef int64_t r, i, m = Y.shape[0], n = Y.shape[1]
+    cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
+    for r in prange(m, schedule="static", num_threads=_threads_for(m * n * 8, n_threads)):
+        fwht(&Y[r, 0], n)
+        for i in range(n):
+            Y[r, i] = Y[r, i] * inv_sqrt_n * signs[i]
+
+
+# -- f32 -----------------------------------------------------------------------------------------
+cdef void _f32_params(kvq_params* p, const uint8_t[:, ::1] codes):
+    memset(p, 0, sizeof(kvq_params))
+    p.n_rows = codes.shape[0]
+    p.code_bytes = codes.shape[1]
+    p.dim = codes.shape[1] // 4
+
+
+def scores_f32(const uint8_t[:, ::1] codes,   # IN  (T, 4 d) float32 rows as bytes
+               const float[:, ::1] Q,         # IN  (m, d)
+               float[:, ::1] out,             # OUT (m, T)
+               int n_threads):
+    cdef kvq_params p
+    cdef kvq_dot_fn fn = kvq_f32_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_f32_dot_portable
+    _f32_params(&p, codes)
+    if p.n_rows == 0 or Q.shape[0] == 0:
+        return
+    with nogil:
+        _run_scores(fn, &p, &codes[0, 0], NULL, Q, out, n_threads)
+
+
+def context_f32(const uint8_t[:, ::1] codes,  # IN  (T, 4 d)
+                const float[:, ::1] W,        # IN  (m, T)
+                float[:, ::1] out,            # OUT (m, d)
+                int n_threads):
+    cdef kvq_params p
+    cdef kvq_axpy_fn fn = (kvq_f32_axpy_avx512 if _level >= KVQ_SIMD_AVX512
+                           else kvq_f32_axpy_portable)
+    _f32_params(&p, codes)
+    if W.shape[0] == 0:
+        return
+    cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
+    cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
+    with nogil:
+        _run_context(fn, &p, c0, NULL, W, partial, out, n_threads)
+
+
+# -- kv8 -----------------------------------------------------------------------------------------
+cdef void _kv8_params(kvq_params* p, const uint8_t[:, ::1] codes, const float[:, ::1] scales,
+                      int64_t group):
+    memset(p, 0, sizeof(kvq_params))
+    p.n_rows = codes.shape[0]
+    p.dim = codes.shape[1]
+    p.code_bytes = codes.shape[1]
+    p.n_side = scales.shape[1]
+    p.group = group
+
+
+def e4m3_values():
+    """The decode values the consumers use (NaN codes as 0), for tests."""
+    return [kvq_e4m3_value(<uint8_t>c) for c in range(256)]
+
+
+def scores_kv8(const uint8_t[:, ::1] codes,   # IN  (T, d) e4m3fn codes
+               const float[:, ::1] scales,    # IN  (T, d // group)
+               int64_t group,
+               const float[:, ::1] Q,         # IN  (m, d)
+               float[:, ::1] out,             # OUT (m, T)
+               int n_threads):
+    cdef kvq_params p
+    cdef kvq_dot_fn fn = kvq_kv8_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_kv8_dot_portable
+    _kv8_params(&p, codes, scales, group)
+    if p.n_rows == 0 or Q.shape[0] == 0:
+        return
+    with nogil:
+        _run_scores(fn, &p, &codes[0, 0], &scales[0, 0], Q, out, n_threads)
+
+
+def context_kv8(const uint8_t[:, ::1] codes,  # IN  (T, d)
+                const float[:, ::1] scales,   # IN  (T, d // group)
+                int64_t group,
+                const float[:, ::1] W,        # IN  (m, T)
+                float[:, ::1] out,            # OUT (m, d)
+                int n_threads):
+    cdef kvq_params p
+    cdef kvq_axpy_fn fn = (kvq_kv8_axpy_avx512 if _level >= KVQ_SIMD_AVX512
+                           else kvq_kv8_axpy_portable)
+    _kv8_params(&p, codes, scales, group)
+    if W.shape[0] == 0:
+        return
+    cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
+    cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
+    cdef const float* s0 = &scales[0, 0] if p.n_rows else NULL
+    with nogil:
+        _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
+
+
+# -- tq (rotated Lloyd) --------------------------------------------------------------------------
+cdef void _tq_params(kvq_params* p, const uint8_t[:, ::1] codes, const float[:, ::1] side,
+                     const float[::1] levels, int bits, int64_t dim, float* table,
+                     uint8_t* planes):
+    memset(p, 0, sizeof(kvq_params))
+    p.n_rows = codes.shape[0]
+    p.dim = dim
+    p.code_bytes = codes.shape[1]
+    p.n_side = side.shape[1]
+    p.bits = bits
+    p.sqrtf_n = sqrtf(<float>dim)
+    p.levels = &levels[0]
+    p.vbmi = _level >= KVQ_SIMD_AVX512VBMI
+    kvq_tq_prepare(&levels[0], bits, table, planes)
+    p.table = table
+    p.planes = planes
+
+
+def scores_tq(const uint8_t[:, ::1] codes,    # IN  (T, ceil(n*bits/8))
+              const float[:, ::1] side,       # IN  (T, 1) radius
+              const float[::1] signs,         # IN  (n,) rotation signs
+              const float[::1] levels,        # IN  (2**bits,)
+              int bits,
+              const float[:, ::1] Q,          # IN  (m, n) queries, original basis
+              float[:, ::1] out,              # OUT (m, T)
+              int n_threads):
+    """Rotates the queries once, then dots them with the levels; the radius is applied per row."""
+    cdef kvq_params p
+    cdef float table[256]
+    cdef uint8_t planes[1024]
+    cdef kvq_dot_fn fn = kvq_tq_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_tq_dot_portable
+    _tq_params(&p, codes, side, levels, bits, Q.shape[1], table, planes)
+    if p.n_rows == 0 or Q.shape[0] == 0:
+        return
+    cdef float[:, ::1] Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
+    with nogil:
+        _rotate_rows(Q, signs, Qrot, n_threads)
+        _run_scores(fn, &p, &codes[0, 0], &side[0, 0], Qrot, out, n_threads)
+
+
+def context_tq(const uint8_t[:, ::1] codes,   # IN  (T, ceil(n*bits/8))
+               const float[:, ::1] side,      # IN  (T, 1)
+               const float[::1] signs,        # IN  (n,)
+               const float[::1] levels,       # IN  (2**bits,)
+               int bits,
+               const float[:, ::1] W,         # IN  (m, T)
+               float[:, ::1] out,             # OUT (m, n) original basis
+               int n_threads):
+    """Accumulates in the rotated basis, then unrotates each context once."""
+    cdef kvq_params p
+    cdef float table[256]
+    cdef uint8_t planes[1024]
+    cdef kvq_axpy_fn fn = (kvq_tq_axpy_avx512 if _level >= KVQ_SIMD_AVX512
+                           else kvq_tq_axpy_portable)
+    _tq_params(&p, codes, side, levels, bits, out.shape[1], table, planes)
+    if W.shape[0] == 0:
+        return
+    cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
+    cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
+    cdef const float* s0 = &side[0, 0] if p.n_rows else NULL
+    with nogil:
+        _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
+        _unrotate_rows_inplace(out, signs, n_threads)
+
+
+# -- q8_0 / q4_0 (llama.cpp blocks), optionally rotated ------------------------------------------
+cdef void _ggml_params(kvq_params* p, const uint8_t[:, ::1] codes, int bits, int64_t dim):
+    memset(p, 0, sizeof(kvq_params))
+    p.n_rows = codes.shape[0]
+    p.dim = dim
+    p.code_bytes = codes.shape[1]
+    p.bits = bits
+
+
+def scores_ggml(const uint8_t[:, ::1] codes,   # IN  (T, (n/32) * block bytes)
+                int bits,                      # 8: q8_0, 4: q4_0
+                bint rotate,                   # +rot: rotate the queries once
+                const float[::1] signs,        # IN  (n,) rotation signs (any when not rotate)
+                const float[:, ::1] Q,         # IN  (m, n) queries, original basis
+                float[:, ::1] out,             # OUT (m, T)
+                int n_threads):
+    """The block scale is factored out of each block's partial sum."""
+    cdef kvq_params p
+    cdef kvq_dot_fn fn = (kvq_ggml_dot_avx512 if _level >= KVQ_SIMD_AVX512
+                          else kvq_ggml_dot_portable)
+    _ggml_params(&p, codes, bits, Q.shape[1])
+    if p.n_rows == 0 or Q.shape[0] == 0:
+        return
+    cdef const float[:, ::1] Qb = Q
+    cdef float[:, ::1] Qrot
+    if rotate:
+        Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
+        with nogil:
+            _rotate_rows(Q, signs, Qrot, n_threads)
+        Qb = Qrot
+    with nogil:
+        _run_scores(fn, &p, &codes[0, 0], NULL, Qb, out, n_threads)
+
+
+def context_ggml(const uint8_t[:, ::1] codes,  # IN  (T, (n/32) * block bytes)
+                 int bits,
+                 bint rotate,                  # +rot: accumulate rotated, unrotate once
+                 const float[::1] signs,       # IN  (n,)
+                 const float[:, ::1] W,        # IN  (m, T)
+                 float[:, ::1] out,            # OUT (m, n) original basis
+                 int n_threads):
+    """The block scale is folded into the weight."""
+    cdef kvq_params p
+    cdef kvq_axpy_fn fn = (kvq_ggml_axpy_avx512 if _level >= KVQ_SIMD_AVX512
+                           else kvq_ggml_axpy_portable)
+    _ggml_params(&p, codes, bits, out.shape[1])
+    if W.shape[0] == 0:
+        return
+    cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
+    cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
+    with nogil:
+        _run_context(fn, &p, c0, NULL, W, partial, out, n_threads)
+        if rotate:
+            _unrotate_rows_inplace(out, signs, n_threads)

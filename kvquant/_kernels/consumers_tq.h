@@ -1,0 +1,457 @@
+/* Row kernels of the rotated Lloyd codecs (tq<b>, b = 1..8): codes packed LSB first (element i at
+ * bits [i*b, (i+1)*b)), one side value r per row, x^ = unrotate(levels[c] * step) with
+ * step = r / sqrtf(n) (0 for an inert row: r not > 0 or not finite), as the decoder computes it.
+ *
+ * The query arrives rotated (q~ = rotate(q)), so nothing here touches the rotation:
+ *   score_t = tree16(lanes of q~_i * levels[c_ti]) * step_t      (simd.h order)
+ *   acc~_i  = acc~_i + (w_t * step_t) * levels[c_ti], rows in order (unrotated once by the driver)
+ * The AVX-512 path keeps up to 64 levels in registers and picks them with permutes; 7 and 8 bits
+ * gather from a table in L1. With VBMI, 6 to 8 bits look levels up byte plane by byte plane
+ * (below). A group of 16 codes is exactly 2b bytes, so every group starts on a byte boundary.
+ */
+#ifndef KVQ_CONSUMERS_TQ_H
+#define KVQ_CONSUMERS_TQ_H
+
+#include "simd.h"
+
+static inline float kvq_tq_step(float r, float sqrtf_n)
+{
+    return (r > 0.0f && r <= FLT_MAX) ? r / sqrtf_n : 0.0f;
+}
+
+/* Codes of one row, LSB first, into c[0..n). */
+static inline void kvq_tq_unpack(const uint8_t* src, int64_t n, int bits, uint8_t* c)
+{
+    uint64_t acc = 0;
+    int filled = 0;
+    const uint32_t mask = (1u << bits) - 1u;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        while (filled < bits) {
+            acc |= (uint64_t)(*src++) << filled;
+            filled += 8;
+        }
+        c[i] = (uint8_t)(acc & mask);
+        acc >>= bits;
+        filled -= bits;
+    }
+}
+
+#define KVQ_TQ_BLOCK 256   /* codes unpacked at a time by the portable path */
+
+/* Lookup tables of a codebook, built once per consumer call: table[e] = levels[e mod 2**bits]
+ * (so any byte whose low bits are the code indexes it), and its four byte planes. */
+static void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes)
+{
+    int e, k;
+    for (e = 0; e < 256; e++) {
+        uint32_t u;
+        table[e] = levels[e & ((1 << bits) - 1)];
+        memcpy(&u, &table[e], 4);
+        for (k = 0; k < 4; k++) planes[256 * k + e] = (uint8_t)(u >> (8 * k));
+    }
+}
+
+static void kvq_tq_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
+                                int64_t r0, int64_t r1, const float* q, float* out)
+{
+    const int64_t n = p->dim;
+    const float* lev = p->levels;
+    const int b = p->bits;
+    uint8_t c[KVQ_TQ_BLOCK];
+    float acc[16];
+    int64_t t, i0, i, m;
+    int j;
+    for (t = r0; t < r1; t++) {
+        const uint8_t* row = codes + t * p->code_bytes;
+        kvq_zero16(acc);
+        for (i0 = 0; i0 < n; i0 += KVQ_TQ_BLOCK) {   /* KVQ_TQ_BLOCK * b bits: whole bytes */
+            m = n - i0 < KVQ_TQ_BLOCK ? n - i0 : KVQ_TQ_BLOCK;
+            kvq_tq_unpack(row + i0 * b / 8, m, b, c);
+            for (i = 0; i + 16 <= m; i += 16)
+                for (j = 0; j < 16; j++) acc[j] = acc[j] + q[i0 + i + j] * lev[c[i + j]];
+            for (j = 0; i + j < m; j++) acc[j] = acc[j] + q[i0 + i + j] * lev[c[i + j]];
+        }
+        out[t] = kvq_tree16(acc) * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+    }
+}
+
+static void kvq_tq_axpy_portable(const kvq_params* p, const uint8_t* codes, const float* side,
+                                 int64_t r0, int64_t r1, const float* w, float* acc)
+{
+    const int64_t n = p->dim;
+    const float* lev = p->levels;
+    const int b = p->bits;
+    uint8_t c[KVQ_TQ_BLOCK];
+    int64_t t, i0, i, m;
+    for (t = r0; t < r1; t++) {
+        const uint8_t* row = codes + t * p->code_bytes;
+        const float ct = w[t] * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        for (i0 = 0; i0 < n; i0 += KVQ_TQ_BLOCK) {
+            m = n - i0 < KVQ_TQ_BLOCK ? n - i0 : KVQ_TQ_BLOCK;
+            kvq_tq_unpack(row + i0 * b / 8, m, b, c);
+            for (i = 0; i < m; i++) acc[i0 + i] = acc[i0 + i] + ct * lev[c[i]];
+        }
+    }
+}
+
+#if KVQ_HAVE_X86_SIMD
+typedef struct {
+    __m512 t0, t1, t2, t3;   /* levels, 16 per register (periodic padding below 16 levels) */
+    __m512i ctl, sh;         /* unpacking: byte shuffle and per-lane shift */
+    const float* table;      /* 7 and 8 bits: the gather table (256 entries) */
+} kvq_tq_consts;
+
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init(kvq_tq_consts* K,
+                                                                 const float* table256, int b)
+{
+    uint8_t ctl[64];
+    int32_t sh[16];
+    int i, k;
+    K->t0 = _mm512_loadu_ps(table256);
+    K->t1 = _mm512_loadu_ps(table256 + 16);
+    K->t2 = _mm512_loadu_ps(table256 + 32);
+    K->t3 = _mm512_loadu_ps(table256 + 48);
+    K->table = table256;
+    /* lane i takes the 4 bytes from byte (b*i)/8 of the group and shifts by (b*i)%8 */
+    for (i = 0; i < 16; i++) {
+        const int o = (b * i) >> 3;
+        for (k = 0; k < 4; k++) ctl[4 * i + k] = (uint8_t)(o + k < 16 ? o + k : 0x80);
+        sh[i] = (b * i) & 7;
+    }
+    K->ctl = _mm512_loadu_si512((const void*)ctl);
+    K->sh = _mm512_loadu_si512((const void*)sh);
+}
+
+/* Levels of the 16 codes of one group (2b bytes at g). `wide` says that 16 bytes may be read. */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
+                                                             const kvq_tq_consts* K,
+                                                             const int b, const int wide)
+{
+    __m512i x;
+    if (b == 1) {
+        uint16_t m;
+        memcpy(&m, g, 2);
+        return _mm512_mask_blend_ps((__mmask16)m, _mm512_set1_ps(K->table[0]),
+                                    _mm512_set1_ps(K->table[1]));
+    }
+    if (b == 8)
+        return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)g)),
+                                   K->table, 4);
+    if (wide)
+        x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
+    else
+        x = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8((__mmask16)((1u << (2 * b)) - 1u), g));
+    x = _mm512_srlv_epi32(_mm512_shuffle_epi8(x, K->ctl), K->sh);
+    if (b <= 4)
+        return _mm512_permutexvar_ps(x, K->t0);
+    if (b == 5)
+        return _mm512_permutex2var_ps(K->t0, x, K->t1);
+    if (b == 6)
+        return _mm512_mask_mov_ps(_mm512_permutex2var_ps(K->t0, x, K->t1),
+                                  _mm512_test_epi32_mask(x, _mm512_set1_epi32(32)),
+                                  _mm512_permutex2var_ps(K->t2, x, K->t3));
+    return _mm512_i32gather_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFF)), K->table, 4);
+}
+
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_dot_body(const kvq_params* p,
+                                                              const uint8_t* codes,
+                                                              const float* side, int64_t r0,
+                                                              int64_t r1, const float* q,
+                                                              float* out, const int b)
+{
+    const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, gb = 2 * b;
+    /* rows before this one may read 16 bytes from any of their groups */
+    const int64_t wide_end = p->n_rows - (16 + cb - 1) / cb;
+    kvq_tq_consts K;
+    int64_t t = r0, i;
+    kvq_tq_consts_init(&K, p->table, b);
+    for (; t + 4 <= r1; t += 4) {
+        const uint8_t *c0 = codes + t * cb, *c1 = c0 + cb, *c2 = c1 + cb, *c3 = c2 + cb;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, qv;
+        if (t + 4 <= wide_end) {
+            const uint8_t* pf = c0 + KVQ_PREFETCH_BYTES;
+            for (i = 0; i < n; i += 16, c0 += gb, c1 += gb, c2 += gb, c3 += gb, pf += 4 * gb) {
+                kvq_prefetch(pf);
+                qv = _mm512_loadu_ps(q + i);
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(qv, kvq_tq_lev16(c0, &K, b, 1)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(qv, kvq_tq_lev16(c1, &K, b, 1)));
+                a2 = _mm512_add_ps(a2, _mm512_mul_ps(qv, kvq_tq_lev16(c2, &K, b, 1)));
+                a3 = _mm512_add_ps(a3, _mm512_mul_ps(qv, kvq_tq_lev16(c3, &K, b, 1)));
+            }
+        } else {
+            for (i = 0; i < n; i += 16, c0 += gb, c1 += gb, c2 += gb, c3 += gb) {
+                qv = _mm512_loadu_ps(q + i);
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(qv, kvq_tq_lev16(c0, &K, b, 0)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(qv, kvq_tq_lev16(c1, &K, b, 0)));
+                a2 = _mm512_add_ps(a2, _mm512_mul_ps(qv, kvq_tq_lev16(c2, &K, b, 0)));
+                a3 = _mm512_add_ps(a3, _mm512_mul_ps(qv, kvq_tq_lev16(c3, &K, b, 0)));
+            }
+        }
+        _mm_storeu_ps(out + t, _mm_mul_ps(kvq_tree16x4_avx512(a0, a1, a2, a3), _mm_setr_ps(
+            kvq_tq_step(side[t * ns], p->sqrtf_n), kvq_tq_step(side[(t + 1) * ns], p->sqrtf_n),
+            kvq_tq_step(side[(t + 2) * ns], p->sqrtf_n), kvq_tq_step(side[(t + 3) * ns], p->sqrtf_n))));
+    }
+    for (; t < r1; t++) {
+        const uint8_t* c0 = codes + t * cb;
+        __m512 a0 = _mm512_setzero_ps();
+        for (i = 0; i < n; i += 16, c0 += gb)
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(_mm512_loadu_ps(q + i),
+                                                 kvq_tq_lev16(c0, &K, b, 0)));
+        out[t] = kvq_tree16_avx512(a0) * kvq_tq_step(side[t * ns], p->sqrtf_n);
+    }
+}
+
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_axpy_body(const kvq_params* p,
+                                                               const uint8_t* codes,
+                                                               const float* side, int64_t r0,
+                                                               int64_t r1, const float* w,
+                                                               float* acc, const int b)
+{
+    const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, gb = 2 * b;
+    const int64_t wide_end = p->n_rows - (16 + cb - 1) / cb;
+    kvq_tq_consts K;
+    int64_t t = r0, i;
+    kvq_tq_consts_init(&K, p->table, b);
+    /* four rows per load of the accumulator; each element still adds the rows in order */
+    for (; t + 4 <= r1; t += 4) {
+        const uint8_t *c0 = codes + t * cb, *c1 = c0 + cb, *c2 = c1 + cb, *c3 = c2 + cb;
+        const uint8_t* pf = c0 + KVQ_PREFETCH_BYTES;
+        const __m512 k0 = _mm512_set1_ps(w[t] * kvq_tq_step(side[t * ns], p->sqrtf_n));
+        const __m512 k1 = _mm512_set1_ps(w[t + 1] * kvq_tq_step(side[(t + 1) * ns], p->sqrtf_n));
+        const __m512 k2 = _mm512_set1_ps(w[t + 2] * kvq_tq_step(side[(t + 2) * ns], p->sqrtf_n));
+        const __m512 k3 = _mm512_set1_ps(w[t + 3] * kvq_tq_step(side[(t + 3) * ns], p->sqrtf_n));
+        const int wide = t + 4 <= wide_end;
+        for (i = 0; i < n; i += 16, c0 += gb, c1 += gb, c2 += gb, c3 += gb, pf += 4 * gb) {
+            __m512 a = _mm512_loadu_ps(acc + i);
+            kvq_prefetch(pf);
+            if (wide) {
+                a = _mm512_add_ps(a, _mm512_mul_ps(k0, kvq_tq_lev16(c0, &K, b, 1)));
+                a = _mm512_add_ps(a, _mm512_mul_ps(k1, kvq_tq_lev16(c1, &K, b, 1)));
+                a = _mm512_add_ps(a, _mm512_mul_ps(k2, kvq_tq_lev16(c2, &K, b, 1)));
+                a = _mm512_add_ps(a, _mm512_mul_ps(k3, kvq_tq_lev16(c3, &K, b, 1)));
+            } else {
+                a = _mm512_add_ps(a, _mm512_mul_ps(k0, kvq_tq_lev16(c0, &K, b, 0)));
+                a = _mm512_add_ps(a, _mm512_mul_ps(k1, kvq_tq_lev16(c1, &K, b, 0)));
+                a = _mm512_add_ps(a, _mm512_mul_ps(k2, kvq_tq_lev16(c2, &K, b, 0)));
+                a = _mm512_add_ps(a, _mm512_mul_ps(k3, kvq_tq_lev16(c3, &K, b, 0)));
+            }
+            _mm512_storeu_ps(acc + i, a);
+        }
+    }
+    for (; t < r1; t++) {
+        const uint8_t* c = codes + t * cb;
+        const __m512 ct = _mm512_set1_ps(w[t] * kvq_tq_step(side[t * ns], p->sqrtf_n));
+        for (i = 0; i < n; i += 16, c += gb)
+            _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i),
+                             _mm512_mul_ps(ct, kvq_tq_lev16(c, &K, b, 0))));
+    }
+}
+
+/* ---- 6, 7 and 8 bits with VBMI: byte-plane lookups instead of permutes and gathers ----------
+ * Each level (a float) is split into its four bytes; the plane of byte k is a 64-, 128- or
+ * 256-entry byte table held in 1, 2 or 4 registers and read with vpermb / vpermi2b, 64 codes at
+ * a time; the four planes are interleaved back into floats. Codes narrower than a byte are first
+ * spread into bytes (vpermb puts the b bytes of 8 codes in a qword, vpmultishiftqb cuts them). The codes are first moved so that the floats come out in
+ * element order: vector m of a block of 64 holds elements 16m..16m+15, as everywhere else, so the
+ * sums are those of the gather path, bit for bit. */
+typedef struct {
+    __m512i plane[16];   /* plane k, entries 64j..64j+63: plane[4k + j] */
+    __m512i order;       /* byte moves putting element 16m + 4L + e at byte 16L + 4m + e */
+    __m512i spread;      /* b < 8: bytes bL..bL+b-1 of the block into qword L */
+    __m512i shift;       /* b < 8: bit offsets b*e of code e inside its qword */
+} kvq_tq_vbmi_consts;
+
+static uint8_t kvq_tq_vbmi_order[64], kvq_tq_vbmi_spread[9][64], kvq_tq_vbmi_shift[9][64];
+
+static void kvq_tq_init(void)
+{
+    int b, e, L, m;
+    for (L = 0; L < 4; L++)
+        for (m = 0; m < 4; m++)
+            for (e = 0; e < 4; e++)
+                kvq_tq_vbmi_order[16 * L + 4 * m + e] = (uint8_t)(16 * m + 4 * L + e);
+    for (b = 1; b <= 8; b++)
+        for (L = 0; L < 8; L++)
+            for (e = 0; e < 8; e++) {
+                kvq_tq_vbmi_spread[b][8 * L + e] = (uint8_t)(b * L + e < 8 * b ? b * L + e : 63);
+                kvq_tq_vbmi_shift[b][8 * L + e] = (uint8_t)(b * e);
+            }
+}
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_vbmi_init(kvq_tq_vbmi_consts* K,
+                                                                   const uint8_t* planes, int b)
+{
+    int k, m;
+    for (k = 0; k < 4; k++)
+        for (m = 0; m < 4; m++)
+            K->plane[4 * k + m] = _mm512_loadu_si512((const void*)(planes + 256 * k + 64 * m));
+    K->order = _mm512_loadu_si512((const void*)kvq_tq_vbmi_order);
+    K->spread = _mm512_loadu_si512((const void*)kvq_tq_vbmi_spread[b]);
+    K->shift = _mm512_loadu_si512((const void*)kvq_tq_vbmi_shift[b]);
+}
+
+/* The levels of 64 codes (b * 8 bytes at g) as four vectors in element order. */
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_vbmi_lev64(const uint8_t* g,
+                                                                    const kvq_tq_vbmi_consts* K,
+                                                                    const int b, __m512 v[4])
+{
+    __m512i x, p[4], l01, h01, l23, h23;
+    int k;
+    if (b == 8) {
+        x = _mm512_loadu_si512((const void*)g);
+    } else {
+        x = _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (8 * b)) - 1), (const void*)g);
+        x = _mm512_multishift_epi64_epi8(K->shift, _mm512_permutexvar_epi8(K->spread, x));
+    }
+    x = _mm512_permutexvar_epi8(K->order, x);
+    if (b <= 6) {   /* 64 entries (periodic below 64 levels): one register per plane */
+        for (k = 0; k < 4; k++) p[k] = _mm512_permutexvar_epi8(x, K->plane[4 * k]);
+    } else if (b == 8) {
+        const __mmask64 high = _mm512_movepi8_mask(x);
+        for (k = 0; k < 4; k++)
+            p[k] = _mm512_mask_mov_epi8(_mm512_permutex2var_epi8(K->plane[4 * k], x, K->plane[4 * k + 1]),
+                                        high,
+                                        _mm512_permutex2var_epi8(K->plane[4 * k + 2], x, K->plane[4 * k + 3]));
+    } else {
+        for (k = 0; k < 4; k++)
+            p[k] = _mm512_permutex2var_epi8(K->plane[4 * k], x, K->plane[4 * k + 1]);
+    }
+    l01 = _mm512_unpacklo_epi8(p[0], p[1]);
+    h01 = _mm512_unpackhi_epi8(p[0], p[1]);
+    l23 = _mm512_unpacklo_epi8(p[2], p[3]);
+    h23 = _mm512_unpackhi_epi8(p[2], p[3]);
+    v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l01, l23));
+    v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l01, l23));
+    v[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(h01, h23));
+    v[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(h01, h23));
+}
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_vbmi_dot_body(
+    const kvq_params* p, const uint8_t* codes, const float* side, int64_t r0, int64_t r1,
+    const float* q, float* out, const int b)
+{
+    const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side;
+    kvq_tq_vbmi_consts K;
+    __m512 acc[4], v[4];
+    int64_t t = r0, i;
+    int k, m;
+    kvq_tq_vbmi_init(&K, p->planes, b);
+    for (; t < r1; t += 4) {
+        const int nr = r1 - t < 4 ? (int)(r1 - t) : 4;
+        for (k = 0; k < nr; k++) {
+            const uint8_t* row = codes + (t + k) * cb;
+            acc[k] = _mm512_setzero_ps();
+            for (i = 0; i < n; i += 64) {
+                kvq_prefetch(row + i * b / 8 + KVQ_PREFETCH_BYTES);
+                kvq_tq_vbmi_lev64(row + i * b / 8, &K, b, v);
+                for (m = 0; m < 4; m++)
+                    acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(_mm512_loadu_ps(q + i + 16 * m), v[m]));
+            }
+        }
+        if (nr == 4) {
+            _mm_storeu_ps(out + t, _mm_mul_ps(kvq_tree16x4_avx512(acc[0], acc[1], acc[2], acc[3]),
+                _mm_setr_ps(kvq_tq_step(side[t * ns], p->sqrtf_n),
+                            kvq_tq_step(side[(t + 1) * ns], p->sqrtf_n),
+                            kvq_tq_step(side[(t + 2) * ns], p->sqrtf_n),
+                            kvq_tq_step(side[(t + 3) * ns], p->sqrtf_n))));
+        } else {
+            for (k = 0; k < nr; k++)
+                out[t + k] = kvq_tree16_avx512(acc[k]) * kvq_tq_step(side[(t + k) * ns], p->sqrtf_n);
+        }
+    }
+}
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_vbmi_axpy_body(
+    const kvq_params* p, const uint8_t* codes, const float* side, int64_t r0, int64_t r1,
+    const float* w, float* acc, const int b)
+{
+    const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side;
+    kvq_tq_vbmi_consts K;
+    __m512 a[4], v[4], c[4];
+    int64_t t = r0, i;
+    int k, m, nr;
+    kvq_tq_vbmi_init(&K, p->planes, b);
+    for (; t < r1; t += nr) {
+        nr = r1 - t < 4 ? (int)(r1 - t) : 4;
+        for (k = 0; k < nr; k++)
+            c[k] = _mm512_set1_ps(w[t + k] * kvq_tq_step(side[(t + k) * ns], p->sqrtf_n));
+        for (i = 0; i < n; i += 64) {
+            for (m = 0; m < 4; m++) a[m] = _mm512_loadu_ps(acc + i + 16 * m);
+            for (k = 0; k < nr; k++) {   /* rows in order for every element */
+                const uint8_t* g = codes + (t + k) * cb + i * b / 8;
+                kvq_prefetch(g + KVQ_PREFETCH_BYTES);
+                kvq_tq_vbmi_lev64(g, &K, b, v);
+                for (m = 0; m < 4; m++) a[m] = _mm512_add_ps(a[m], _mm512_mul_ps(c[k], v[m]));
+            }
+            for (m = 0; m < 4; m++) _mm512_storeu_ps(acc + i + 16 * m, a[m]);
+        }
+    }
+}
+
+KVQ_TARGET_AVX512VBMI static void kvq_tq_vbmi_dot(const kvq_params* p, const uint8_t* codes,
+                                                  const float* side, int64_t r0, int64_t r1,
+                                                  const float* q, float* out)
+{
+    if (p->bits == 8) kvq_tq_vbmi_dot_body(p, codes, side, r0, r1, q, out, 8);
+    else if (p->bits == 7) kvq_tq_vbmi_dot_body(p, codes, side, r0, r1, q, out, 7);
+    else kvq_tq_vbmi_dot_body(p, codes, side, r0, r1, q, out, 6);
+}
+
+KVQ_TARGET_AVX512VBMI static void kvq_tq_vbmi_axpy(const kvq_params* p, const uint8_t* codes,
+                                                   const float* side, int64_t r0, int64_t r1,
+                                                   const float* w, float* acc)
+{
+    if (p->bits == 8) kvq_tq_vbmi_axpy_body(p, codes, side, r0, r1, w, acc, 8);
+    else if (p->bits == 7) kvq_tq_vbmi_axpy_body(p, codes, side, r0, r1, w, acc, 7);
+    else kvq_tq_vbmi_axpy_body(p, codes, side, r0, r1, w, acc, 6);
+}
+
+#define KVQ_TQ_DISPATCH(BODY, ...)                           \
+    switch (p->bits) {                                       \
+    case 1: BODY(__VA_ARGS__, 1); break;                     \
+    case 2: BODY(__VA_ARGS__, 2); break;                     \
+    case 3: BODY(__VA_ARGS__, 3); break;                     \
+    case 4: BODY(__VA_ARGS__, 4); break;                     \
+    case 5: BODY(__VA_ARGS__, 5); break;                     \
+    case 6: BODY(__VA_ARGS__, 6); break;                     \
+    case 7: BODY(__VA_ARGS__, 7); break;                     \
+    default: BODY(__VA_ARGS__, 8); break;                    \
+    }
+
+KVQ_TARGET_AVX512 static void kvq_tq_dot_avx512(const kvq_params* p, const uint8_t* codes,
+                                                const float* side, int64_t r0, int64_t r1,
+                                                const float* q, float* out)
+{
+    if (p->dim % 16) {   /* widths 2, 4, 8: not worth a vector path */
+        kvq_tq_dot_portable(p, codes, side, r0, r1, q, out);
+        return;
+    }
+    if (p->vbmi && p->bits >= 6 && p->dim % 64 == 0) {
+        kvq_tq_vbmi_dot(p, codes, side, r0, r1, q, out);
+        return;
+    }
+    KVQ_TQ_DISPATCH(kvq_tq_dot_body, p, codes, side, r0, r1, q, out)
+}
+
+KVQ_TARGET_AVX512 static void kvq_tq_axpy_avx512(const kvq_params* p, const uint8_t* codes,
+                                                 const float* side, int64_t r0, int64_t r1,
+                                                 const float* w, float* acc)
+{
+    if (p->dim % 16) {
+        kvq_tq_axpy_portable(p, codes, side, r0, r1, w, acc);
+        return;
+    }
+    if (p->vbmi && p->bits >= 6 && p->dim % 64 == 0) {
+        kvq_tq_vbmi_axpy(p, codes, side, r0, r1, w, acc);
+        return;
+    }
+    KVQ_TQ_DISPATCH(kvq_tq_axpy_body, p, codes, side, r0, r1, w, acc)
+}
+#else  /* no vector path in this build: the dispatcher never picks these */
+static void kvq_tq_init(void) {}
+#define kvq_tq_dot_avx512 kvq_tq_dot_portable
+#define kvq_tq_axpy_avx512 kvq_tq_axpy_portable
+#endif
+
+#endif /* KVQ_CONSUMERS_TQ_H */

@@ -1,0 +1,158 @@
+/* Shared machinery of the compressed-domain consumers (included from consumers.pyx).
+ *
+ * Every codec family supplies row kernels with the two signatures below, a portable C version
+ * and, on x86-64 with GCC/Clang, an AVX-512 version compiled for that target only through a
+ * per-function attribute (the rest of the build keeps baseline flags); the driver picks one at
+ * run time from the CPU's features.
+ *
+ * Both paths produce the same bits. What makes that possible is a reduction order fixed by
+ * definition, not by the compiler:
+ *   - a dot product over a row of width n uses 16 lanes: lane j accumulates elements
+ *     i = j, j+16, j+32, ... in that order (acc = acc + product, starting from +0), a short last
+ *     step touching only the lanes it covers;
+ *   - the 16 lane sums are combined by the fixed tree of kvq_tree16 (j + j+8, then j + j+4,
+ *     then j + j+2, then j + j+1), which is also what the AVX-512 register halving computes;
+ *   - products and sums are separate roundings: a multiply, then an add. No FMA in either path
+ *     (the portable path must run on CPUs without FMA, where fmaf is a slow library call) and the
+ *     build has -ffp-contract=off, so the compiler does not fuse them either;
+ *   - a context sum runs over the rows of a chunk in row order (per element: acc = acc + c*v);
+ *     chunks have a fixed size and their partial sums are added in chunk order by the driver, so
+ *     the result does not depend on the thread count.
+ */
+#ifndef KVQ_SIMD_H
+#define KVQ_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+#include <float.h>
+#include <math.h>
+
+/* -DKVQ_NO_SIMD builds the portable path only (a compiler without target attributes, or a test). */
+#if !defined(KVQ_NO_SIMD) && (defined(__x86_64__) || defined(_M_X64)) \
+    && (defined(__GNUC__) || defined(__clang__))
+#define KVQ_HAVE_X86_SIMD 1
+#include <immintrin.h>
+/* The AVX-512 subset the kernels need: F (512-bit float/int), BW + VL (byte masks and masked
+ * 128-bit byte loads), DQ (256-bit float extraction), and F16C (fp16 block scales). Skylake-X and
+ * later have all of them. */
+#define KVQ_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+/* The same plus VBMI (byte permutes across a whole register: Ice Lake, Sapphire Rapids, Zen 4). */
+#define KVQ_TARGET_AVX512VBMI \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,avx512vbmi")))
+#define KVQ_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define KVQ_HAVE_X86_SIMD 0
+#endif
+
+/* Instruction-set levels (a Python-visible enum). 3 differs from 2 only where a kernel has a
+ * VBMI variant (6-, 7- and 8-bit tq). */
+#define KVQ_SIMD_PORTABLE 0
+#define KVQ_SIMD_AVX512 2
+#define KVQ_SIMD_AVX512VBMI 3
+
+static int kvq_cpu_simd_level(void)
+{
+#if KVQ_HAVE_X86_SIMD
+    __builtin_cpu_init();
+    /* libgcc's checks include the OS's support for the AVX-512 register state (XCR0). */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+            && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+            && __builtin_cpu_supports("f16c"))
+        return __builtin_cpu_supports("avx512vbmi") ? KVQ_SIMD_AVX512VBMI : KVQ_SIMD_AVX512;
+#endif
+    return KVQ_SIMD_PORTABLE;
+}
+
+static int kvq_compiled_simd_level(void)
+{
+#if KVQ_HAVE_X86_SIMD
+    return KVQ_SIMD_AVX512VBMI;
+#else
+    return KVQ_SIMD_PORTABLE;
+#endif
+}
+
+/* What a row kernel needs to know about the codec. Fields a family does not use are ignored. */
+typedef struct {
+    int64_t n_rows;       /* rows in the codes array: kernels may read past a row, never past this */
+    int64_t dim;          /* row width n */
+    int64_t code_bytes;   /* stored code bytes per row (row stride of `codes`) */
+    int64_t n_side;       /* side floats per row (row stride of `side`) */
+    int64_t group;        /* kv8: elements per scale */
+    int bits;             /* tq: bits per code */
+    float sqrtf_n;        /* tq: sqrtf(n), the decoder's divisor of the radius */
+    const float* levels;  /* tq: 2**bits levels in N(0,1) units */
+    const float* table;   /* tq: 256 levels indexed by any byte whose low bits are the code */
+    const uint8_t* planes;/* tq: byte k of table[e] at planes[256 k + e] */
+    int vbmi;             /* the CPU has AVX-512 VBMI and the caller allows it */
+} kvq_params;
+
+/* out[t] = q . x^_t for rows t in [r0, r1) (q already in the codec's basis: rotated for tq).
+ * `codes` and `side` point at row 0; `out` is indexed by the absolute row t. */
+typedef void (*kvq_dot_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                           int64_t r0, int64_t r1, const float* q, float* out);
+/* acc[i] = acc[i] + c_t * v_ti for rows t in [r0, r1) in order, where x^_t = (per-row or
+ * per-group factor) * v_t and c_t = w_t * that factor; w is indexed by the absolute row t. */
+typedef void (*kvq_axpy_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                            int64_t r0, int64_t r1, const float* w, float* acc);
+
+/* ---- the lane reduction, shared by both paths ------------------------------------------------ */
+
+static inline float kvq_tree16(const float a[16])
+{
+    float s8[8], s4[4], s2[2];
+    int j;
+    for (j = 0; j < 8; j++) s8[j] = a[j] + a[j + 8];
+    for (j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
+    for (j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+    return s2[0] + s2[1];
+}
+
+static inline void kvq_zero16(float a[16])
+{
+    int j;
+    for (j = 0; j < 16; j++) a[j] = 0.0f;
+}
+
+#if KVQ_HAVE_X86_SIMD
+KVQ_TARGET_AVX512 static inline float kvq_tree16_avx512(__m512 v)
+{
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+
+/* kvq_tree16 of four vectors at once: the same pairwise adds, lanes of four rows side by side.
+ * Returns the four sums (row k in element k). */
+KVQ_TARGET_AVX512 static inline __m128 kvq_tree16x4_avx512(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    /* j + j+8: [a lo8 | b lo8] + [a hi8 | b hi8] */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* j + j+4: 128-bit lane k now holds row k */
+    const __m512 s4 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    /* j + j+2, then j + j+1, inside each 128-bit lane */
+    const __m512 s2 = _mm512_add_ps(s4, _mm512_shuffle_ps(s4, s4, 0xEE));
+    const __m512 s1 = _mm512_add_ps(s2, _mm512_shuffle_ps(s2, s2, 0x55));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0,
+                                                                         0, 0, 0, 0, 0, 0, 0, 0), s1));
+}
+
+/* Rows stream from memory faster than the hardware prefetchers fetch them on this kind of
+ * machine (measured: 2x on a busy 2-core VM), so the kernels ask for the line this many bytes
+ * ahead of where they read, into L2. Prefetches never fault, past the end of the rows too. */
+#define KVQ_PREFETCH_BYTES 16384
+
+/* A macro: as an inline function GCC may judge it free of side effects and drop the calls. */
+#define kvq_prefetch(p) _mm_prefetch((const char*)(p), _MM_HINT_T2)
+
+/* Lanes [0, rem) set. */
+static inline __mmask16 kvq_mask16(int64_t rem)
+{
+    return (__mmask16)((1u << rem) - 1u);
+}
+#endif
+
+#endif /* KVQ_SIMD_H */

@@ -1,0 +1,418 @@
+"""QuantizedKVCache: quantized rows per layer, stream and KV head; attention reads the codes.
+
+A cache holds, for every layer, a few named *streams* of rows (keys ``k`` and values ``v`` of a
+GQA model, or the latent ``L`` and rope ``R`` rows of an MLA model), each under its own codec, and
+each stream holds one sequence of rows per KV head. Rows are quantized when they are appended
+(before attention reads them, as the engine does) and attention reads them through the codecs'
+compressed-domain consumers: the cache is never decoded for a decode step.
+
+The cache knows nothing of models: a model appends its rows and calls :meth:`attend` (one query
+per head, GQA layout) or :meth:`attend_prefill` (many causal queries, through a decoded block and
+BLAS), or composes :meth:`scores` and :meth:`context` itself (MLA: scores over L and R, context
+over L).
+
+Storage grows geometrically (capacity doubles), so appending T rows one at a time copies O(T) rows
+in all; :meth:`reserve` avoids any copy when the final length is known.
+"""
+import numpy as np
+
+from kvquant.codecs import Codec, EncodedRows, get_codec
+from kvquant._threads import resolve_n_threads
+
+_MIN_CAPACITY = 16
+
+
+class RowStream:
+    """One growing sequence of rows under one codec.
+
+    Parameters
+    ----------
+    codec : Codec
+    capacity : int
+        Rows to allocate up front.
+    """
+
+    def __init__(self, codec, capacity=0):
+        if not isinstance(codec, Codec):
+            raise TypeError(f"codec must be a Codec (use kvquant.get_codec), got {codec!r}")
+        self.codec = codec
+        self.n_rows = 0
+        self._codes = np.empty((0, codec.code_bytes), np.uint8)
+        self._side = np.empty((0, codec.n_side), np.float32)
+        self.reserve(capacity)
+
+    def __len__(self):
+        return self.n_rows
+
+    def __repr__(self):
+        return f"<RowStream {self.codec.spec!r} dim={self.codec.dim} rows={self.n_rows}>"
+
+    @property
+    def capacity(self):
+        return self._codes.shape[0]
+
+    def reserve(self, capacity):
+        """Make room for ``capacity`` rows in all (never shrinks)."""
+        capacity = int(capacity)
+        if capacity <= self.capacity:
+            return
+        codes = np.empty((capacity, self.codec.code_bytes), np.uint8)
+        side = np.empty((capacity, self.codec.n_side), np.float32)
+        codes[: self.n_rows] = self._codes[: self.n_rows]
+        side[: self.n_rows] = self._side[: self.n_rows]
+        self._codes, self._side = codes, side
+
+    def append(self, rows, n_threads=None):
+        """Quantize rows of shape (n_new, dim) and store them."""
+        self.append_encoded(self.codec.encode(rows, n_threads))
+
+    def append_encoded(self, enc):
+        """Store rows already encoded by this stream's codec (e.g. read from a file)."""
+        codes, side = self.codec.check_encoded(enc)
+        k = codes.shape[0]
+        if self.n_rows + k > self.capacity:
+            self.reserve(max(self.n_rows + k, 2 * self.capacity, _MIN_CAPACITY))
+        self._codes[self.n_rows: self.n_rows + k] = codes
+        self._side[self.n_rows: self.n_rows + k] = side
+        self.n_rows += k
+
+    def truncate(self, n_rows):
+        """Keep the first ``n_rows`` rows."""
+        if not 0 <= n_rows <= self.n_rows:
+            raise ValueError(f"cannot truncate {self.n_rows} rows to {n_rows}")
+        self.n_rows = int(n_rows)
+
+    def encoded(self, length=None):
+        """The first ``length`` rows (all by default) as EncodedRows: a view, no copy."""
+        n = self._length(length)
+        return EncodedRows(self._codes[:n], self._side[:n], self.codec.spec, self.codec.dim)
+
+    def _length(self, length):
+        if length is None:
+            return self.n_rows
+        if not 0 <= length <= self.n_rows:
+            raise ValueError(f"length {length} is outside 0..{self.n_rows} (rows stored)")
+        return int(length)
+
+    def scores(self, q, n_threads=None, length=None):
+        """``q . x^_t`` for the stored rows t < length; q of shape (dim,) or (m, dim)."""
+        return self.codec.scores(self.encoded(length), q, n_threads)
+
+    def context(self, w, n_threads=None):
+        """``sum_t w_t x^_t`` over the first ``len(w)`` rows; w of shape (T,) or (m, T)."""
+        return self.codec.context(self.encoded(np.shape(w)[-1]), w, n_threads)
+
+    def decode(self, start=0, stop=None, n_threads=None):
+        """Rows [start, stop) as float32 (a block for the prefill path)."""
+        stop = self.n_rows if stop is None else stop
+        enc = self.encoded()
+        return self.codec.decode(enc[start:stop], n_threads)
+
+    @property
+    def nbytes(self):
+        """Bytes of the stored rows (codes and side values)."""
+        return self.n_rows * self.codec.bytes_per_row
+
+    @property
+    def capacity_bytes(self):
+        """Bytes allocated."""
+        return self._codes.nbytes + self._side.nbytes
+
+
+def softmax(scores):
+    """Softmax over the last axis in float32 (max subtracted; rows of -inf give weight 0)."""
+    m = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - m)
+    e /= e.sum(axis=-1, keepdims=True)
+    return e
+
+
+class QuantizedKVCache:
+    """Quantized rows for every layer, named stream and KV head.
+
+    Parameters
+    ----------
+    n_layers : int
+    streams : dict
+        ``name -> (spec, dim)``: the codec spec (or a list of one spec per layer) and the row width
+        of each stream. E.g. ``{"k": ("tq4", 64), "v": ("kv8", 64)}`` (GQA) or
+        ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA).
+    n_kv_heads : int, default 1
+        Row sequences per stream and layer.
+    capacity : int, default 0
+        Rows to reserve per sequence.
+    **codec_options
+        Passed to :func:`kvquant.get_codec` (e.g. ``nonfinite="inert"``, ``seed=...``).
+
+    Examples
+    --------
+    >>> cache = QuantizedKVCache(2, {"k": ("tq4", 64), "v": ("kv8", 64)}, n_kv_heads=3)
+    >>> cache.append(0, k=K, v=V)                   # K, V: (n_new, 3, 64)
+    >>> out = cache.attend(0, q, scale=0.125)       # q: (9, 64) -> (9, 64)
+    """
+
+    def __init__(self, n_layers, streams, n_kv_heads=1, capacity=0, **codec_options):
+        if isinstance(n_layers, bool) or not isinstance(n_layers, (int, np.integer)) or n_layers < 1:
+            raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
+        if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, (int, np.integer)) \
+                or n_kv_heads < 1:
+            raise ValueError(f"n_kv_heads must be a positive integer, got {n_kv_heads!r}")
+        if not isinstance(streams, dict) or not streams:
+            raise ValueError("streams must be a non-empty dict name -> (codec spec, dim)")
+        self.n_layers = int(n_layers)
+        self.n_kv_heads = int(n_kv_heads)
+        self.stream_names = tuple(streams)
+        self.dims = {}
+        self._layers = []
+        specs = {}
+        for name, value in streams.items():
+            try:
+                spec, dim = value
+            except (TypeError, ValueError):
+                raise ValueError(f"stream {name!r}: expected (codec spec, dim), got {value!r}")
+            per_layer = list(spec) if isinstance(spec, (list, tuple)) else [spec] * self.n_layers
+            if len(per_layer) != self.n_layers:
+                raise ValueError(f"stream {name!r}: {len(per_layer)} codec specs for "
+                                 f"{self.n_layers} layers")
+            specs[name] = per_layer
+            self.dims[name] = int(dim)
+        codecs = {}   # codecs are immutable: one object per distinct (spec, dim)
+        for layer in range(self.n_layers):
+            entry = {}
+            for name in self.stream_names:
+                spec = specs[name][layer]
+                if isinstance(spec, Codec):
+                    codec = spec
+                else:
+                    key = (spec, self.dims[name])
+                    if key not in codecs:
+                        codecs[key] = get_codec(spec, self.dims[name], **codec_options)
+                    codec = codecs[key]
+                if codec.dim != self.dims[name]:
+                    raise ValueError(f"stream {name!r}: codec width {codec.dim} != {self.dims[name]}")
+                entry[name] = [RowStream(codec, capacity) for _ in range(self.n_kv_heads)]
+            self._layers.append(entry)
+
+    def __repr__(self):
+        streams = ", ".join(f"{n}: {self.codec(0, n).spec} x{self.dims[n]}"
+                            for n in self.stream_names)
+        return (f"<QuantizedKVCache layers={self.n_layers} kv_heads={self.n_kv_heads} "
+                f"{{{streams}}} tokens={[self.length(i) for i in range(self.n_layers)]}>")
+
+    # -- access ------------------------------------------------------------------------------
+    def _check_layer(self, layer):
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} is outside 0..{self.n_layers - 1}")
+
+    def stream(self, layer, name, head=0):
+        """The RowStream of one layer, stream and KV head (a building block)."""
+        self._check_layer(layer)
+        if name not in self.dims:
+            raise KeyError(f"no stream {name!r}; this cache has {list(self.stream_names)}")
+        if not 0 <= head < self.n_kv_heads:
+            raise IndexError(f"KV head {head} is outside 0..{self.n_kv_heads - 1}")
+        return self._layers[layer][name][head]
+
+    def codec(self, layer, name):
+        return self.stream(layer, name).codec
+
+    def length(self, layer):
+        """Tokens stored in a layer."""
+        self._check_layer(layer)
+        return self._layers[layer][self.stream_names[0]][0].n_rows
+
+    def __len__(self):
+        """Tokens stored in the last layer (the whole cache after a complete forward step)."""
+        return self.length(self.n_layers - 1)
+
+    # -- writing -----------------------------------------------------------------------------
+    def append(self, layer, n_threads=None, **rows):
+        """Quantize and store the rows of new tokens in one layer, for every stream.
+
+        Parameters
+        ----------
+        layer : int
+        **rows : array-like of shape (n_new, n_kv_heads, dim), or (n_new, dim) with one KV head
+            One array per stream, all with the same n_new.
+        """
+        self._check_layer(layer)
+        if set(rows) != set(self.stream_names):
+            raise ValueError(f"append needs rows for every stream {list(self.stream_names)}, "
+                             f"got {sorted(rows)}")
+        arrays = {}
+        for name, X in rows.items():
+            X = np.asarray(X)
+            if X.ndim == 2 and self.n_kv_heads == 1:
+                X = X[:, None, :]
+            if X.ndim != 3 or X.shape[1:] != (self.n_kv_heads, self.dims[name]):
+                raise ValueError(
+                    f"rows for stream {name!r} must have shape (n_new, {self.n_kv_heads}, "
+                    f"{self.dims[name]})" + (f" or (n_new, {self.dims[name]})"
+                                             if self.n_kv_heads == 1 else "")
+                    + f", got {X.shape}")
+            arrays[name] = X
+        counts = {X.shape[0] for X in arrays.values()}
+        if len(counts) != 1:
+            raise ValueError(f"every stream must get the same number of new rows, got "
+                             f"{ {n: X.shape[0] for n, X in arrays.items()} }")
+        # encode everything first: a bad row leaves the cache untouched
+        encoded = {name: [self.stream(layer, name, h).codec.encode(X[:, h, :], n_threads)
+                          for h in range(self.n_kv_heads)] for name, X in arrays.items()}
+        for name, per_head in encoded.items():
+            for h, enc in enumerate(per_head):
+                self._layers[layer][name][h].append_encoded(enc)
+
+    def reserve(self, capacity):
+        """Allocate room for ``capacity`` tokens in every sequence."""
+        for entry in self._layers:
+            for heads in entry.values():
+                for s in heads:
+                    s.reserve(capacity)
+
+    def truncate(self, length):
+        """Keep the first ``length`` tokens of every layer."""
+        for entry in self._layers:
+            for heads in entry.values():
+                for s in heads:
+                    s.truncate(min(length, s.n_rows))
+
+    # -- building blocks ---------------------------------------------------------------------
+    def scores(self, layer, name, q, head=0, n_threads=None, length=None):
+        """``q . x^_t`` over one stream's rows: (m, T) for q of shape (m, dim)."""
+        return self.stream(layer, name, head).scores(q, n_threads, length)
+
+    def context(self, layer, name, w, head=0, n_threads=None):
+        """``sum_t w_t x^_t`` over one stream's first len(w) rows."""
+        return self.stream(layer, name, head).context(w, n_threads)
+
+    # -- attention ---------------------------------------------------------------------------
+    def _heads(self, layer, keys, values, n_heads):
+        if n_heads % self.n_kv_heads:
+            raise ValueError(f"{n_heads} query heads cannot share {self.n_kv_heads} KV heads "
+                             "evenly")
+        for name in (keys, values):
+            self.stream(layer, name)
+        return n_heads // self.n_kv_heads
+
+    def attend(self, layer, q, scale=None, keys="k", values="v", n_threads=None, length=None):
+        """Softmax attention of one query per head over the cached rows.
+
+        Query head i reads KV head ``i // (n_heads // n_kv_heads)`` (the usual GQA layout).
+
+        Parameters
+        ----------
+        layer : int
+        q : array-like of shape (n_heads, d_keys)
+        scale : float or None
+            Score multiplier; None for 1/sqrt(d_keys).
+        keys, values : str
+            Stream names.
+        length : int or None
+            Attend to the first ``length`` rows only (default: all).
+
+        Returns
+        -------
+        ndarray of shape (n_heads, d_values), dtype float32
+        """
+        q = np.asarray(q)
+        if q.ndim != 2 or q.shape[1] != self.dims[keys]:
+            raise ValueError(f"q must have shape (n_heads, {self.dims[keys]}), got {q.shape}")
+        group = self._heads(layer, keys, values, q.shape[0])
+        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
+        n_threads = resolve_n_threads(n_threads)
+        out = np.empty((q.shape[0], self.dims[values]), np.float32)
+        for h in range(self.n_kv_heads):
+            rows = slice(h * group, (h + 1) * group)
+            s = self.stream(layer, keys, h).scores(q[rows], n_threads, length)
+            s *= scale
+            w = softmax(s)
+            out[rows] = self.stream(layer, values, h).context(w, n_threads)
+        return out
+
+    def attend_prefill(self, layer, Q, scale=None, keys="k", values="v", n_threads=None,
+                       block=256):
+        """Causal attention of the last ``n_q`` stored tokens' queries (prefill).
+
+        The rows of each KV head are decoded once and the queries go through BLAS in blocks: much
+        faster than one consumer call per query, and it agrees with :meth:`attend` at every
+        position to rounding. Query j sits at position ``T - n_q + j`` and sees rows 0..that.
+
+        Parameters
+        ----------
+        Q : array-like of shape (n_q, n_heads, d_keys)
+
+        Returns
+        -------
+        ndarray of shape (n_q, n_heads, d_values), dtype float32
+        """
+        Q = np.asarray(Q, dtype=np.float32)
+        if Q.ndim != 3 or Q.shape[2] != self.dims[keys]:
+            raise ValueError(f"Q must have shape (n_q, n_heads, {self.dims[keys]}), got {Q.shape}")
+        n_q, n_heads = Q.shape[:2]
+        group = self._heads(layer, keys, values, n_heads)
+        T = self.length(layer)
+        if n_q > T:
+            raise ValueError(f"{n_q} queries but only {T} rows stored: append the rows first")
+        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
+        n_threads = resolve_n_threads(n_threads)
+        out = np.empty((n_q, n_heads, self.dims[values]), np.float32)
+        first = T - n_q
+        with _blas_threads(n_threads):
+            for h in range(self.n_kv_heads):
+                K = self.stream(layer, keys, h).decode(n_threads=n_threads)
+                V = self.stream(layer, values, h).decode(n_threads=n_threads)
+                Qh = Q[:, h * group:(h + 1) * group, :]            # (n_q, group, d)
+                for b0 in range(0, n_q, block):
+                    b1 = min(b0 + block, n_q)
+                    visible = first + b1                           # rows the block's last query sees
+                    S = np.matmul(Qh[b0:b1].reshape(-1, Q.shape[2]), K[:visible].T)
+                    S *= scale
+                    S = S.reshape(b1 - b0, group, visible)
+                    pos = first + np.arange(b0, b1)
+                    future = np.arange(visible)[None, :] > pos[:, None]
+                    np.copyto(S, np.float32(-np.inf), where=future[:, None, :])
+                    out[b0:b1, h * group:(h + 1) * group] = softmax(S) @ V[:visible]
+        return out
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def nbytes(self):
+        """Bytes of the stored rows (codes and side values), every layer, stream and head."""
+        return sum(s.nbytes for entry in self._layers for heads in entry.values() for s in heads)
+
+    @property
+    def capacity_bytes(self):
+        """Bytes allocated."""
+        return sum(s.capacity_bytes for entry in self._layers for heads in entry.values()
+                   for s in heads)
+
+    @property
+    def bytes_per_token(self):
+        """Bytes one token adds to the cache (all layers, streams and heads)."""
+        return sum(heads[0].codec.bytes_per_row * self.n_kv_heads
+                   for entry in self._layers for heads in entry.values())
+
+
+class _blas_threads:
+    """Hold BLAS to n threads for a block (threadpoolctl, one controller per process)."""
+
+    _controller = None
+
+    def __init__(self, n_threads):
+        self.n_threads = n_threads
+        self._limit = None
+
+    def __enter__(self):
+        try:
+            if _blas_threads._controller is None:
+                from threadpoolctl import ThreadpoolController
+                _blas_threads._controller = ThreadpoolController()
+            self._limit = _blas_threads._controller.limit(limits=self.n_threads, user_api="blas")
+        except ImportError:   # pragma: no cover - threadpoolctl is a dependency
+            self._limit = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._limit is not None:
+            self._limit.restore_original_limits()
+        return False
