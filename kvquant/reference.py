@@ -56,15 +56,17 @@ def e4m3_encode(x):
 
 
 def fp8_encode_rows(X, group=None):
-    """Per-group scale = amax/448; inert group (amax not > 1e-35 or not finite): zeros, scale 1."""
+    """Per-group scale = amax/448 (NaN ignored); inert group (amax not > 1e-35 or infinite):
+    zero bytes and scale 1; NaN elements of a live group encode to 0x00."""
     X = np.asarray(X, dtype=np.float32)
     n, d = X.shape
     group = d if group is None else group
     G = X.reshape(n, d // group, group)
-    with np.errstate(invalid="ignore", over="ignore"):
-        amax = np.abs(G).max(axis=2)
-        finite = np.isfinite(G).all(axis=2)
-        live = finite & (amax > np.float32(1e-35))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        # NaN elements never raise amax (they encode to 0x00 later); an inf makes the group inert
+        absG = np.abs(G)
+        amax = np.where(np.isnan(absG), np.float32(0), absG).max(axis=2)
+        live = (amax > np.float32(1e-35)) & (amax <= np.finfo(np.float32).max)
         scale = np.where(live, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
         inv = np.where(live, np.float32(448.0) / amax, np.float32(0.0)).astype(np.float32)
         scaled = (G * inv[:, :, None]).astype(np.float32)

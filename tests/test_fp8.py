@@ -42,6 +42,7 @@ def test_every_code_round_trips_except_nan():
     assert np.array_equal(table[codes], ref[codes].astype(np.float32))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_encoder_never_emits_nan_codes(rng):
     x = np.concatenate([rng.standard_normal(100000) * 10.0**rng.uniform(-12, 40, 100000),
                         [np.nan, np.inf, -np.inf, 464, 480, -479.9]]).astype(np.float32)
@@ -49,6 +50,7 @@ def test_encoder_never_emits_nan_codes(rng):
     assert not np.isin(codes, [0x7F, 0xFF]).any()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
 def test_exhaustive_float16_against_ml_dtypes():
     x = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
     ours = encode_elements(x)
@@ -109,6 +111,22 @@ def test_inert_rows():
     enc = codec.encode(X)
     assert np.all(enc.codes == 0) and np.all(enc.side == 1.0)
     assert np.all(codec.decode(enc) == 0)
+
+
+def test_engine_rule_for_nan_and_inf_elements(rng):
+    """As the engine: a NaN element encodes to 0 in an otherwise normal group; an inf makes its
+    group inert."""
+    X = gaussian_rows(rng, 4, 32)
+    X[1, 5] = np.nan
+    X[2, 20] = np.inf
+    X[3, :] = np.nan
+    codec = get_codec("kv8-g16", 32, nonfinite="inert")
+    enc = codec.encode(X)
+    ref_codes, ref_scales = reference.fp8_encode_rows(X, 16)
+    assert np.array_equal(enc.codes, ref_codes) and np.array_equal(enc.side, ref_scales)
+    assert enc.codes[1, 5] == 0 and enc.side[1, 0] == np.abs(np.delete(X[1, :16], 5)).max() / 448
+    assert np.all(enc.codes[2, 16:] == 0) and enc.side[2, 1] == 1.0 and enc.side[2, 0] != 1.0
+    assert np.all(enc.codes[3] == 0) and np.all(enc.side[3] == 1.0)
 
 
 def test_nonfinite_rows_raise_by_default():

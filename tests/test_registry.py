@@ -59,3 +59,15 @@ def test_split_spec_list():
         "kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]
     with pytest.raises(ValueError, match="follows no spec"):
         split_spec_list("side=unbiased,tq4")
+
+
+@pytest.mark.parametrize("spec", ["f32", "kv8", "tq4", "polar4", "q4_0"])
+def test_inert_rows_are_zero_for_every_codec(spec):
+    import numpy as np
+    X = np.ones((3, 64), np.float32)
+    X[1, 3] = np.inf
+    codec = get_codec(spec, 64, nonfinite="inert")
+    out = codec.decode(codec.encode(X))
+    assert np.all(out[1] == 0) and np.all(np.isfinite(out))
+    with pytest.raises(ValueError, match="rows 1"):
+        get_codec(spec, 64).encode(X)

@@ -18,6 +18,8 @@ class F32Codec(Codec):
     def _encode(self, X, n_threads):
         status = (~np.isfinite(X).all(axis=1)).astype(np.uint8)
         codes = X.view(np.uint8).copy()
+        # with nonfinite="inert" such rows are stored as zeros, as every other codec does
+        codes[status.astype(bool)] = 0
         return codes, np.zeros((X.shape[0], 0), np.float32), status
 
     def _decode(self, codes, side, n_threads):
