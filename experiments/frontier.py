@@ -1,0 +1,371 @@
+"""Quality-per-byte frontier on SmolLM2-135M (issue 8): mean KLD from the f32 cache against bits
+per value, for uniform and K/V-split codec pairs, with the llama.cpp KV formats as baselines.
+
+Bits per value of a pair ``"K/V"`` = (K bytes + V bytes per row) x 8 / (2 x head_dim), side values
+(norms, scales) included; head_dim is 64 on SmolLM2. The numbers come from
+:func:`kvquant.flips.run_flips` (real text of ``pydoc_data.topics`` in prefill chunks; same-top-1,
+mean KLD, PPL ratio, all against the f32 cache on the same text; plus the engine's
+teacher-forced / greedy protocol on a few prompts).
+
+Goals (issue 8): at <= 4.5 bits per value a mean KLD <= 0.02; at <= 8.5 bits a mean KLD at or
+under q8_0's (measured in the same run).
+
+Run::
+
+    PYTHONPATH=. python -m experiments.frontier            # default grid, ~10 min on 2 cores
+    PYTHONPATH=. python -m experiments.frontier --list     # configurations and their bits only
+    PYTHONPATH=. python -m experiments.frontier --plot-only data/results/frontier-....json
+
+Writes ``data/results/frontier-smollm2-N<positions>-c<chunk>-p<prompts>.{json,csv,md}`` and
+``data/figures/frontier_smollm2.png``. Self-contained (imports only ``kvquant``), so it runs
+from the source tree without the ``kvquant_experiments`` package installed.
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+__all__ = [
+    "BUDGET_HIGH",
+    "BUDGET_LOW",
+    "DEFAULT_CONFIGS",
+    "KLD_GOAL_LOW",
+    "bits_per_value",
+    "format_markdown",
+    "frontier_rows",
+    "main",
+    "pareto_front",
+    "plot_frontier",
+    "run_frontier",
+    "write_frontier",
+]
+
+MODEL = "smollm2"
+HEAD_DIM = 64
+BUDGET_LOW, KLD_GOAL_LOW = 4.5, 0.02   # bits per value, mean KLD (nats)
+BUDGET_HIGH = 8.5                      # bits per value; goal: KLD <= q8_0's
+DEFAULTS = {"positions": 2048, "chunk_tokens": 512, "prompts": 4}
+
+UNIFORM = [
+    "f32", "kv8", "kv8-g32", "q8_0", "q8_0+rot", "tq8", "tq6", "tq5", "tq4", "tq4:side=unbiased",
+    "tq4:codebook=gaussian", "tq3", "polar6", "polar5", "polar4", "q4_0", "q4_0+rot",
+]
+# K/V splits at <= 4.5 bits per value (d = 64: tq<b> is b + 0.5 bits, polar<b> is b bits,
+# q8_0 / kv8 are 8.5): more bits on keys.
+SPLITS_LOW = ["tq5/tq3", "tq6/tq2", "tq5/polar3", "polar5/tq3", "polar5/polar4", "polar6/polar3",
+              "tq6/polar2"]
+# K/V splits at <= 8.5 bits per value.
+SPLITS_HIGH = ["tq6/tq4", "q8_0/tq4", "tq8/tq4", "q8_0/tq6", "tq8/tq6"]
+# Between the two budgets (q8_0 keys cannot fit 4.5 bits: V would need <= 0.5 bits).
+SPLITS_MID = ["tq6/tq3", "q8_0/tq2"]
+DEFAULT_CONFIGS = UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID
+
+BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
+
+
+# --------------------------------------------------------------------------------------------
+# Bits, families, front
+# --------------------------------------------------------------------------------------------
+def bits_per_value(pair_spec, head_dim=HEAD_DIM):
+    """(K bytes + V bytes per row) x 8 / (2 x head_dim), side values included."""
+    from kvquant.codecs import get_codec
+    from kvquant.models import split_pair_spec
+    k_spec, v_spec = split_pair_spec(pair_spec)
+    nbytes = get_codec(k_spec, head_dim).bytes_per_row + get_codec(v_spec, head_dim).bytes_per_row
+    return 8.0 * nbytes / (2 * head_dim)
+
+
+def codec_family(spec):
+    """Family of one codec spec (as in the report's figures)."""
+    base, _, opts = spec.partition(":")
+    if base.startswith("tq"):
+        if "codebook=gaussian" in opts:
+            return "tq gaussian"
+        if "side=unbiased" in opts:
+            return "tq unbiased"
+        return "tq colibri" if "compat=colibri" in opts else "tq"
+    if base.startswith("polar"):
+        return "polar colibri" if "compat=colibri" in opts else "polar"
+    if base.startswith("kv8"):
+        return "kv8"
+    return base
+
+
+def pair_family(pair_spec):
+    """Family of a pair: the codec's family when K and V share it, else ``"K/V split"``."""
+    from kvquant.models import split_pair_spec
+    k_spec, v_spec = split_pair_spec(pair_spec)
+    if k_spec == v_spec:
+        return codec_family(k_spec)
+    return "K/V split"
+
+
+def pareto_front(points):
+    """Indices of the points no other point beats on both bits and KLD, by increasing bits."""
+    order = sorted(range(len(points)), key=lambda i: (points[i]["bits_per_value"],
+                                                      points[i]["kld_mean"]))
+    front, best = [], math.inf
+    for i in order:
+        if points[i]["kld_mean"] < best:
+            front.append(i)
+            best = points[i]["kld_mean"]
+    return front
+
+
+def frontier_rows(result):
+    """Flat rows of a frontier result: bits, family, metrics, front membership, goal flags."""
+    from kvquant.models import split_pair_spec
+    rows = []
+    for r in result["rows"]:
+        k_spec, v_spec = split_pair_spec(r["codec"])
+        rows.append({
+            "codec": r["codec"], "k": k_spec, "v": v_spec, "family": pair_family(r["codec"]),
+            "bits_per_value": r["bits_per_value"], "bytes_per_token": r["bytes_per_token"],
+            "same_top": r["same_top"]["p"], "same_top_lo": r["same_top"]["lo"],
+            "same_top_hi": r["same_top"]["hi"], "kld_mean": r["kld_mean"],
+            "kld_p99": r["kld_p99"], "kld_max": r["kld_max"], "ppl_ratio": r["ppl_ratio"],
+            "tf_k": r["tf"]["k"], "tf_n": r["tf"]["n"], "greedy_k": r["greedy"]["k"],
+            "greedy_n": r["greedy"]["n"], "tf_kld_mean": r["tf_kld_mean"],
+        })
+    q8 = next((x["kld_mean"] for x in rows if x["codec"] == "q8_0"), None)
+    quant = [x for x in rows if x["codec"] != "f32"]
+    front = {quant[i]["codec"] for i in pareto_front(quant)}
+    for x in rows:
+        x["on_front"] = x["codec"] in front
+        x["goal_4p5"] = x["bits_per_value"] <= BUDGET_LOW and x["kld_mean"] <= KLD_GOAL_LOW
+        x["goal_8p5"] = (q8 is not None and x["bits_per_value"] <= BUDGET_HIGH
+                         and x["kld_mean"] <= q8 and x["codec"] not in ("f32", "q8_0"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Run and write
+# --------------------------------------------------------------------------------------------
+def run_frontier(configs=None, positions=DEFAULTS["positions"],
+                 chunk_tokens=DEFAULTS["chunk_tokens"], prompts=DEFAULTS["prompts"],
+                 workers=None, progress=None):
+    """``run_flips`` on SmolLM2 over ``configs`` (pair specs); adds ``bits_per_value`` per row.
+
+    The bits from the codecs at head_dim are checked against the cache's bytes per token.
+    """
+    from kvquant.flips import run_flips
+    configs = list(configs or DEFAULT_CONFIGS)
+    t0 = time.perf_counter()
+    result = run_flips(MODEL, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
+                       n_prompts=prompts, workers=workers, progress=progress)
+    cfg = result["meta"]["model"]
+    d = cfg["head_dim"]
+    rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows
+    for r in result["rows"]:
+        r["bits_per_value"] = bits_per_value(r["codec"], d)
+        from_cache = 8.0 * r["bytes_per_token"] / (rows_per_token * d)
+        if abs(from_cache - r["bits_per_value"]) > 1e-9:
+            raise AssertionError(f"{r['codec']}: {r['bits_per_value']} bits from the codecs, "
+                                 f"{from_cache} from the cache")
+    result["meta"]["frontier"] = {
+        "budget_low_bits": BUDGET_LOW, "kld_goal_low": KLD_GOAL_LOW,
+        "budget_high_bits": BUDGET_HIGH, "goal_high": "KLD <= q8_0's in this run",
+        "bits_per_value": "(K + V bytes per row) * 8 / (2 * head_dim), side values included",
+        "wall_s": time.perf_counter() - t0,
+    }
+    return result
+
+
+def result_stem(result):
+    t = result["meta"]["text"]
+    return (f"frontier-smollm2-N{t['positions']}-c{t['chunk_tokens']}"
+            f"-p{result['meta']['protocol']['prompts']}")
+
+
+CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token", "same_top",
+               "same_top_lo", "same_top_hi", "kld_mean", "kld_p99", "kld_max", "ppl_ratio",
+               "tf_k", "tf_n", "greedy_k", "greedy_n", "tf_kld_mean", "on_front", "goal_4p5",
+               "goal_8p5"]
+
+
+def write_frontier(result, out_dir):
+    """``<stem>.json`` (the full run_flips result), ``<stem>.csv`` and ``<stem>.md``."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, result_stem(result))
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for x in frontier_rows(result):
+            w.writerow(x)
+    with open(stem + ".md", "w") as f:
+        f.write(format_markdown(result) + "\n")
+    return [stem + ".json", stem + ".csv", stem + ".md"]
+
+
+def format_markdown(result):
+    """The table sorted by bits per value, then KLD; front and goals marked."""
+    rows = sorted(frontier_rows(result), key=lambda x: (x["bits_per_value"], x["kld_mean"]))
+    meta = result["meta"]
+    t, p = meta["text"], meta["protocol"]
+    q8 = next((x for x in rows if x["codec"] == "q8_0"), None)
+    lines = [
+        f"SmolLM2-135M, real text: {t['positions']} positions of {t['source']} in chunks of "
+        f"{t['chunk_tokens']} tokens; engine protocol: {p['prompts']} prompts x "
+        f"{p['new_tokens']} greedy tokens. Against the f32 cache; PPL(f32) = "
+        f"{result['rows'][0]['ppl_f32']:.3f}. "
+        f"Bits/value = (K + V bytes per row) x 8 / (2 x 64). F: on the Pareto front; "
+        f"goal: <= {BUDGET_LOW} bits and KLD <= {KLD_GOAL_LOW} (A), <= {BUDGET_HIGH} bits and "
+        f"KLD <= q8_0's (B)" + (f" = {q8['kld_mean']:.2e}" if q8 else "") + ".",
+        "",
+        "| K/V | bits/value | same top-1 % [95% CI] | mean KLD | p99 KLD | PPL ratio | "
+        "TF agree | greedy agree | F | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        goal = ",".join(g for g, ok in (("A", x["goal_4p5"]), ("B", x["goal_8p5"])) if ok)
+        lines.append(
+            f"| {x['codec']} | {x['bits_per_value']:.2f} | {100 * x['same_top']:.2f} "
+            f"[{100 * x['same_top_lo']:.2f}, {100 * x['same_top_hi']:.2f}] | "
+            f"{x['kld_mean']:.2e} | {x['kld_p99']:.2e} | {x['ppl_ratio']:.4f} | "
+            f"{x['tf_k']}/{x['tf_n']} | {x['greedy_k']}/{x['greedy_n']} | "
+            f"{'F' if x['on_front'] else ''} | {goal} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Figure
+# --------------------------------------------------------------------------------------------
+FAMILY_STYLE = {
+    "tq": ("#1f77b4", "o", "tq (Lloyd-Max, Beta codebook)"),
+    "tq gaussian": ("#17becf", "v", "tq (Gaussian codebook)"),
+    "tq unbiased": ("#9467bd", "^", "tq (unbiased side value)"),
+    "tq colibri": ("#000000", "*", "tq engine (colibri)"),
+    "polar": ("#2ca02c", "s", "polar"),
+    "polar colibri": ("#98df8a", "D", "polar engine (colibri)"),
+    "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
+    "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
+    "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
+    "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
+    "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
+    "q4_0+rot": ("#8c564b", "h", "llama.cpp q4_0 + Hadamard"),
+}
+
+
+def plot_frontier(result, out):
+    """Mean KLD (log) against bits per value; baselines highlighted, the lower-left Pareto front
+    drawn, the two budgets and goals marked. ``result``: a frontier result or its JSON path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    if isinstance(result, (str, os.PathLike)):
+        with open(result) as f:
+            result = json.load(f)
+    rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
+    fig = Figure(figsize=(8.0, 5.6), layout="constrained")
+    ax = fig.subplots()
+    seen = set()
+    for x in rows:
+        color, marker, label = FAMILY_STYLE.get(x["family"], ("#7f7f7f", ".", x["family"]))
+        base = x["family"] in BASELINES
+        ax.plot(x["bits_per_value"], x["kld_mean"], ls="none", marker=marker, color=color,
+                ms=11 if base else 6, mec="black" if base else color, mew=1.2 if base else 0.5,
+                zorder=4 if base else 3, label=None if x["family"] in seen else label)
+        seen.add(x["family"])
+    # Labels, staggered where points crowd.
+    placed = []
+    for x in sorted(rows, key=lambda x: (x["bits_per_value"], -x["kld_mean"])):
+        lx, ly = x["bits_per_value"], math.log10(max(x["kld_mean"], 1e-12))
+        near = sum(1 for a, b in placed if abs(a - lx) < 0.45 and abs(b - ly) < 0.16)
+        placed.append((lx, ly))
+        name = x["codec"].replace(":codebook=gaussian", ":gauss").replace(":side=unbiased",
+                                                                           ":unb")
+        ax.annotate(name, (x["bits_per_value"], x["kld_mean"]), fontsize=6.5,
+                    xytext=(7, 1 - 8 * near), textcoords="offset points",
+                    fontweight="bold" if x["family"] in BASELINES else "normal")
+    front = [rows[i] for i in pareto_front(rows)]
+    fx, fy = [], []
+    for i, x in enumerate(front):  # staircase: a front point holds until the next one
+        if i:
+            fx.append(x["bits_per_value"])
+            fy.append(front[i - 1]["kld_mean"])
+        fx.append(x["bits_per_value"])
+        fy.append(x["kld_mean"])
+    ax.plot(fx, fy, color="0.25", lw=1.2, ls="--", zorder=2, label="Pareto front (lower left)")
+    ax.axvline(BUDGET_LOW, color="0.6", lw=0.8, ls=":")
+    ax.axvline(BUDGET_HIGH, color="0.6", lw=0.8, ls=":")
+    ax.hlines(KLD_GOAL_LOW, 0, BUDGET_LOW, color="#2ca02c", lw=1.0, ls="-.",
+              label=f"goal: KLD <= {KLD_GOAL_LOW} at <= {BUDGET_LOW} bits")
+    q8 = next((x for x in rows if x["codec"] == "q8_0"), None)
+    if q8:
+        ax.hlines(q8["kld_mean"], 0, BUDGET_HIGH, color="#ff7f0e", lw=1.0, ls="-.",
+                  label=f"goal: KLD <= q8_0 at <= {BUDGET_HIGH} bits")
+    ax.set_xlim(min(x["bits_per_value"] for x in rows) - 0.3,
+                max(x["bits_per_value"] for x in rows) + 1.0)
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.set_xlabel("bits per value (K and V averaged, side values included; head_dim 64)")
+    ax.set_ylabel("mean KL(p_f32 || p_codec) on real text (nats)")
+    t = result["meta"]["text"]
+    ax.set_title(f"SmolLM2-135M KV cache: quality per byte ({t['positions']} positions, "
+                 f"chunks of {t['chunk_tokens']})", fontsize=10)
+    ax.legend(fontsize=7, loc="lower left")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.frontier",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--configs", default=None,
+                   help="comma-separated pair specs (K/V); default: the built-in grid")
+    p.add_argument("--positions", type=int, default=DEFAULTS["positions"])
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"])
+    p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"],
+                   help="prompts of the engine's teacher-forced / greedy protocol")
+    p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
+    p.add_argument("--out", default=os.path.join("data", "results"))
+    p.add_argument("--figure", default=os.path.join("data", "figures", "frontier_smollm2.png"))
+    p.add_argument("--list", action="store_true", help="print configurations and bits, run nothing")
+    p.add_argument("--plot-only", metavar="JSON", default=None,
+                   help="redraw the figure and table from a frontier JSON")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+
+    if args.configs:
+        from kvquant.codecs import split_spec_list
+        configs = split_spec_list(args.configs)
+    else:
+        configs = list(DEFAULT_CONFIGS)
+    if args.list:
+        for c in configs:
+            print(f"{bits_per_value(c):5.2f}  {c}")
+        return 0
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            result = json.load(f)
+        print(format_markdown(result))
+        print(f"wrote {plot_frontier(result, args.figure)}")
+        return 0
+
+    def progress(msg):
+        if not args.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result = run_frontier(configs, positions=args.positions, chunk_tokens=args.chunk_tokens,
+                          prompts=args.prompts, workers=args.workers, progress=progress)
+    paths = write_frontier(result, args.out)
+    paths.append(plot_frontier(result, args.figure))
+    print(format_markdown(result))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
