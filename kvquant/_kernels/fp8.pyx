@@ -1,37 +1,14 @@
 # fp8 e4m3fn (OCP) with one f32 scale per group of elements (per row when group == width).
-# Encoding follows the engine (REFERENCE.md §1.1): round half to even, saturate to +-448, NaN -> 0,
-# never emit 0x7F/0xFF; a group whose amax is not > 1e-35 or is not finite is inert (zero bytes,
-# scale 1). Elements are multiplied by 448/amax and the stored scale is amax/448, both in float.
+# Encoding follows the engine (REFERENCE.md §1.1; the group encoder is in fp8ops.h): round half to
+# even, saturate to +-448, NaN -> 0, never emit 0x7F/0xFF; a group whose amax is not > 1e-35 or is
+# infinite is inert (zero bytes, scale 1); elements are multiplied by 448/amax, scale = amax/448.
 from cython.parallel cimport prange
-from libc.float cimport FLT_MAX
-from libc.math cimport fabsf, nearbyintf, isfinite
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memcpy
 
-cdef float FP8_MAX = 448.0
-cdef float INERT_AMAX = 1e-35
-
-
-cdef inline uint8_t e4m3_from_float(float f) noexcept nogil:
-    """Round one float to e4m3fn: RNE, saturating, NaN -> 0x00, sign kept (also for -0)."""
-    cdef uint32_t u
-    memcpy(&u, &f, 4)
-    cdef uint8_t sign = <uint8_t>((u >> 24) & 0x80)
-    cdef float a = fabsf(f)
-    cdef uint32_t ua, code
-    if a != a:
-        return 0
-    if a >= 0.015625:  # 2**-6, the smallest normal: round the float's mantissa to 3 bits
-        if a > FP8_MAX:
-            return sign | 0x7E
-        memcpy(&ua, &a, 4)
-        ua = ua + 0x7FFFF + ((ua >> 20) & 1)   # round half to even at bit 20
-        code = (ua >> 20) - ((127 - 7) << 3)   # rebias the exponent 127 -> 7
-        if code > 0x7E:
-            code = 0x7E
-        return sign | <uint8_t>code
-    # subnormal (or a carry into the smallest normal, code 8): multiples of 2**-9
-    return sign | <uint8_t>nearbyintf(a * 512.0)
+cdef extern from "fp8ops.h" nogil:
+    uint8_t kvq_e4m3_encode(float f)
+    int kvq_fp8_encode_group(const float* x, Py_ssize_t n, uint8_t* codes, float* scale)
 
 
 cdef inline float e4m3_to_float(uint8_t c) noexcept nogil:
@@ -58,7 +35,7 @@ def float_to_e4m3(const float[::1] x, uint8_t[::1] out):
     """Element-wise e4m3fn encoding without scaling (for tests of the rounding rules)."""
     cdef Py_ssize_t i
     for i in range(x.shape[0]):
-        out[i] = e4m3_from_float(x[i])
+        out[i] = kvq_e4m3_encode(x[i])
 
 
 def e4m3_table():
@@ -74,32 +51,15 @@ def encode_rows(const float[:, ::1] X,      # IN  (n_rows, d)
                 int n_threads):
     cdef Py_ssize_t n_rows = X.shape[0], d = X.shape[1]
     cdef Py_ssize_t n_groups = d // group
-    cdef Py_ssize_t r, g, i, start
-    cdef float amax, a, scale, inv
+    cdef Py_ssize_t r, g, start
     if n_rows == 0:
         return
     for r in prange(n_rows, nogil=True, schedule="static", num_threads=n_threads):
         nonfinite[r] = 0
         for g in range(n_groups):
             start = g * group
-            # As the engine: a NaN never raises amax (the comparison is false) and later encodes
-            # to 0x00; an inf raises it past FLT_MAX, which makes the group inert.
-            amax = 0.0
-            for i in range(start, start + group):
-                a = fabsf(X[r, i])
-                if not isfinite(a):
-                    nonfinite[r] = 1
-                if a > amax:
-                    amax = a
-            if not (amax > INERT_AMAX) or amax > FLT_MAX:
-                for i in range(start, start + group):
-                    codes[r, i] = 0
-                scales[r, g] = 1.0
-                continue
-            inv = FP8_MAX / amax
-            for i in range(start, start + group):
-                codes[r, i] = e4m3_from_float(X[r, i] * inv)
-            scales[r, g] = amax / FP8_MAX
+            if kvq_fp8_encode_group(&X[r, start], group, &codes[r, start], &scales[r, g]):
+                nonfinite[r] = 1
 
 
 def decode_rows(const uint8_t[:, ::1] codes,  # IN  (n_rows, d)
