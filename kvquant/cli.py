@@ -1,4 +1,4 @@
-"""The ``kvquant`` command."""
+"""kvquant: what a KV-cache codec costs in bytes, error, speed and next-token flips."""
 import argparse
 import json
 import sys
@@ -122,16 +122,10 @@ def build_parser():
     p.add_argument("report_args", nargs="*")
     p.set_defaults(func=cmd_report)
 
-    from kvquant import codebooks
-    codebooks.add_cli(sub)
-    from kvquant import budget
-    budget.add_cli(sub)
-    from kvquant import bench
-    bench.add_cli(sub)
-    from kvquant import kvfile
-    kvfile.add_cli(sub)
-    from kvquant import flips
-    flips.add_cli(sub)
+    # each module that owns a command registers it (imported here: scipy etc. load lazily)
+    from kvquant import bench, budget, codebooks, flips, kvfile
+    for module in (codebooks, budget, bench, kvfile, flips):
+        module.add_cli(sub)
     return parser
 
 
