@@ -1,6 +1,31 @@
 # Helpers shared by the codec kernels: the Walsh-Hadamard transform (from rowops.h) and bit
 # packing. They are compiled into each kernel module (no cross-module calls).
+from libc.float cimport FLT_MAX
+from libc.math cimport isfinite, sqrt
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+# Row status codes written by the rotated encoders (the Python layer turns them into errors).
+cdef enum:
+    ROW_OK = 0
+    ROW_NONFINITE = 1
+    ROW_NORM_OVERFLOW = 2
+
+
+cdef inline float live_radius(double norm2, uint8_t* status) noexcept nogil:
+    """The engine's radius rule: radius = (float)sqrt(sum of squares); a row whose radius is not
+    > 1e-35 or exceeds FLT_MAX is inert (the caller stores zero codes and radius 0). Writes the
+    row status; returns the radius, or 0 for an inert row."""
+    cdef float radius = <float>sqrt(norm2)
+    if radius > <float>1e-35 and radius <= FLT_MAX:
+        status[0] = ROW_OK
+        return radius
+    if not isfinite(norm2):
+        status[0] = ROW_NONFINITE
+    elif radius > FLT_MAX:
+        status[0] = ROW_NORM_OVERFLOW
+    else:
+        status[0] = ROW_OK   # a zero or tiny row: inert, not an error
+    return 0.0
 
 
 cdef extern from "rowops.h" nogil:

@@ -4,18 +4,13 @@
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
 # decoder divides the radius by sqrtf(n).
 from cython.parallel cimport parallel, prange
-from libc.math cimport fabsf, sqrt, sqrtf, isfinite
+from libc.math cimport sqrt, sqrtf
 from libc.float cimport FLT_MAX
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-
-# Row status codes written by encode_rows (the Python layer turns them into errors).
-cdef enum:
-    ROW_OK = 0
-    ROW_NONFINITE = 1
-    ROW_NORM_OVERFLOW = 2
+from kvquant._kernels._common cimport live_radius
 
 
 cdef extern from "rowops.h" nogil:
@@ -31,7 +26,6 @@ cdef extern from "rowops.h" nogil:
     void kvq_nearest_by_distance(const float* y, Py_ssize_t n, const float* levels, int n_levels,
                                  float* best_d, uint8_t* code)
 
-cdef float INERT_NORM = 1e-35
 
 
 def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of two
@@ -63,19 +57,12 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
         c = <uint8_t*>malloc(n * sizeof(uint8_t))
         for r in prange(n_rows, schedule="static"):
             norm2 = kvq_sum_squares(&X[r, 0], n, by_distance)
-            radius = <float>sqrt(norm2)
-            if not (radius > INERT_NORM) or radius > FLT_MAX:
+            radius = live_radius(norm2, &status[r])   # assigned here: private per thread
+            if radius == 0.0:
                 # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
                 memset(&codes[r, 0], 0, code_bytes)
                 side[r] = 0.0
-                if not isfinite(norm2):
-                    status[r] = ROW_NONFINITE
-                elif radius > FLT_MAX:
-                    status[r] = ROW_NORM_OVERFLOW
-                else:
-                    status[r] = ROW_OK
                 continue
-            status[r] = ROW_OK
             to_unit = sqrtf_n / radius
             kvq_rotate_scale_row(&X[r, 0], &signs[0], n, inv_sqrt_n, to_unit, y)
             if by_distance:

@@ -18,12 +18,7 @@ from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-from kvquant._kernels._common cimport fwht
-
-cdef enum:
-    ROW_OK = 0
-    ROW_NONFINITE = 1
-    ROW_NORM_OVERFLOW = 2
+from kvquant._kernels._common cimport fwht, live_radius
 
 cdef enum:
     MODE_ENGINE_GRID = 0
@@ -34,7 +29,6 @@ cdef enum:
     MAX_ANGLE_BITS = 8
     MAX_LEVELS = 31
 
-cdef float INERT_NORM = 1e-35
 # Float constants as typed floats: an untyped literal such as 0.5 is a C double and would pull
 # the engine's float expressions into double precision.
 cdef float PI_F = 3.14159265358979
@@ -261,18 +255,11 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
             norm2 = 0.0
             for i in range(n):
                 norm2 = norm2 + <double>X[r, i] * <double>X[r, i]
-            radius = <float>sqrt(norm2)
-            if not (radius > INERT_NORM) or radius > FLT_MAX:
+            radius = live_radius(norm2, &status[r])   # assigned here: private per thread
+            if radius == 0.0:
                 # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
                 side[r] = 0.0
-                if not isfinite(norm2):
-                    status[r] = ROW_NONFINITE
-                elif radius > FLT_MAX:
-                    status[r] = ROW_NORM_OVERFLOW
-                else:
-                    status[r] = ROW_OK
                 continue
-            status[r] = ROW_OK
             for i in range(n):
                 y[i] = X[r, i] * signs[i]
             fwht(y, n)
