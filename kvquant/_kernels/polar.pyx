@@ -20,6 +20,11 @@ from libc.string cimport memset
 
 from kvquant._kernels._common cimport fwht, live_radius
 
+cdef extern from "rowops.h" nogil:
+    double kvq_sum_squares(const float* x, Py_ssize_t n, int in_index_order)
+    void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
+                              float to_unit, float* y)
+
 cdef enum:
     MODE_ENGINE_GRID = 0
     MODE_LLOYD_LEVEL = 1
@@ -252,19 +257,15 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
         for r in prange(n_rows, schedule="static"):
             row = &codes[r, 0]
             memset(row, 0, code_bytes)
-            norm2 = 0.0
-            for i in range(n):
-                norm2 = norm2 + <double>X[r, i] * <double>X[r, i]
+            # the engine's norm (double sum in index order) and rotation (signs, butterflies,
+            # x 1/sqrtf(n); the extra x 1.0f changes no bit)
+            norm2 = kvq_sum_squares(&X[r, 0], n, 1)
             radius = live_radius(norm2, &status[r])   # assigned here: private per thread
             if radius == 0.0:
                 # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
                 side[r] = 0.0
                 continue
-            for i in range(n):
-                y[i] = X[r, i] * signs[i]
-            fwht(y, n)
-            for i in range(n):
-                y[i] = y[i] * inv_sqrt_n
+            kvq_rotate_scale_row(&X[r, 0], &signs[0], n, inv_sqrt_n, <float>1.0, y)
             # forward transform: level 1 at ang[0 .. n/2), then each level after the previous
             rlen = n
             off = 0
