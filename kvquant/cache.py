@@ -22,6 +22,67 @@ from kvquant._threads import resolve_n_threads
 _MIN_CAPACITY = 16
 
 
+STREAM_OPTIONS = ("center", "sinks")
+
+
+def parse_stream_spec(spec):
+    """Split a stream spec into its codec spec and stream options.
+
+    A stream spec is a codec spec, optionally followed by ``@`` and comma-separated stream options
+    (what a sequence of rows does around its codec, which a codec alone cannot do):
+
+    ``center``
+        Subtract the mean of the rows of the first append (the prompt's prefill) from every row
+        before it is encoded, and add it back when the rows are read. Keys of real models share a
+        large per-channel mean (on SmolLM2 it holds ~60% of the key energy); the codec then spends
+        its bits on what differs between keys. Attention is unchanged in exact arithmetic: scores
+        and contexts add the offset's share back (``q . mu`` and ``sum(w) mu``).
+    ``sinks=N``
+        Keep the first N rows of the sequence in float32, unquantized (attention sinks: the first
+        tokens draw much of the attention and their keys are outliers).
+
+    Examples
+    --------
+    >>> parse_stream_spec("polar5@center,sinks=1")
+    ('polar5', {'center': True, 'sinks': 1})
+    >>> parse_stream_spec("tq4:side=unbiased")
+    ('tq4:side=unbiased', {})
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a stream spec must be a non-empty string, got {spec!r}")
+    codec_spec, at, opt_text = spec.strip().partition("@")
+    options = {}
+    if at and not opt_text.strip():
+        raise ValueError(f"stream spec {spec!r}: nothing after '@' (options: center, sinks=N)")
+    for item in filter(None, (part.strip() for part in opt_text.split(","))):
+        key, eq, value = item.partition("=")
+        if key not in STREAM_OPTIONS:
+            raise ValueError(f"stream spec {spec!r}: unknown stream option {key!r}; the options "
+                             "are 'center' and 'sinks=N'")
+        if key in options:
+            raise ValueError(f"stream spec {spec!r}: option {key!r} given twice")
+        if key == "center":
+            if eq:
+                raise ValueError(f"stream spec {spec!r}: 'center' takes no value")
+            options["center"] = True
+        else:
+            try:
+                n = int(value)
+            except ValueError:
+                n = -1
+            if not eq or n < 0:
+                raise ValueError(f"stream spec {spec!r}: sinks must be 'sinks=N' with N >= 0, "
+                                 f"got {item!r}")
+            options["sinks"] = n
+    return codec_spec.strip(), options
+
+
+def format_stream_spec(codec_spec, center=False, sinks=0):
+    """The canonical stream spec (inverse of :func:`parse_stream_spec`)."""
+    opts = (["center"] if center else []) + ([f"sinks={sinks}"] if sinks else [])
+    return codec_spec + ("@" + ",".join(opts) if opts else "")
+
+
 class RowStream:
     """One growing sequence of rows under one codec.
 
@@ -30,22 +91,48 @@ class RowStream:
     codec : Codec
     capacity : int
         Rows to allocate up front.
+    center : bool
+        Subtract the mean of the first append's rows before encoding (:func:`parse_stream_spec`).
+    sinks : int
+        Keep the first ``sinks`` rows in float32, unquantized.
+
+    Notes
+    -----
+    Rows 0 .. min(n_rows, sinks) are held as float32; the codes hold the rows after them (minus the
+    offset, when centered). Reading (``scores``, ``context``, ``decode``) gives the stored rows as
+    the model sees them: the sinks exactly, the other rows decoded plus the offset.
     """
 
-    def __init__(self, codec, capacity=0):
+    def __init__(self, codec, capacity=0, center=False, sinks=0):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a Codec (use kvquant.get_codec), got {codec!r}")
+        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
+            raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}")
         self.codec = codec
+        self.center = bool(center)
+        self.sinks = int(sinks)
         self.n_rows = 0
+        self.offset = None            # (dim,) float32 once a centered stream got its first rows
+        self._n_exact = 0             # rows held in float32 (the first min(n_rows, sinks))
+        self._exact = np.empty((self.sinks, codec.dim), np.float32)
         self._codes = np.empty((0, codec.code_bytes), np.uint8)
         self._side = np.empty((0, codec.n_side), np.float32)
         self.reserve(capacity)
+
+    @property
+    def spec(self):
+        """The stream spec: the codec's spec and the stream options."""
+        return format_stream_spec(self.codec.spec, self.center, self.sinks)
+
+    @property
+    def _plain(self):
+        return not self.center and self.sinks == 0
 
     def __len__(self):
         return self.n_rows
 
     def __repr__(self):
-        return f"<RowStream {self.codec.spec!r} dim={self.codec.dim} rows={self.n_rows}>"
+        return f"<RowStream {self.spec!r} dim={self.codec.dim} rows={self.n_rows}>"
 
     @property
     def capacity(self):
@@ -58,33 +145,86 @@ class RowStream:
             return
         codes = np.empty((capacity, self.codec.code_bytes), np.uint8)
         side = np.empty((capacity, self.codec.n_side), np.float32)
-        codes[: self.n_rows] = self._codes[: self.n_rows]
-        side[: self.n_rows] = self._side[: self.n_rows]
+        n_coded = self.n_rows - self._n_exact
+        codes[:n_coded] = self._codes[:n_coded]
+        side[:n_coded] = self._side[:n_coded]
         self._codes, self._side = codes, side
+
+    def prepare(self, rows, n_threads=None):
+        """Encode new rows without storing them (a bad row raises and changes nothing).
+
+        Returns an object for :meth:`store`; the cache encodes every stream first and then stores,
+        so that a bad row in one stream leaves all of them untouched.
+        """
+        if self._plain:
+            return (None, None, self.codec.encode(rows, n_threads))
+        X = self.codec.as_rows(rows)
+        offset = self.offset
+        if self.center and offset is None and X.shape[0]:
+            offset = X.mean(axis=0, dtype=np.float64).astype(np.float32)
+        take = min(self.sinks - self._n_exact, X.shape[0])
+        exact = X[:take]
+        bad = np.flatnonzero(~np.isfinite(exact).all(axis=1))
+        if bad.size:
+            if self.codec.nonfinite != "inert":
+                raise ValueError(
+                    f"sink row(s) {', '.join(str(self._n_exact + i) for i in bad)} contain NaN or "
+                    "inf; nothing was stored. Clean them, or build the codec with "
+                    "nonfinite='inert' to store them as zero rows")
+            exact = exact.copy()
+            exact[bad] = 0.0
+        rest = X[take:]
+        if offset is not None:
+            rest = rest - offset
+        return (offset, exact, self.codec.encode(rest, n_threads))
+
+    def store(self, prepared):
+        """Store what :meth:`prepare` returned."""
+        offset, exact, enc = prepared
+        if offset is not None:
+            self.offset = offset
+        if exact is not None and exact.shape[0]:
+            self._exact[self._n_exact:self._n_exact + exact.shape[0]] = exact
+            self._n_exact += exact.shape[0]
+            self.n_rows += exact.shape[0]
+        self._append_codes(enc)
 
     def append(self, rows, n_threads=None):
         """Quantize rows of shape (n_new, dim) and store them."""
-        self.append_encoded(self.codec.encode(rows, n_threads))
+        self.store(self.prepare(rows, n_threads))
 
     def append_encoded(self, enc):
         """Store rows already encoded by this stream's codec (e.g. read from a file)."""
+        if not self._plain:
+            raise ValueError(
+                f"stream {self.spec!r} centers its rows or keeps sinks in float32: rows encoded "
+                "elsewhere carry no offset and no exact sinks; append the float rows instead")
+        self._append_codes(enc)
+
+    def _append_codes(self, enc):
         codes, side = self.codec.check_encoded(enc)
         k = codes.shape[0]
-        if self.n_rows + k > self.capacity:
-            self.reserve(max(self.n_rows + k, 2 * self.capacity, _MIN_CAPACITY))
-        self._codes[self.n_rows: self.n_rows + k] = codes
-        self._side[self.n_rows: self.n_rows + k] = side
+        n_coded = self.n_rows - self._n_exact
+        if n_coded + k > self.capacity:
+            self.reserve(max(n_coded + k, 2 * self.capacity, _MIN_CAPACITY))
+        self._codes[n_coded: n_coded + k] = codes
+        self._side[n_coded: n_coded + k] = side
         self.n_rows += k
 
     def truncate(self, n_rows):
-        """Keep the first ``n_rows`` rows."""
+        """Keep the first ``n_rows`` rows (truncating to 0 also forgets the offset)."""
         if not 0 <= n_rows <= self.n_rows:
             raise ValueError(f"cannot truncate {self.n_rows} rows to {n_rows}")
         self.n_rows = int(n_rows)
+        self._n_exact = min(self._n_exact, self.n_rows)
+        if self.n_rows == 0:
+            self.offset = None
 
     def encoded(self, length=None):
-        """The first ``length`` rows (all by default) as EncodedRows: a view, no copy."""
-        n = self._length(length)
+        """The coded rows among the first ``length`` (all by default) as EncodedRows: a view.
+
+        For a stream with sinks these are the rows after the sinks (the sinks are float32)."""
+        n = self._length(length) - min(self._n_exact, self._length(length))
         return EncodedRows(self._codes[:n], self._side[:n], self.codec.spec, self.codec.dim)
 
     def _length(self, length):
@@ -96,27 +236,57 @@ class RowStream:
 
     def scores(self, q, n_threads=None, length=None):
         """``q . x^_t`` for the stored rows t < length; q of shape (dim,) or (m, dim)."""
-        return self.codec.scores(self.encoded(length), q, n_threads)
+        if self._plain:
+            return self.codec.scores(self.encoded(length), q, n_threads)
+        n = self._length(length)
+        e = min(n, self._n_exact)
+        coded = self.codec.scores(self.encoded(n), q, n_threads)
+        q32 = np.asarray(q, dtype=np.float32)
+        if self.offset is not None and coded.shape[-1]:
+            coded += (q32 @ self.offset)[..., None]
+        if e == 0:
+            return coded
+        return np.concatenate([q32 @ self._exact[:e].T, coded], axis=-1)
 
     def context(self, w, n_threads=None):
         """``sum_t w_t x^_t`` over the first ``len(w)`` rows; w of shape (T,) or (m, T)."""
-        return self.codec.context(self.encoded(np.shape(w)[-1]), w, n_threads)
+        if self._plain:
+            return self.codec.context(self.encoded(np.shape(w)[-1]), w, n_threads)
+        n = self._length(np.shape(w)[-1])
+        e = min(n, self._n_exact)
+        w32 = np.asarray(w, dtype=np.float32)
+        out = self.codec.context(self.encoded(n), w32[..., e:], n_threads)
+        if self.offset is not None and n > e:
+            out += w32[..., e:].sum(axis=-1, dtype=np.float32)[..., None] * self.offset
+        if e:
+            out += w32[..., :e] @ self._exact[:e]
+        return out
 
     def decode(self, start=0, stop=None, n_threads=None):
         """Rows [start, stop) as float32 (a block for the prefill path)."""
         stop = self.n_rows if stop is None else stop
-        enc = self.encoded()
-        return self.codec.decode(enc[start:stop], n_threads)
+        if self._plain:
+            return self.codec.decode(self.encoded()[start:stop], n_threads)
+        if not 0 <= start <= stop <= self.n_rows:
+            raise ValueError(f"rows [{start}, {stop}) are outside 0..{self.n_rows}")
+        e = self._n_exact
+        coded = self.codec.decode(self.encoded()[max(start - e, 0):max(stop - e, 0)], n_threads)
+        if self.offset is not None:
+            coded += self.offset
+        if start >= e:
+            return coded
+        return np.concatenate([self._exact[start:min(stop, e)], coded])
 
     @property
     def nbytes(self):
-        """Bytes of the stored rows (codes and side values)."""
-        return self.n_rows * self.codec.bytes_per_row
+        """Bytes of the stored rows (codes and side values; float32 sinks and offset)."""
+        extra = 4 * self.codec.dim * (self._n_exact + (self.offset is not None))
+        return (self.n_rows - self._n_exact) * self.codec.bytes_per_row + extra
 
     @property
     def capacity_bytes(self):
         """Bytes allocated."""
-        return self._codes.nbytes + self._side.nbytes
+        return self._codes.nbytes + self._side.nbytes + self._exact.nbytes
 
 
 def softmax(scores):
@@ -134,9 +304,11 @@ class QuantizedKVCache:
     ----------
     n_layers : int
     streams : dict
-        ``name -> (spec, dim)``: the codec spec (or a list of one spec per layer) and the row width
-        of each stream. E.g. ``{"k": ("tq4", 64), "v": ("kv8", 64)}`` (GQA) or
-        ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA).
+        ``name -> (spec, dim)``: the stream spec (or a list of one spec per layer) and the row
+        width of each stream. E.g. ``{"k": ("tq4", 64), "v": ("kv8", 64)}`` (GQA),
+        ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA), or with stream options
+        ``{"k": ("polar5@center,sinks=1", 64), "v": ("polar4@sinks=1", 64)}``
+        (:func:`parse_stream_spec`). A Codec object may stand for a spec (no stream options).
     n_kv_heads : int, default 1
         Row sequences per stream and layer.
     capacity : int, default 0
@@ -180,21 +352,23 @@ class QuantizedKVCache:
         for layer in range(self.n_layers):
             entry = {}
             for name in self.stream_names:
-                spec = specs[name][layer]
+                spec, stream_options = specs[name][layer], {}
                 if isinstance(spec, Codec):
                     codec = spec
                 else:
+                    spec, stream_options = parse_stream_spec(spec)
                     key = (spec, self.dims[name])
                     if key not in codecs:
                         codecs[key] = get_codec(spec, self.dims[name], **codec_options)
                     codec = codecs[key]
                 if codec.dim != self.dims[name]:
                     raise ValueError(f"stream {name!r}: codec width {codec.dim} != {self.dims[name]}")
-                entry[name] = [RowStream(codec, capacity) for _ in range(self.n_kv_heads)]
+                entry[name] = [RowStream(codec, capacity, **stream_options)
+                               for _ in range(self.n_kv_heads)]
             self._layers.append(entry)
 
     def __repr__(self):
-        streams = ", ".join(f"{n}: {self.codec(0, n).spec} x{self.dims[n]}"
+        streams = ", ".join(f"{n}: {self.stream(0, n).spec} x{self.dims[n]}"
                             for n in self.stream_names)
         return (f"<QuantizedKVCache layers={self.n_layers} kv_heads={self.n_kv_heads} "
                 f"{{{streams}}} tokens={[self.length(i) for i in range(self.n_layers)]}>")
@@ -256,11 +430,11 @@ class QuantizedKVCache:
             raise ValueError(f"every stream must get the same number of new rows, got "
                              f"{ {n: X.shape[0] for n, X in arrays.items()} }")
         # encode everything first: a bad row leaves the cache untouched
-        encoded = {name: [self.stream(layer, name, h).codec.encode(X[:, h, :], n_threads)
-                          for h in range(self.n_kv_heads)] for name, X in arrays.items()}
-        for name, per_head in encoded.items():
-            for h, enc in enumerate(per_head):
-                self._layers[layer][name][h].append_encoded(enc)
+        prepared = {name: [self.stream(layer, name, h).prepare(X[:, h, :], n_threads)
+                           for h in range(self.n_kv_heads)] for name, X in arrays.items()}
+        for name, per_head in prepared.items():
+            for h, item in enumerate(per_head):
+                self._layers[layer][name][h].store(item)
 
     def reserve(self, capacity):
         """Allocate room for ``capacity`` tokens in every sequence."""
@@ -388,7 +562,8 @@ class QuantizedKVCache:
 
     @property
     def bytes_per_token(self):
-        """Bytes one token adds to the cache (all layers, streams and heads)."""
+        """Bytes one token adds to the cache (all layers, streams and heads); float32 sinks and
+        offsets of streams with options are a fixed cost on top (see :attr:`nbytes`)."""
         return sum(heads[0].codec.bytes_per_row * self.n_kv_heads
                    for entry in self._layers for heads in entry.values())
 

@@ -161,3 +161,104 @@ def test_errors_name_the_problem(rng):
         cache.attend_prefill(0, np.zeros((1, 2, 64)))
     with pytest.raises(ValueError, match="dim"):
         QuantizedKVCache(1, {"k": ("kv8", 0), "v": ("kv8", 8)})
+
+
+# -- stream options: center, sinks ----------------------------------------------------------------
+def _offset_rows(rng, n, dim=64, shift=4.0):
+    """Rows sharing a large per-channel mean, as keys of real models do."""
+    mean = shift * rng.standard_normal(dim)
+    return (rng.standard_normal((n, dim)) + mean).astype(np.float32)
+
+
+@pytest.mark.parametrize("codec_spec", ["tq4", "polar4", "q4_0+rot", "kv8"])
+def test_centered_stream_is_the_codec_on_the_rows_minus_the_first_append_mean(rng, codec_spec):
+    X = _offset_rows(rng, 60)
+    stream = RowStream(get_codec(codec_spec, 64), center=True)
+    stream.append(X[:25])
+    stream.append(X[25:])                      # the offset is the first append's mean, kept
+    mu = X[:25].astype(np.float64).mean(axis=0).astype(np.float32)
+    codec = get_codec(codec_spec, 64)
+    expected = codec.decode(codec.encode(X - mu)) + mu
+    assert np.array_equal(stream.offset, mu)
+    assert np.array_equal(stream.decode(), expected)
+    assert np.array_equal(stream.decode(10, 40), expected[10:40])
+    q = rng.standard_normal((3, 64)).astype(np.float32)
+    w = rng.random((3, 60)).astype(np.float32)
+    ref_s = q.astype(np.float64) @ expected.T.astype(np.float64)
+    assert np.abs(stream.scores(q) - ref_s).max() <= 1e-5 * np.abs(ref_s).max()
+    ref_c = w.astype(np.float64) @ expected.astype(np.float64)
+    assert np.abs(stream.context(w) - ref_c).max() <= 1e-4 * (np.abs(ref_c).max() + 1)
+
+
+def test_centering_lowers_the_error_of_offset_rows(rng):
+    X = _offset_rows(rng, 400)
+    plain, centered = RowStream(get_codec("tq4", 64)), RowStream(get_codec("tq4", 64), center=True)
+    plain.append(X)
+    centered.append(X)
+    err = [np.linalg.norm(s.decode() - X) for s in (plain, centered)]
+    # the codec's relative error applies to the rows minus the mean: ~4x smaller here
+    assert err[1] < 0.4 * err[0]
+
+
+@pytest.mark.parametrize("steps", [(5,), (1, 1, 1, 2), (2, 3), (4, 1)])
+def test_sinks_are_exact_and_the_rest_is_the_codec(rng, steps):
+    X = rng.standard_normal((sum(steps), 64)).astype(np.float32)
+    stream = RowStream(get_codec("tq3", 64), sinks=3)
+    t = 0
+    for n in steps:
+        stream.append(X[t:t + n])
+        t += n
+    codec = get_codec("tq3", 64)
+    D = stream.decode()
+    assert np.array_equal(D[:3], X[:3])
+    assert np.array_equal(D[3:], codec.decode(codec.encode(X[3:])))
+    assert stream.nbytes == 3 * 64 * 4 + (len(X) - 3) * codec.bytes_per_row
+    q = rng.standard_normal(64).astype(np.float32)
+    for length in range(len(X) + 1):
+        s = stream.scores(q, length=length)
+        assert s.shape == (length,)
+        assert np.allclose(s, D[:length] @ q, rtol=1e-5, atol=1e-5)
+        w = rng.random(length).astype(np.float32)
+        assert np.allclose(stream.context(w), w @ D[:length], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_with_stream_options_attends_like_its_decoded_rows(rng):
+    cache, K, V = _gqa_cache(rng, keys="polar5@center,sinks=1", values="polar4@sinks=1")
+    assert cache.stream(0, "k").spec == "polar5@center,sinks=1"
+    q = gaussian_rows(rng, 9, 64)
+    out = cache.attend(1, q, scale=0.125)
+    for i in range(9):
+        h = i // 3
+        K_hat, V_hat = cache.stream(1, "k", h).decode(), cache.stream(1, "v", h).decode()
+        assert np.array_equal(K_hat[0], K[1, 0, h]) and np.array_equal(V_hat[0], V[1, 0, h])
+        ref = _reference_attention(q[i], K_hat, V_hat, 0.125)
+        assert np.linalg.norm(out[i] - ref) < 1e-4 * (np.linalg.norm(ref) + 1)
+    Q = rng.standard_normal((20, 9, 64)).astype(np.float32)
+    pre = cache.attend_prefill(1, Q, scale=0.125, block=8)
+    for j in (0, 19):
+        one = cache.attend(1, Q[j], scale=0.125, length=50 - 20 + j + 1)
+        assert np.allclose(pre[j], one, rtol=1e-4, atol=1e-5)
+
+
+def test_stream_options_bad_rows_truncate_and_errors(rng):
+    stream = RowStream(get_codec("tq4", 64), center=True, sinks=2)
+    X = rng.standard_normal((6, 64)).astype(np.float32)
+    bad = X.copy()
+    bad[1, 3] = np.nan
+    with pytest.raises(ValueError, match="sink row"):
+        stream.append(bad)
+    assert len(stream) == 0 and stream.offset is None
+    stream.append(X)
+    with pytest.raises(ValueError, match="no offset"):
+        stream.append_encoded(get_codec("tq4", 64).encode(X))
+    stream.truncate(1)
+    assert np.array_equal(stream.decode(), X[:1])
+    stream.truncate(0)
+    assert stream.offset is None
+    for spec, match in [("tq4@", "nothing after"), ("tq4@centre", "unknown stream option"),
+                        ("tq4@sinks=-1", "sinks"), ("tq4@sinks", "sinks"),
+                        ("tq4@center=1", "no value"), ("tq4@center,center", "twice")]:
+        with pytest.raises(ValueError, match=match):
+            QuantizedKVCache(1, {"k": (spec, 64)})
+    with pytest.raises(ValueError, match="stream options"):
+        get_codec("tq4@center", 64)

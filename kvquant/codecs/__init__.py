@@ -62,6 +62,11 @@ def get_codec(spec, dim, **options):
     >>> get_codec("tq4", 128).bytes_per_row
     68
     """
+    if isinstance(spec, str) and "@" in spec:
+        raise ValueError(
+            f"{spec!r}: what follows '@' are stream options (center, sinks=N) of a cache stream "
+            "(kvquant.cache.QuantizedKVCache, model pair specs), not codec options; give the "
+            f"codec {spec.partition('@')[0]!r} here")
     base, spec_options = parse_spec(spec)
     for key, value in options.items():
         if key in spec_options and spec_options[key] != value:

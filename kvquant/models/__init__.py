@@ -44,16 +44,21 @@ def split_pair_spec(pair_spec):
 
 
 def cache_streams(cache):
-    """``{stream name: codec spec}`` of a cache (layer 0)."""
-    return {name: cache.codec(0, name).spec for name in cache.stream_names}
+    """``{stream name: stream spec}`` of a cache (layer 0)."""
+    return {name: cache.stream(0, name).spec for name in cache.stream_names}
 
 
-def make_codec(spec, dim, stream):
-    """``get_codec`` with the stream named in the error (a width the codec cannot take, ...)."""
+def check_stream_spec(spec, dim, stream):
+    """Validate a stream spec (codec spec + optional ``@center,sinks=N``,
+    :func:`kvquant.cache.parse_stream_spec`) for rows of width ``dim``; errors name the stream.
+    Returns the spec."""
+    from kvquant.cache import parse_stream_spec
     try:
-        return get_codec(spec, dim)
+        codec_spec, _ = parse_stream_spec(spec)
+        get_codec(codec_spec, dim)
     except ValueError as exc:
         raise ValueError(f"{stream} rows (width {dim}): {exc}") from None
+    return spec
 
 
 def causal_mask(query_pos, n_rows):

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvquant.cache import QuantizedKVCache
-from kvquant.models import causal_mask, make_codec, masked_softmax, rms_norm, silu, split_pair_spec
+from kvquant.models import causal_mask, check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
 
 __all__ = ["LlamaConfig", "LlamaGGUF", "PREFILL_MODES", "load_smollm2", "new_llama_cache",
            "smollm2_path"]
@@ -115,8 +115,8 @@ def new_llama_cache(cfg, pair_spec="f32"):
     ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V.
     """
     k_spec, v_spec = split_pair_spec(pair_spec)
-    streams = {"k": (make_codec(k_spec, cfg.head_dim, "K"), cfg.head_dim),
-               "v": (make_codec(v_spec, cfg.head_dim, "V"), cfg.head_dim)}
+    streams = {"k": (check_stream_spec(k_spec, cfg.head_dim, "K"), cfg.head_dim),
+               "v": (check_stream_spec(v_spec, cfg.head_dim, "V"), cfg.head_dim)}
     return QuantizedKVCache(cfg.n_layers, streams, n_kv_heads=cfg.n_kv_heads, capacity=256)
 
 

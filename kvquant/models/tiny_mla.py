@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvquant.cache import QuantizedKVCache
-from kvquant.models import causal_mask, make_codec, masked_softmax, rms_norm, silu, split_pair_spec
+from kvquant.models import causal_mask, check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
 
 __all__ = ["ORACLE_PROMPT", "ORACLE_NEW_TOKENS", "TinyMLA", "TinyMLAConfig", "new_mla_cache",
            "weight_shapes"]
@@ -139,8 +139,8 @@ def new_mla_cache(cfg, pair_spec="f32"):
     l_spec, r_spec = split_pair_spec(pair_spec)
     if "/" not in pair_spec and l_spec.startswith("kv8-g"):
         r_spec = "kv8"
-    streams = {"L": (make_codec(l_spec, cfg.kv_lora_rank, "L (latent)"), cfg.kv_lora_rank),
-               "R": (make_codec(r_spec, cfg.qk_rope_head_dim, "R (rope)"), cfg.qk_rope_head_dim)}
+    streams = {"L": (check_stream_spec(l_spec, cfg.kv_lora_rank, "L (latent)"), cfg.kv_lora_rank),
+               "R": (check_stream_spec(r_spec, cfg.qk_rope_head_dim, "R (rope)"), cfg.qk_rope_head_dim)}
     return QuantizedKVCache(cfg.n_layers, streams, capacity=64)
 
 
