@@ -62,7 +62,19 @@ SPLITS_LOW = ["tq5/tq3", "tq6/tq2", "tq5/polar3", "polar5/tq3", "polar5/polar4",
 SPLITS_HIGH = ["tq6/tq4", "q8_0/tq4", "tq8/tq4", "q8_0/tq6", "tq8/tq6"]
 # Between the two budgets (q8_0 keys cannot fit 4.5 bits: V would need <= 0.5 bits).
 SPLITS_MID = ["tq6/tq3", "q8_0/tq2"]
-DEFAULT_CONFIGS = UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID
+# Stream options (kvquant.cache.parse_stream_spec): keys centered on the prompt's mean key, the
+# first row of K and V kept in f32; fp16 side values (tq / polar `side_dtype=f16`) pay for them.
+_C, _S = "@center,sinks=1", "@sinks=1"
+_H = ":side_dtype=f16"
+STREAM_OPTION_CONFIGS = [
+    f"polar5{_C}/polar4{_S}", f"polar5{_H}{_C}/polar4{_H}{_S}", f"polar6{_H}{_C}/polar3{_H}{_S}",
+    f"polar4{_H}{_C}/polar4{_H}{_S}", f"polar4{_H}{_C}/polar3{_H}{_S}",
+    f"tq5{_H}{_C}/tq3{_H}{_S}", f"tq4{_H}{_C}/tq4{_H}{_S}", f"q4_0+rot{_C}/q4_0+rot{_S}",
+    f"tq8{_H}{_C}/tq6{_H}{_S}", f"q8_0{_S}",
+    # what each option brings alone
+    "polar5@center/polar4", f"polar5{_S}/polar4{_S}",
+]
+DEFAULT_CONFIGS = UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
 
 BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
 
@@ -70,12 +82,25 @@ BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
 # --------------------------------------------------------------------------------------------
 # Bits, families, front
 # --------------------------------------------------------------------------------------------
-def bits_per_value(pair_spec, head_dim=HEAD_DIM):
-    """(K bytes + V bytes per row) x 8 / (2 x head_dim), side values included."""
+def bits_per_value(pair_spec, head_dim=HEAD_DIM, tokens=None):
+    """(K bytes + V bytes per row) x 8 / (2 x head_dim), side values included.
+
+    With ``tokens`` (the context length measured), the fixed cost of stream options is spread
+    over the rows: a centered stream stores its f32 offset (head_dim floats), a stream with sinks
+    stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
+    """
+    from kvquant.cache import parse_stream_spec
     from kvquant.codecs import get_codec
     from kvquant.models import split_pair_spec
-    k_spec, v_spec = split_pair_spec(pair_spec)
-    nbytes = get_codec(k_spec, head_dim).bytes_per_row + get_codec(v_spec, head_dim).bytes_per_row
+    nbytes = 0.0
+    for stream_spec in split_pair_spec(pair_spec):
+        codec_spec, opts = parse_stream_spec(stream_spec)
+        row = get_codec(codec_spec, head_dim).bytes_per_row
+        nbytes += row
+        if tokens:
+            sinks = min(opts.get("sinks", 0), tokens)
+            fixed = 4 * head_dim * (sinks + opts.get("center", False)) - sinks * row
+            nbytes += fixed / tokens
     return 8.0 * nbytes / (2 * head_dim)
 
 
@@ -96,8 +121,11 @@ def codec_family(spec):
 
 
 def pair_family(pair_spec):
-    """Family of a pair: the codec's family when K and V share it, else ``"K/V split"``."""
+    """Family of a pair: ``"stream options"`` when a stream centers or keeps sinks, else the
+    codec's family when K and V share it, else ``"K/V split"``."""
     from kvquant.models import split_pair_spec
+    if "@" in pair_spec:
+        return "stream options"
     k_spec, v_spec = split_pair_spec(pair_spec)
     if k_spec == v_spec:
         return codec_family(k_spec)
@@ -152,29 +180,32 @@ def frontier_rows(result):
 # --------------------------------------------------------------------------------------------
 def run_frontier(configs=None, positions=DEFAULTS["positions"],
                  chunk_tokens=DEFAULTS["chunk_tokens"], prompts=DEFAULTS["prompts"],
-                 workers=None, progress=None):
-    """``run_flips`` on SmolLM2 over ``configs`` (pair specs); adds ``bits_per_value`` per row.
+                 workers=None, progress=None, text="pydoc"):
+    """``run_flips`` on SmolLM2 over ``configs`` (pair specs); adds ``bits_per_value`` per row
+    (fixed costs of stream options spread over ``chunk_tokens`` rows, the context measured).
 
-    The bits from the codecs at head_dim are checked against the cache's bytes per token.
+    The bits per further token from the codecs are checked against the cache's bytes per token.
     """
     from kvquant.flips import run_flips
     configs = list(configs or DEFAULT_CONFIGS)
     t0 = time.perf_counter()
     result = run_flips(MODEL, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
-                       n_prompts=prompts, workers=workers, progress=progress)
+                       n_prompts=prompts, workers=workers, progress=progress, text=text)
     cfg = result["meta"]["model"]
     d = cfg["head_dim"]
     rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows
     for r in result["rows"]:
-        r["bits_per_value"] = bits_per_value(r["codec"], d)
+        r["bits_per_value"] = bits_per_value(r["codec"], d, tokens=chunk_tokens)
+        per_token = bits_per_value(r["codec"], d)
         from_cache = 8.0 * r["bytes_per_token"] / (rows_per_token * d)
-        if abs(from_cache - r["bits_per_value"]) > 1e-9:
-            raise AssertionError(f"{r['codec']}: {r['bits_per_value']} bits from the codecs, "
+        if abs(from_cache - per_token) > 1e-9:
+            raise AssertionError(f"{r['codec']}: {per_token} bits from the codecs, "
                                  f"{from_cache} from the cache")
     result["meta"]["frontier"] = {
         "budget_low_bits": BUDGET_LOW, "kld_goal_low": KLD_GOAL_LOW,
         "budget_high_bits": BUDGET_HIGH, "goal_high": "KLD <= q8_0's in this run",
-        "bits_per_value": "(K + V bytes per row) * 8 / (2 * head_dim), side values included",
+        "bits_per_value": ("(K + V bytes per row) * 8 / (2 * head_dim), side values included; "
+                           "f32 offsets and sinks of stream options spread over chunk_tokens"),
         "wall_s": time.perf_counter() - t0,
     }
     return result
@@ -182,8 +213,9 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
 
 def result_stem(result):
     t = result["meta"]["text"]
-    return (f"frontier-smollm2-N{t['positions']}-c{t['chunk_tokens']}"
-            f"-p{result['meta']['protocol']['prompts']}")
+    name = t.get("name", "pydoc")
+    return (f"frontier-smollm2{'' if name == 'pydoc' else '-' + name}-N{t['positions']}"
+            f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}")
 
 
 CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token", "same_top",
@@ -216,7 +248,9 @@ def format_markdown(result):
         f"{t['chunk_tokens']} tokens; engine protocol: {p['prompts']} prompts x "
         f"{p['new_tokens']} greedy tokens. Against the f32 cache; PPL(f32) = "
         f"{result['rows'][0]['ppl_f32']:.3f}. "
-        f"Bits/value = (K + V bytes per row) x 8 / (2 x 64). F: on the Pareto front; "
+        f"Bits/value = (K + V bytes per row) x 8 / (2 x 64), side values included; the f32 "
+        f"offset and sink rows of stream options (@center, @sinks=N) spread over the "
+        f"{t['chunk_tokens']} rows of a chunk. F: on the Pareto front; "
         f"goal: <= {BUDGET_LOW} bits and KLD <= {KLD_GOAL_LOW} (A), <= {BUDGET_HIGH} bits and "
         f"KLD <= q8_0's (B)" + (f" = {q8['kld_mean']:.2e}" if q8 else "")
         + ("; B+: also <= q8_0+rot's (llama.cpp rotates a quantized cache since PR #21038)"
@@ -250,6 +284,7 @@ FAMILY_STYLE = {
     "polar colibri": ("#98df8a", "D", "polar engine (colibri)"),
     "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
+    "stream options": ("#e41a1c", "*", "K centered + 1 f32 sink row (stream options)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -340,7 +375,8 @@ def plot_frontier(result, out):
     ax.set_xlabel("bits per value (K and V averaged, side values included; head_dim 64)")
     ax.set_ylabel("mean KL(p_f32 || p_codec) on real text (nats)")
     t = result["meta"]["text"]
-    ax.set_title(f"SmolLM2-135M KV cache: quality per byte ({t['positions']} positions, "
+    text = "Python source" if t.get("name") == "code" else "pydoc prose"
+    ax.set_title(f"SmolLM2-135M KV cache: quality per byte ({text}, {t['positions']} positions, "
                  f"chunks of {t['chunk_tokens']})", fontsize=10)
     ax.legend(fontsize=7, loc="lower left")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -361,14 +397,20 @@ def main(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"])
     p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"],
                    help="prompts of the engine's teacher-forced / greedy protocol")
+    p.add_argument("--text", choices=("pydoc", "code"), default="pydoc",
+                   help="real text: pydoc_data.topics prose or stdlib Python source")
     p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
     p.add_argument("--out", default=os.path.join("data", "results"))
-    p.add_argument("--figure", default=os.path.join("data", "figures", "frontier_smollm2.png"))
+    p.add_argument("--figure", default=None,
+                   help="default: data/figures/frontier_smollm2[_<text>].png")
     p.add_argument("--list", action="store_true", help="print configurations and bits, run nothing")
     p.add_argument("--plot-only", metavar="JSON", default=None,
                    help="redraw the figure, CSV and markdown table from a frontier JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.figure is None:
+        suffix = "" if args.text == "pydoc" else "_" + args.text
+        args.figure = os.path.join("data", "figures", f"frontier_smollm2{suffix}.png")
 
     if args.configs:
         from kvquant.codecs import split_spec_list
@@ -377,7 +419,7 @@ def main(argv=None):
         configs = list(DEFAULT_CONFIGS)
     if args.list:
         for c in configs:
-            print(f"{bits_per_value(c):5.2f}  {c}")
+            print(f"{bits_per_value(c, tokens=args.chunk_tokens):5.2f}  {c}")
         return 0
     if args.plot_only:
         with open(args.plot_only) as f:
@@ -394,7 +436,8 @@ def main(argv=None):
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     result = run_frontier(configs, positions=args.positions, chunk_tokens=args.chunk_tokens,
-                          prompts=args.prompts, workers=args.workers, progress=progress)
+                          prompts=args.prompts, workers=args.workers, progress=progress,
+                          text=args.text)
     paths = write_frontier(result, args.out)
     paths.append(plot_frontier(result, args.figure))
     print(format_markdown(result))

@@ -7,8 +7,8 @@ Two measurements, both against the same model with an f32 cache (REFERENCE.md §
   cache; count positions whose argmax equals the f32 argmax (X/32 on the tiny model). *Greedy*:
   the codec's run generates its own 20 tokens, compared position-wise with the reference (Y/20).
   On the real model the protocol runs over several prompts cut from ``pydoc_data.topics``.
-* **Real text** (the real model). Chunks of ``pydoc_data.topics`` (present in every Python) are
-  run in prefill; at every position, against the f32 cache: top-1 agreement ("same top p", as
+* **Real text** (the real model). Chunks of ``pydoc_data.topics`` (present in every Python; or,
+  with ``text="code"``, Python source of standard-library modules) are run in prefill; at every position, against the f32 cache: top-1 agreement ("same top p", as
   ``llama-perplexity --kl-divergence``), the KL divergence KL(p_f32 || p_codec) of the next-token
   distribution (mean, 99th percentile, max) and the perplexity ratio PPL(codec) / PPL(f32) on the
   text's own next tokens.
@@ -39,6 +39,7 @@ __all__ = [
     "pydoc_tokens",
     "run_flips",
     "text_metrics",
+    "text_tokens",
     "write_results",
 ]
 
@@ -196,6 +197,39 @@ def pydoc_text():
 
 def pydoc_tokens(model):
     return model.encode(pydoc_text())
+
+
+# Pure-Python standard-library modules: source code, a second kind of real text beside the
+# reference prose of pydoc topics (so that a result is not tuned to one text). The file contents
+# depend on the Python version, which the results record.
+CODE_MODULES = ("argparse", "difflib", "textwrap", "fractions", "statistics", "calendar",
+                "shlex", "pprint", "dataclasses", "heapq", "string", "bisect", "enum")
+
+
+def stdlib_code_text():
+    """Source files of :data:`CODE_MODULES`, in that order, separated by blank lines."""
+    import importlib.util
+    parts = []
+    for name in CODE_MODULES:
+        with open(importlib.util.find_spec(name).origin, encoding="utf-8") as f:
+            parts.append(f.read().strip())
+    return "\n\n".join(parts)
+
+
+TEXTS = {
+    "pydoc": ("pydoc_data.topics", pydoc_text),
+    "code": ("Python standard-library source (" + ", ".join(CODE_MODULES) + ")",
+             stdlib_code_text),
+}
+
+
+def text_tokens(model, text="pydoc"):
+    """Token ids of one of the :data:`TEXTS` (``"pydoc"``: reference prose; ``"code"``: Python
+    source) and its description."""
+    if text not in TEXTS:
+        raise ValueError(f"text {text!r} is not one of {sorted(TEXTS)}")
+    source, load = TEXTS[text]
+    return model.encode(load()), source
 
 
 def text_chunks(tokens, n_positions, chunk_tokens):
@@ -368,7 +402,7 @@ def protocol_prompts(model_name, tokens=None, n_prompts=1):
 
 
 def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUNK_TOKENS,
-              n_prompts=None, workers=None, model=None, progress=None):
+              n_prompts=None, workers=None, model=None, progress=None, text="pydoc"):
     """Build the flip table of ``model_name`` ("tiny-mla" or "smollm2").
 
     Parameters
@@ -387,6 +421,9 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         of cores, at most 2.
     model : optional
         An already built model (saves the load; the workers, if any, load their own).
+    text : {"pydoc", "code"}
+        The real text (smollm2): reference prose of ``pydoc_data.topics`` or Python source of
+        standard-library modules (:data:`TEXTS`).
 
     Returns
     -------
@@ -413,7 +450,7 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         positions, tokens, workers = 0, None, 1
     else:
         positions = DEFAULT_POSITIONS if positions is None else int(positions)
-        tokens = pydoc_tokens(model)
+        tokens, source = text_tokens(model, text)
         workers = min(2, os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -439,7 +476,7 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         },
     }
     if positions:
-        meta["text"] = {"source": "pydoc_data.topics", "text_tokens": int(tokens.size),
+        meta["text"] = {"name": text, "source": source, "text_tokens": int(tokens.size),
                         "positions": positions, "chunk_tokens": chunk_tokens,
                         "chunk_starts": [int(s) for s, _ in chunks]}
         for row, text_row in zip(rows, combine_chunks(codecs, stats)):
@@ -509,7 +546,9 @@ def result_stem(result):
     name = "tiny-mla" if meta["model"]["model"] == "tiny-mla" else "smollm2"
     stem = f"flips-{name}-p{meta['protocol']['prompts']}"
     if "text" in meta:
-        stem += f"-N{meta['text']['positions']}-c{meta['text']['chunk_tokens']}"
+        name = meta["text"].get("name", "pydoc")
+        stem += ("" if name == "pydoc" else f"-{name}") + \
+            f"-N{meta['text']['positions']}-c{meta['text']['chunk_tokens']}"
     return stem
 
 
@@ -555,7 +594,7 @@ def cmd_flips(args):
     try:
         result = run_flips(args.model, codecs=codecs, positions=args.positions,
                            chunk_tokens=args.chunk_tokens, n_prompts=args.prompts,
-                           workers=args.workers, progress=progress)
+                           workers=args.workers, progress=progress, text=args.text)
     except (ValueError, ImportError) as exc:
         raise SystemExit(f"kvquant flips: {exc}")
     paths = () if args.no_write else write_results(result, args.out)
@@ -584,6 +623,8 @@ def add_cli(sub):
                    help=f"real-text positions on smollm2 (default {DEFAULT_POSITIONS}; 0: none)")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
                    help="tokens per text chunk (one prefill each)")
+    p.add_argument("--text", choices=sorted(TEXTS), default="pydoc",
+                   help="real text on smollm2: pydoc_data.topics prose or stdlib Python source")
     p.add_argument("--prompts", type=int, default=None,
                    help="prompts of the engine's protocol (smollm2; default 8)")
     p.add_argument("--workers", type=int, default=None,

@@ -131,3 +131,27 @@ def test_local_workers_run_one_thread_each():
     with open_executor(workers=1) as ex:
         env = ex.submit(environment).result()
     assert env["openmp_max_threads"] == 1
+
+
+# -- frontier bookkeeping --------------------------------------------------------------------------
+@pytest.mark.parametrize("pair", ["tq4", "q8_0/tq4", "polar5@center,sinks=1/polar4@sinks=1",
+                                  "q4_0+rot@sinks=3/q4_0+rot", "tq3@center/kv8"])
+@pytest.mark.parametrize("tokens", [1, 2, 37, 512])
+def test_frontier_bits_are_the_bytes_a_cache_holds(rng, pair, tokens):
+    from kvquant.cache import QuantizedKVCache
+    from kvquant.models import split_pair_spec
+    from kvquant_experiments.frontier import bits_per_value
+    k_spec, v_spec = split_pair_spec(pair)
+    cache = QuantizedKVCache(1, {"k": (k_spec, 64), "v": (v_spec, 64)})
+    K, V = (rng.standard_normal((tokens, 64)).astype(np.float32) for _ in range(2))
+    cache.append(0, k=K, v=V)
+    assert bits_per_value(pair, 64, tokens=tokens) == pytest.approx(
+        8.0 * cache.nbytes / (tokens * 2 * 64), rel=1e-12)
+    assert bits_per_value(pair, 64) == pytest.approx(8.0 * cache.bytes_per_token / (2 * 64))
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    from kvquant_experiments.frontier import pareto_front
+    pts = [{"bits_per_value": b, "kld_mean": k}
+           for b, k in [(4.0, 0.05), (4.5, 0.03), (4.5, 0.02), (5.0, 0.04), (8.5, 0.001)]]
+    assert [pts[i]["kld_mean"] for i in pareto_front(pts)] == [0.05, 0.02, 0.001]

@@ -55,6 +55,9 @@ def test_sizes():
 
 def test_split_spec_list():
     from kvquant.codecs import split_spec_list
+    assert split_spec_list("polar5@center,sinks=1/polar4:alloc=level,seed=3@sinks=1,q8_0") == [
+        "polar5@center,sinks=1/polar4:alloc=level,seed=3@sinks=1", "q8_0"]
+    assert split_spec_list("tq4@sinks=2,center,kv8") == ["tq4@sinks=2,center", "kv8"]
     assert split_spec_list("kv8,tq3:codebook=gaussian,side=unbiased,tq4") == [
         "kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]
     with pytest.raises(ValueError, match="follows no spec"):

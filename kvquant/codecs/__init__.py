@@ -5,6 +5,8 @@ A spec is a base name with optional options after a colon, e.g. ``kv8``, ``kv8-g
 options given to ``get_codec`` are merged with those in the spec (a conflict is an error).
 Each family module exposes ``parse(base, dim, options)`` returning a codec or None.
 """
+import re
+
 from kvquant.codecs import fp8, ggml, identity, lloyd, polar
 from kvquant.codecs.base import Codec, EncodedRows
 
@@ -38,15 +40,20 @@ def parse_spec(spec):
 def split_spec_list(text):
     """Split a comma-separated list of specs whose options may hold commas too.
 
-    A piece with ``=`` but no ``:`` continues the options of the spec before it:
-    ``"kv8,tq3:codebook=gaussian,side=unbiased,tq4"`` -> ``["kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]``.
+    A piece that starts with an option (``key=value``, or the stream flag ``center``) continues
+    the spec before it when that spec is open for options (its last ``/`` part has ``:`` codec
+    options or ``@`` stream options):
+    ``"kv8,tq3:codebook=gaussian,side=unbiased,tq4"`` -> ``["kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]``;
+    ``"polar5@center,sinks=1/polar4@sinks=1,q8_0"`` -> ``["polar5@center,sinks=1/polar4@sinks=1", "q8_0"]``.
     """
     specs = []
     for piece in (p.strip() for p in text.split(",")):
         if not piece:
             continue
-        if "=" in piece and ":" not in piece:
-            if not specs or ":" not in specs[-1]:
+        head = re.split(r"[/@]", piece)[0]
+        is_option = head == "center" or ("=" in head and ":" not in head)
+        if is_option:
+            if not specs or not any(c in specs[-1].split("/")[-1] for c in ":@"):
                 raise ValueError(f"option {piece!r} in {text!r} follows no spec with options")
             specs[-1] += "," + piece
         else:
