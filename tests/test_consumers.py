@@ -19,9 +19,11 @@ from conftest import gaussian_rows
 
 CORE_SPECS = (["f32", "kv8", "kv8-g4", "kv8-g8", "kv8-g16", "kv8-g32"]
               + [f"tq{b}" for b in range(1, 9)]
-              + ["tq4:compat=colibri", "tq3:side=unbiased", "tq2:codebook=gaussian"])
+              + ["tq4:compat=colibri", "tq3:side=unbiased", "tq2:codebook=gaussian",
+                 "tq4:side_dtype=f16"])
 # Families other engineers add; tested here as soon as the registry knows them.
-LATER_SPECS = (["polar2", "polar3", "polar4", "polar5", "polar6", "polar4:compat=colibri"]
+LATER_SPECS = (["polar2", "polar3", "polar4", "polar5", "polar6", "polar4:compat=colibri",
+                "polar4:side_dtype=f16"]
                + ["q8_0", "q4_0", "q8_0+rot", "q4_0+rot"])
 
 
@@ -89,7 +91,8 @@ def test_identity_against_decode_then_dot(spec, T, dim, rng):
 
 
 @pytest.mark.parametrize("spec", ["kv8", "kv8-g8", "kv8-g32", "tq1", "tq3", "tq4",
-                                  "tq4:compat=colibri", "tq8", "tq2:side=unbiased"])
+                                  "tq4:compat=colibri", "tq8", "tq2:side=unbiased",
+                                  "tq4:side_dtype=f16"])
 def test_against_numpy_reference(spec, rng):
     dim, T = 128, 40
     codec, enc = _encoded(spec, dim, T, rng)

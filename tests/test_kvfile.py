@@ -130,6 +130,69 @@ def test_real_polar_is_v3_with_tag_bits(tmp_path, rng):
         CacheFile.open(tmp_path / "k", SHAPE, mode="polar4")
 
 
+def test_f16_side_values_are_two_bytes_in_the_kvq_file(tmp_path, rng):
+    mode = "tq4:side_dtype=f16"
+    rows = make_rows(rng, 7, mode=mode)
+    write_cache(tmp_path / "h.kvq", rows, mode, batches=())
+    info = inspect_file(tmp_path / "h.kvq")
+    assert [s["side_dtype"] for s in info["header"]["streams"]] == ["f16", "f16", "f32"]
+    # the record as laid out by hand: token, L codes, L sides <f2, R codes, R sides <f2, index
+    cl, cr = get_codec(mode, SHAPE.kv_lora), get_codec(mode, SHAPE.qk_rope)
+    n = SHAPE.n_layers
+    record = np.dtype([("token", "<i4"), ("Lc", "u1", (n, cl.code_bytes)), ("Ls", "<f2", (n, 1)),
+                       ("Rc", "u1", (n, cr.code_bytes)), ("Rs", "<f2", (n, 1)),
+                       ("index", "<f4", (SHAPE.n_index_layers, SHAPE.index_hd))])
+    assert info["record_bytes"] == record.itemsize == (
+        4 + n * (cl.bytes_per_row + cr.bytes_per_row) + 4 * SHAPE.n_index_layers * SHAPE.index_hd)
+    f32_file = write_cache(tmp_path / "f.kvq", make_rows(rng, 1, mode="tq4"), "tq4")
+    assert f32_file._layout.record_bytes == record.itemsize + 2 * 2 * n
+    data = read(tmp_path / "h.kvq")[info["data_offset"]:]
+    arr = np.frombuffer(data, record, count=7)
+    for j in range(n):
+        assert np.array_equal(arr["Ls"][:, j, 0].astype(np.float32), rows["L"][j].side[:, 0])
+        assert np.array_equal(arr["Rs"][:, j, 0].astype(np.float32), rows["R"][j].side[:, 0])
+        assert np.array_equal(arr["Lc"][:, j], rows["L"][j].codes)
+    back = CacheFile.open(tmp_path / "h.kvq", SHAPE, mode=mode)
+    assert back.report.status == "loaded"
+    for j in range(n):
+        assert np.array_equal(back.records.L[j].side, rows["L"][j].side)
+        assert back.records.L[j].nbytes == 7 * cl.bytes_per_row
+
+
+def test_kvq_header_without_side_dtype_means_f32(tmp_path, rng, monkeypatch):
+    # a file from before side_dtype was recorded: its header lacks the key
+    def old_identity(codec, real=kvq.codec_identity):
+        return {k: v for k, v in real(codec).items() if k != "side_dtype"}
+    monkeypatch.setattr(kvq, "codec_identity", old_identity)
+    rows = make_rows(rng, 4, mode="tq4")
+    write_cache(tmp_path / "old.kvq", rows, "tq4")
+    monkeypatch.undo()
+    assert "side_dtype" not in inspect_file(tmp_path / "old.kvq")["header"]["streams"][0]
+    back = CacheFile.open(tmp_path / "old.kvq", SHAPE, mode="tq4")
+    assert back.report.status == "loaded" and records_equal(back.records, write_cache(
+        tmp_path / "new.kvq", rows, "tq4").records)
+    with pytest.raises(CacheFileMismatch) as exc:
+        CacheFile.open(tmp_path / "old.kvq", SHAPE, mode="tq4:side_dtype=f16")
+    assert exc.value.reason == "side" and "side-value dtype 'f32'" in str(exc.value)
+
+
+def test_no_engine_tier_for_f16_side_values(tmp_path):
+    for mode in ("tq4:side_dtype=f16", "polar4:side_dtype=f16"):
+        assert CacheFile.open(tmp_path / "x", SHAPE, mode=mode).tier == "kvq"
+        with pytest.raises(ValueError, match="no engine tier.*engine stores f32 side values"):
+            CacheFile.open(tmp_path / "x", SHAPE, mode=mode, tier="engine")
+
+
+def test_append_refuses_f16_rows_with_f32_side_values(tmp_path, rng):
+    mode = "tq4:side_dtype=f16"
+    rows = make_rows(rng, 3, mode="tq4")
+    forged = [EncodedRows(e.codes, e.side * np.float32(1.0001), mode, e.dim) for e in rows["L"]]
+    cf = CacheFile.open(tmp_path / "x", SHAPE, mode=mode)
+    with pytest.raises(ValueError, match="float16 cannot represent"):
+        cf.append(rows["tokens"], L=forged, R=rows["Rf"], index=rows["index"])
+    assert len(cf) == 0
+
+
 def test_no_engine_tier_for_codecs_without_tag(tmp_path):
     for mode in ("kv8-g8", "tq4", "tq4:compat=colibri,seed=7", {"L": "kv8", "R": "f32"}):
         assert CacheFile.open(tmp_path / "x", SHAPE, mode=mode).tier == "kvq"
@@ -141,7 +204,8 @@ def test_no_engine_tier_for_codecs_without_tag(tmp_path):
 
 # -- our tier -----------------------------------------------------------------------------------
 KVQ_MODES = ["f32", "kv8", "kv8-g8", "tq3", "tq4:side=unbiased", "tq2:codebook=gaussian,seed=5",
-             {"L": "kv8-g4", "R": "tq4:compat=colibri"}]
+             {"L": "kv8-g4", "R": "tq4:compat=colibri"}, "tq4:side_dtype=f16",
+             {"L": "polar4:side_dtype=f16", "R": "tq3:side=unbiased,side_dtype=f16"}]
 
 
 @pytest.mark.parametrize("mode", KVQ_MODES, ids=str)
@@ -171,6 +235,7 @@ def test_kvq_header_records_what_the_engine_forgets(tmp_path, rng):
     info = inspect_file(tmp_path / "h.kvq")
     L = info["header"]["streams"][0]
     assert L["spec"] == "tq3:seed=0x1234" and L["bits"] == 3 and L["side"] == "norm"
+    assert L["side_dtype"] == "f32"
     assert L["rotation"]["seed"] == 0x1234
     assert L["rotation"]["sign_hash"] == "murmur3-fmix32+golden"
     assert L["rotation"]["ordering"] == "sylvester"
@@ -218,6 +283,12 @@ REFUSALS = [
     ("tq4", "auto", "tq4:codebook=gaussian", "auto", "codebook",
      ["codebook 'beta-d32-b4'", "'gaussian-b4'"]),
     ("tq4", "auto", "tq4:side=unbiased", "auto", "side", ["side-value kind 'norm'", "'unbiased'"]),
+    ("tq4", "auto", "tq4:side_dtype=f16", "auto", "side",
+     ["side-value dtype 'f32' (tq4)", "'f16' (tq4:side_dtype=f16)"]),
+    ("polar3:side_dtype=f16", "auto", "polar3", "auto", "side",
+     ["side-value dtype 'f16' (polar3:side_dtype=f16)", "'f32' (polar3)"]),
+    ("tq4:compat=colibri", "auto", "tq4:side_dtype=f16", "auto", "tier",
+     ["v3 (rotated", "tier kvq"]),
     ("tq3", "auto", "tq4", "auto", "bits", ["bit width 3", "4"]),
     ("kv8-g8", "auto", "kv8-g4", "auto", "codec", ["kv8-g8", "kv8-g4"]),
     ("tq4", "auto", "kv8-g8", "auto", "codec", ["codec family 'tq'", "'kv8'"]),
@@ -702,6 +773,7 @@ def test_inspect_cli(tmp_path, rng, capsys):
     assert cli.main(["inspect", str(pk), "--mode", "tq4"]) == 0
     out = capsys.readouterr().out
     assert "rotation seed 0x9e3779b9" in out and "codebook beta-d32-b4" in out
+    assert "1 side (norm, f32)" in out
     assert "'tq4': loads, 3 record(s)" in out
     assert cli.main(["inspect", str(pk), "--mode", "tq4:seed=3"]) == 1
     assert "refused (seed)" in capsys.readouterr().out

@@ -4,14 +4,16 @@ import pytest
 from kvquant import get_codec, parse_spec
 
 SPECS = ["f32", "kv8", "kv8-g32", "kv8-g4", "tq1", "tq4", "tq8", "tq4:compat=colibri",
-         "tq3:codebook=gaussian", "tq2:side=unbiased", "tq4:seed=0x2a"]
+         "tq3:codebook=gaussian", "tq2:side=unbiased", "tq4:seed=0x2a", "tq4:side_dtype=f16",
+         "tq3:side=unbiased,side_dtype=f16", "polar4:side_dtype=f16",
+         "polar5:alloc=level,side_dtype=f16"]
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_canonical_spec_reparses_to_the_same_codec(spec):
     codec = get_codec(spec, 128)
     again = get_codec(codec.spec, 128)
-    assert again.spec == codec.spec
+    assert again.spec == codec.spec == spec
     assert again.bytes_per_row == codec.bytes_per_row
 
 
@@ -51,6 +53,7 @@ def test_sizes():
     assert get_codec("kv8", 512).bytes_per_row == 516
     assert get_codec("kv8-g32", 512).bytes_per_row == 512 + 64
     assert get_codec("tq4", 512).compression_ratio == pytest.approx(2048 / 260)
+    assert get_codec("tq4:side_dtype=f16", 512).bytes_per_row == 256 + 2
 
 
 def test_split_spec_list():

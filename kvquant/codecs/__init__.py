@@ -1,7 +1,8 @@
 """Codec registry: ``get_codec(spec, dim, **options)``.
 
 A spec is a base name with optional options after a colon, e.g. ``kv8``, ``kv8-g32``, ``tq4``,
-``tq3:codebook=gaussian,side=unbiased``, ``tq4:compat=colibri``, ``tq4:seed=0x1234``. Keyword
+``tq3:codebook=gaussian,side=unbiased``, ``tq4:compat=colibri``, ``tq4:seed=0x1234``,
+``polar4:side_dtype=f16`` (side values stored as fp16, 2 bytes, on tq and polar). Keyword
 options given to ``get_codec`` are merged with those in the spec (a conflict is an error).
 Each family module exposes ``parse(base, dim, options)`` returning a codec or None.
 """

@@ -6,6 +6,19 @@ import numpy as np
 from kvquant._threads import resolve_n_threads
 
 NONFINITE_POLICIES = ("raise", "inert")
+# How side values are stored: the in-memory array is float32 either way; "f16" holds
+# fp16-exact values and costs 2 bytes each in sizes and files.
+SIDE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
+# Row status of the encoders (kvquant/_kernels/_common.pxd), plus one of the Python layer.
+ROW_OK, ROW_NONFINITE, ROW_NORM_OVERFLOW = 0, 1, 2
+ROW_SIDE_OVERFLOW = 3  # side value above the fp16 maximum (side_dtype="f16")
+
+
+def side_dtype_of_spec(spec):
+    """The side dtype a canonical spec names: ``"f16"`` when its options say
+    ``side_dtype=f16``, else ``"f32"``."""
+    _, _, options = spec.partition(":")
+    return "f16" if "side_dtype=f16" in options.split(",") else "f32"
 
 
 @dataclass(frozen=True)
@@ -17,9 +30,10 @@ class EncodedRows:
     codes : ndarray of shape (n_rows, code_bytes), dtype uint8
         The packed codes of each row.
     side : ndarray of shape (n_rows, n_side), dtype float32
-        Side values of each row (scale, radius, ...), as stored.
+        Side values of each row (scale, radius, ...). Always float32 in memory; a codec with
+        ``side_dtype=f16`` stores fp16-exact values here and 2 bytes per value in sizes and files.
     spec : str
-        Canonical spec of the codec that wrote them.
+        Canonical spec of the codec that wrote them (it names the side dtype).
     dim : int
         Row width.
     """
@@ -37,8 +51,14 @@ class EncodedRows:
         return self.codes.shape[0]
 
     @property
+    def side_dtype(self):
+        """``"f32"`` or ``"f16"``: how the side values are stored (read from the spec)."""
+        return side_dtype_of_spec(self.spec)
+
+    @property
     def nbytes(self):
-        return self.codes.nbytes + self.side.nbytes
+        """Stored bytes: codes plus side values at their stored width (not the float32 array)."""
+        return self.codes.nbytes + self.side.size * SIDE_DTYPES[self.side_dtype].itemsize
 
     def __getitem__(self, rows):
         """A subset of rows (slice, index array or mask); always 2-D."""
@@ -52,10 +72,15 @@ class Codec:
     ``_encode(X32, n_threads) -> (codes, side, status)`` and ``_decode(enc, n_threads)``.
 
     ``status`` is a uint8 array per row: 0 ok, 1 the row held NaN/inf, 2 its norm overflows f32.
+
+    A subclass whose codes do not depend on the side values may set ``side_dtype = "f16"``:
+    ``encode`` then rounds the side values to fp16 (nearest even) after ``_encode``; a value that
+    overflows fp16 makes the row bad (status 3).
     """
 
     family = "base"
     engine_tag = None  # the engine's format tag where this codec is one of its tiers
+    side_dtype = "f32"
 
     def __init__(self, dim, nonfinite="raise"):
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -72,7 +97,7 @@ class Codec:
     @property
     def bytes_per_row(self):
         """Stored bytes per row, side values included."""
-        return self.code_bytes + 4 * self.n_side
+        return self.code_bytes + SIDE_DTYPES[self.side_dtype].itemsize * self.n_side
 
     @property
     def bits_per_value(self):
@@ -128,21 +153,51 @@ class Codec:
                 f"side values must be float32 of shape ({enc.codes.shape[0]}, {self.n_side}), "
                 f"got {enc.side.dtype} {enc.side.shape}"
             )
+        if self.side_dtype == "f16":
+            self._check_f16_exact(enc.side)
         return (np.ascontiguousarray(enc.codes), np.ascontiguousarray(enc.side))
+
+    def _check_f16_exact(self, side):
+        # Rows of an f16 codec came through encode or a file of 2-byte sides: anything else
+        # was forged or damaged; decoding it would give sizes and results that disagree.
+        with np.errstate(over="ignore", invalid="ignore"):
+            exact = side.astype(np.float16).astype(np.float32)
+        bad = (exact != side) & ~(np.isnan(exact) & np.isnan(side))
+        if bad.any():
+            rows = np.flatnonzero(bad.any(axis=1))
+            raise ValueError(
+                f"codec {self.spec!r} stores side values as float16, but {rows.size} row(s) hold "
+                f"side values that float16 cannot represent (rows {_show_rows(rows)}): they were "
+                "not written by this codec")
+
+    def _round_side_f16(self, codes, side, status):
+        """Round side values to fp16 in place (kept float32); a value that overflows fp16 marks
+        its row ROW_SIDE_OVERFLOW and, as every bad row, leaves it inert (zero codes, side 0)."""
+        with np.errstate(over="ignore"):
+            side[:] = side.astype(np.float16)
+        over = np.isinf(side).any(axis=1) & (status == ROW_OK)
+        if over.any():
+            status[over] = ROW_SIDE_OVERFLOW
+            codes[over] = 0
+            side[over] = 0.0
 
     def _raise_on_bad_rows(self, status):
         bad = np.flatnonzero(status)
         if bad.size == 0 or self.nonfinite == "inert":
             return
-        overflow = bad[status[bad] == 2]
-        nonfinite = bad[status[bad] == 1]
-        shown = ", ".join(str(i) for i in bad[:10]) + (" ..." if bad.size > 10 else "")
-        what = "contain NaN or inf" if overflow.size == 0 else (
-            "have a norm that overflows float32" if nonfinite.size == 0
-            else "contain NaN/inf or have a norm that overflows float32")
+        kinds = set(status[bad].tolist())
+        reasons = ((ROW_NONFINITE, "contain NaN or inf"),
+                   (ROW_NORM_OVERFLOW, "have a norm that overflows float32"),
+                   (ROW_SIDE_OVERFLOW, "have a side value above the float16 maximum 65504"))
+        what = " or ".join(text for code, text in reasons if code in kinds)
+        fix = "Clean them"
+        if ROW_SIDE_OVERFLOW in kinds:
+            fix = ("Clean or scale them down (side_dtype=f16 holds side values up to 65504), "
+                   "use side_dtype=f32")
         raise ValueError(
-            f"{bad.size} row(s) {what} (rows {shown}); nothing was stored. Clean them, or build "
-            f"the codec with nonfinite='inert' to store them as inert zero rows as the engine does"
+            f"{bad.size} row(s) {what} (rows {_show_rows(bad)}); nothing was stored. {fix}, or "
+            f"build the codec with nonfinite='inert' to store them as inert zero rows as the "
+            f"engine does"
         )
 
     # -- public API --------------------------------------------------------------------------
@@ -161,6 +216,8 @@ class Codec:
         """
         X32 = self.as_rows(X)
         codes, side, status = self._encode(X32, resolve_n_threads(n_threads, X32.size))
+        if self.side_dtype == "f16":
+            self._round_side_f16(codes, side, status)
         if status is not None:
             self._raise_on_bad_rows(status)
         return EncodedRows(codes, side, self.spec, self.dim)
@@ -253,6 +310,10 @@ class Codec:
             consumers.context_f32(X.view(np.uint8), np.ascontiguousarray(W[:, r0:r1]), block,
                                   n_threads)
             out += block
+
+
+def _show_rows(rows):
+    return ", ".join(str(i) for i in rows[:10]) + (" ..." if rows.size > 10 else "")
 
 
 def _as_matrix(a, width, what, width_name):

@@ -1,4 +1,4 @@
-"""``tq<b>``: the rotated Lloyd-Max codec, b = 1..8 bits per element plus one f32 side value.
+"""``tq<b>``: the rotated Lloyd-Max codec, b = 1..8 bits per element plus one side value.
 
 A row x of width n (a power of two) is rotated (randomized Hadamard, REFERENCE.md §1.2), scaled to
 unit variance per coordinate, y = rotate(x) * sqrt(n) / |x|, and each coordinate is snapped to the
@@ -6,8 +6,17 @@ nearest level of a b-bit Lloyd-Max codebook (ties go to the lower level); codes 
 first. The side value is the norm |x| (default) or the unbiased scale |x|^2 / <x, v> with v the
 decoded unit-radius row (REFERENCE.md §2: removes the inner-product shrink of MSE codebooks).
 
+The side value is stored as float32 (4 bytes) by default; ``side_dtype="f16"`` stores it as
+float16 (2 bytes: at d = 64, 0.25 instead of 0.5 bit per element). The codes do not depend on the
+side value, so f16 only rounds that one scale (nearest even, relative error <= 2^-11): the row
+decodes as the f32 codec's with its side value rounded to fp16. A side value above 65504 makes
+the row bad (ValueError, or an inert row under ``nonfinite="inert"``); one below 6.1e-5 becomes
+an fp16 subnormal and one below 3e-8 becomes 0 (a zero row), as an fp16 block scale does in
+llama.cpp's q8_0.
+
 ``compat="colibri"`` (4 bits only) is the engine's codec bit for bit: its 16 Gaussian levels rounded
-to three decimals, the norm as radius, nibble order element 2j low / 2j+1 high.
+to three decimals, the norm as radius, nibble order element 2j low / 2j+1 high, f32 side values
+(so not with ``side_dtype="f16"``).
 """
 import re
 
@@ -16,7 +25,7 @@ import numpy as np
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import lloyd as _lloyd
 from kvquant.codebooks import levels_checksum, load_codebook
-from kvquant.codecs.base import Codec
+from kvquant.codecs.base import SIDE_DTYPES, Codec
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 # The engine's 4-bit levels (Gaussian Lloyd-Max, Max 1960, three decimals), positive half.
@@ -46,13 +55,15 @@ class LloydCodec(Codec):
         ``beta`` is fitted for the exact coordinate density at ``dim``; ``gaussian`` is N(0,1).
     side : {"norm", "unbiased"}
     compat : None or "colibri"
+    side_dtype : {"f32", "f16"}
+        How the side value is stored (module docstring); ``f16`` is not the engine's format.
     nonfinite : {"raise", "inert"}
     """
 
     family = "tq"
 
     def __init__(self, dim, bits, seed=ENGINE_SEED, codebook="beta", side="norm", compat=None,
-                 nonfinite="raise"):
+                 side_dtype="f32", nonfinite="raise"):
         super().__init__(dim, nonfinite)
         if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not (
                 MIN_BITS <= bits <= MAX_BITS):
@@ -68,10 +79,17 @@ class LloydCodec(Codec):
             raise ValueError(f"side={side!r} is not one of {SIDE_KINDS}")
         if compat not in (None, "colibri"):
             raise ValueError(f"compat={compat!r} is not known; the only one is 'colibri'")
+        if side_dtype not in SIDE_DTYPES:
+            raise ValueError(f"side_dtype={side_dtype!r} is not one of {tuple(SIDE_DTYPES)}")
+        if compat and side_dtype != "f32":
+            raise ValueError(
+                "compat='colibri' is the engine's format, which stores f32 side values: use "
+                f"'tq{bits}:compat=colibri' without side_dtype, or drop compat to store f16 sides")
         self.bits = int(bits)
         self.seed = int(seed)
         self.compat = compat
         self.side_kind = side
+        self.side_dtype = side_dtype
         if compat == "colibri":
             if self.bits != 4 or side != "norm" or codebook != "beta":
                 raise ValueError(
@@ -109,6 +127,8 @@ class LloydCodec(Codec):
                 opts.append(f"codebook={codebook}")
             if self.side_kind != "norm":
                 opts.append(f"side={self.side_kind}")
+            if self.side_dtype != "f32":
+                opts.append(f"side_dtype={self.side_dtype}")
         if self.seed != ENGINE_SEED:
             opts.append(f"seed={self.seed:#x}")
         return f"tq{self.bits}" + (":" + ",".join(opts) if opts else "")

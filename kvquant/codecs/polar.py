@@ -1,4 +1,4 @@
-"""``polar<b>``: PolarQuant, b = 2..6, one f32 side value (the norm).
+"""``polar<b>``: PolarQuant, b = 2..6, one side value (the norm).
 
 A row x of width n (a power of two) is rotated (randomized Hadamard, REFERENCE.md §1.2), then
 turned into n - 1 angles by a recursive pairwise polar transform: level 1 angles
@@ -6,7 +6,14 @@ turned into n - 1 angles by a recursive pairwise polar transform: level 1 angles
 repeats on the radii (angles in [0, pi/2]) until one radius, the norm, is left. Each angle gets one
 code; codes are written LSB first through a bit cursor, level 1 first, index order within a level.
 The side value is the norm; decoding rebuilds top-down with cos/sin (so the decoded norm is the
-radius) and unrotates.
+radius) and unrotates. The codes do not depend on it (the angles are scale-free).
+
+The side value is stored as float32 (4 bytes) by default; the Lloyd variant takes
+``side_dtype="f16"`` (2 bytes: at d = 64, 0.25 instead of 0.5 bit per element), which only rounds
+the norm to fp16 (nearest even, relative error <= 2^-11): the row decodes as the f32 codec's with
+its norm rounded to fp16. A norm above 65504 makes the row bad (ValueError, or an inert row under
+``nonfinite="inert"``); one below 6.1e-5 becomes an fp16 subnormal and one below 3e-8 becomes 0
+(a zero row), as an fp16 block scale does in llama.cpp's q8_0.
 
 Two variants share the transform and the byte budget
 ``ceil(((n/2) b + (n/2 - 1) max(b-1, 1)) / 8)`` bytes per row:
@@ -14,7 +21,8 @@ Two variants share the transform and the byte budget
 ``compat="colibri"``
     The engine's codec 0 bit for bit (REFERENCE.md §1.4, docs/engine-arithmetic.md §4): uniform
     floor-and-clamp grids, level 1 on b bits over [-pi, pi), deeper levels on b-1 bits centred at
-    pi/4 with half-width min(1.5/sqrt(2^(l-1)), pi/4); float32 libm arithmetic as the engine.
+    pi/4 with half-width min(1.5/sqrt(2^(l-1)), pi/4); float32 libm arithmetic as the engine;
+    f32 side values (so not with ``side_dtype="f16"``).
 
 default (Lloyd)
     Lloyd-Max angle codebooks fitted to the true angle densities (uniform at level 1,
@@ -63,7 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from kvquant._kernels import polar as _polar
-from kvquant.codecs.base import Codec
+from kvquant.codecs.base import SIDE_DTYPES, Codec
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 MIN_BITS, MAX_BITS = 2, 6
@@ -313,6 +321,8 @@ class PolarCodec(Codec):
         The engine's codec 0, bit for bit.
     alloc : {"radius", "level"} or None
         Lloyd variant only: how each level's bits are split among its angles (module docstring).
+    side_dtype : {"f32", "f16"}
+        Lloyd variant only: how the norm is stored (module docstring).
     nonfinite : {"raise", "inert"}
 
     Attributes
@@ -326,7 +336,8 @@ class PolarCodec(Codec):
 
     family = "polar"
 
-    def __init__(self, dim, bits, seed=ENGINE_SEED, compat=None, alloc=None, nonfinite="raise"):
+    def __init__(self, dim, bits, seed=ENGINE_SEED, compat=None, alloc=None, side_dtype="f32",
+                 nonfinite="raise"):
         super().__init__(dim, nonfinite)
         if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not (
                 MIN_BITS <= bits <= MAX_BITS):
@@ -345,7 +356,15 @@ class PolarCodec(Codec):
             raise ValueError(
                 "compat='colibri' is the engine's codec with its own grids and fixed widths: "
                 f"use 'polar{bits}:compat=colibri' without alloc (got alloc={alloc!r})")
+        if side_dtype not in SIDE_DTYPES:
+            raise ValueError(f"side_dtype={side_dtype!r} is not one of {tuple(SIDE_DTYPES)}")
+        if compat is not None and side_dtype != "f32":
+            raise ValueError(
+                "compat='colibri' is the engine's format, which stores f32 side values: use "
+                f"'polar{bits}:compat=colibri' without side_dtype, or drop compat to store f16 "
+                "sides")
         self.bits = int(bits)
+        self.side_dtype = side_dtype
         self.seed = int(seed)
         self.compat = compat
         self.alloc = None if compat else (alloc or "radius")
@@ -405,6 +424,8 @@ class PolarCodec(Codec):
             opts.append(f"compat={self.compat}")
         elif self.alloc != "radius":
             opts.append(f"alloc={self.alloc}")
+        if self.side_dtype != "f32":
+            opts.append(f"side_dtype={self.side_dtype}")
         if self.seed != ENGINE_SEED:
             opts.append(f"seed={self.seed:#x}")
         return f"polar{self.bits}" + (":" + ",".join(opts) if opts else "")

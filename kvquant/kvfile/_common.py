@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvquant.codecs import EncodedRows, get_codec
+from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.rotation import ORDERING, SIGN_HASH
 
 INT32_MAX = 2**31 - 1
@@ -24,7 +25,8 @@ class CacheFileRefused(ValueError):
     ----------
     reason : str
         Short machine-readable cause: ``"tier"``, ``"codec"``, ``"bits"``, ``"tag"``, ``"seed"``,
-        ``"rotation"``, ``"codebook"``, ``"side"``, ``"context"``, ``"version"``,
+        ``"rotation"``, ``"codebook"``, ``"side"`` (side-value kind or dtype), ``"context"``,
+        ``"version"``,
         ``"not-a-cache"`` (mismatches) or ``"header"``, ``"commit"`` (corruption).
     path : str
     file_tier : str or None
@@ -44,7 +46,7 @@ class CacheFileRefused(ValueError):
 
 class CacheFileMismatch(CacheFileRefused):
     """The file is intact but was written under another tier, codec, bit width, seed, codebook,
-    side-value kind, or holds more tokens than allowed."""
+    side-value kind or dtype, or holds more tokens than allowed."""
 
 
 class CacheFileCorrupt(CacheFileRefused):
@@ -258,6 +260,7 @@ def codec_identity(codec):
         "code_bytes": int(codec.code_bytes),
         "n_side": int(codec.n_side),
         "side": side_kind(codec),
+        "side_dtype": codec.side_dtype,
         "engine_tag": None if codec.engine_tag is None else int(codec.engine_tag),
         "rotation": None,
         "codebook": None,
@@ -273,6 +276,12 @@ def codec_identity(codec):
         ident["codebook"] = {"identity": codec.codebook_identity,
                              "checksum": getattr(codec, "codebook_checksum", None)}
     return ident
+
+
+def side_bytes(side_dtype):
+    """Bytes of one stored side value, or None for a dtype this kvquant does not know."""
+    dtype = SIDE_DTYPES.get(side_dtype)
+    return None if dtype is None else dtype.itemsize
 
 
 def build_codec(spec, dim, nonfinite):

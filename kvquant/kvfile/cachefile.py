@@ -29,6 +29,7 @@ _IDENTITY_CHECKS = (
     ("codebook.identity", "codebook", "codebook"),
     ("codebook.checksum", "codebook", "codebook checksum"),
     ("side", "side", "side-value kind"),
+    ("side_dtype", "side", "side-value dtype"),
     ("spec", "codec", "codec spec"),
     ("code_bytes", "codec", "code bytes per row"),
     ("n_side", "codec", "side values per row"),
@@ -36,12 +37,16 @@ _IDENTITY_CHECKS = (
 )
 
 
+# What a kvq header written before a field existed means by its absence.
+_IDENTITY_DEFAULTS = {"side_dtype": "f32"}
+
+
 def _get(d, dotted):
     for key in dotted.split("."):
         if not isinstance(d, dict):
             return None
         d = d.get(key)
-    return d
+    return _IDENTITY_DEFAULTS.get(dotted) if d is None else d
 
 
 def _show(key, value):
@@ -184,6 +189,8 @@ class CacheFile:
         if cl.engine_tag is None:
             hint = (" (the engine has no grouped-scale format: KV8_GS turns persistence off)"
                     if cl.family == "kv8" else "")
+            if cl.side_dtype != "f32":
+                hint = " (the engine stores f32 side values)"
             return f"codec {cl.spec!r} has no engine tier{hint}"
         if cl.spec != cr.spec or cr.engine_tag != cl.engine_tag:
             return f"L ({cl.spec!r}) and R ({cr.spec!r}) use different codecs"

@@ -99,6 +99,8 @@ class EngineLayout:
         else:
             if cl.n_side != 1 or cr.n_side != 1:
                 raise ValueError("engine tiers v2/v3 store one side value per row")
+            if cl.side_dtype != "f32" or cr.side_dtype != "f32":
+                raise ValueError("engine tiers v2/v3 store f32 side values")
             layer = [("L", "u1", (cl.code_bytes,)), ("Ls", "<f4"),
                      ("R", "u1", (cr.code_bytes,)), ("Rs", "<f4")]
             self.tag = int(cl.engine_tag)

@@ -171,7 +171,8 @@ def format_inspection(info):
                 cb = s["codebook"]
                 extra += f"  codebook {cb['identity']} (sha256 {str(cb['checksum'])[:12]}...)"
             lines.append(f"stream     {s['name']}: {s['rows']} x {s['dim']}  {s['spec']}  "
-                         f"{s['code_bytes']} B + {s['n_side']} side ({s['side']}){extra}")
+                         f"{s['code_bytes']} B + {s['n_side']} side ({s['side']}, "
+                         f"{s.get('side_dtype', 'f32')}){extra}")
         slots = ", ".join(f"{s['slot']} count {s['count']} seq {s['seq']}"
                           for s in info["slots"])
         damaged = (f"; damaged: {', '.join(info['damaged_slots'])}"

@@ -11,18 +11,19 @@ Layout (little-endian)::
             with the header CRC, so that a slot never validates against another header)
     48  24  commit slot B (same)
     72   J  header JSON (sorted keys): model shape, streams with codec spec, family, bits,
-            dim, code bytes, side-value count and kind, engine tag, rotation (identity, seed,
-            sign hash, ordering), codebook (identity, SHA-256 of its levels), record bytes,
+            dim, code bytes, side-value count, kind and dtype, engine tag, rotation (identity,
+            seed, sign hash, ordering), codebook (identity, SHA-256 of its levels), record bytes,
             records per block
     D       data, D = 72 + J rounded up to 8: blocks of ``block_records`` records; a full
             block is followed by the u32 CRC32 of its bytes
 
 A record is: i32 token, then per stream in header order its codes (rows x code_bytes) and
-its side values (rows x n_side f32). The commit slot with the highest seq whose CRC holds is the
-commit: its count says how many records exist and its tail CRC covers the records of the last,
-partial block (whose trailer is not written yet). Appends write the records (and the trailers
-of the blocks they complete), fsync, then write the other slot and fsync: a crash at any point
-leaves the previous slot valid and every block it covers intact.
+its side values (rows x n_side, f32 or f16 as the stream's ``side_dtype`` says; a header without
+``side_dtype``, written before it existed, means f32). The commit slot with the highest seq whose
+CRC holds is the commit: its count says how many records exist and its tail CRC covers the
+records of the last, partial block (whose trailer is not written yet). Appends write the records
+(and the trailers of the blocks they complete), fsync, then write the other slot and fsync: a
+crash at any point leaves the previous slot valid and every block it covers intact.
 """
 import json
 import struct
@@ -30,7 +31,9 @@ import zlib
 
 import numpy as np
 
-from kvquant.kvfile._common import CacheFileCorrupt, CacheFileMismatch, codec_identity
+from kvquant.codecs.base import SIDE_DTYPES
+from kvquant.kvfile._common import (
+    CacheFileCorrupt, CacheFileMismatch, codec_identity, side_bytes)
 
 MAGIC = b"KVQCACHE"
 VERSION = 1
@@ -63,7 +66,7 @@ class KvqLayout:
             c = self.codecs[s.name]
             fields.append((s.name + ".codes", "u1", (s.rows, c.code_bytes)))
             if c.n_side:
-                fields.append((s.name + ".side", "<f4", (s.rows, c.n_side)))
+                fields.append((s.name + ".side", SIDE_DTYPES[c.side_dtype], (s.rows, c.n_side)))
         self.dtype = np.dtype(fields)
         self.record_bytes = self.dtype.itemsize
         if self.record_bytes > MAX_RECORD_BYTES:
@@ -119,7 +122,7 @@ class KvqLayout:
         for s in self.streams:
             arr[s.name + ".codes"] = codes[s.name]
             if self.codecs[s.name].n_side:
-                arr[s.name + ".side"] = side[s.name]
+                arr[s.name + ".side"] = side[s.name]  # exact: f16 streams hold fp16-exact values
         return arr.tobytes()
 
     def from_bytes(self, buf, n):
@@ -223,7 +226,10 @@ def _header_problem(h):
                 and _is_int(s.get("code_bytes"), 0, 1 << 28)
                 and _is_int(s.get("n_side"), 0, 1 << 24) and isinstance(s.get("spec"), str)):
             return f"stream {s['name']!r} sizes"
-        total += s["rows"] * (s["code_bytes"] + 4 * s["n_side"])
+        side_size = side_bytes(s.get("side_dtype", "f32"))
+        if side_size is None:
+            return f"stream {s['name']!r} side_dtype {s.get('side_dtype')!r}"
+        total += s["rows"] * (s["code_bytes"] + side_size * s["n_side"])
     if total != h["record_bytes"]:
         return f"record_bytes {h['record_bytes']} != {total} from the streams"
     return None
