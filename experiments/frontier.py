@@ -64,15 +64,17 @@ SPLITS_HIGH = ["tq6/tq4", "q8_0/tq4", "tq8/tq4", "q8_0/tq6", "tq8/tq6"]
 SPLITS_MID = ["tq6/tq3", "q8_0/tq2"]
 # Stream options (kvquant.cache.parse_stream_spec): keys centered on the prompt's mean key, the
 # first row of K and V kept in f32; fp16 side values (tq / polar `side_dtype=f16`) pay for them.
-_C, _S = "@center,sinks=1", "@sinks=1"
 _H = ":side_dtype=f16"
+_K = "@center,normalize,sinks=1"      # keys: centered, half-way normalized, first row in f32
+_V = "@center,sinks=1"                # values: centered, first row in f32
 STREAM_OPTION_CONFIGS = [
-    f"polar5{_C}/polar4{_S}", f"polar5{_H}{_C}/polar4{_H}{_S}", f"polar6{_H}{_C}/polar3{_H}{_S}",
-    f"polar4{_H}{_C}/polar4{_H}{_S}", f"polar4{_H}{_C}/polar3{_H}{_S}",
-    f"tq5{_H}{_C}/tq3{_H}{_S}", f"tq4{_H}{_C}/tq4{_H}{_S}", f"q4_0+rot{_C}/q4_0+rot{_S}",
-    f"tq8{_H}{_C}/tq6{_H}{_S}", f"q8_0{_S}",
-    # what each option brings alone
-    "polar5@center/polar4", f"polar5{_S}/polar4{_S}",
+    f"polar5{_H}{_K}/polar4{_H}{_V}", f"polar5{_K}/polar4{_V}", f"polar6{_H}{_K}/polar3{_H}{_V}",
+    f"polar4{_H}{_K}/polar4{_H}{_V}", f"polar4{_H}{_K}/polar3{_H}{_V}",
+    f"tq5{_H}{_K}/tq3{_H}{_V}", f"tq4{_H}{_K}/tq4{_H}{_V}", f"q4_0+rot{_K}/q4_0+rot{_V}",
+    f"tq8{_H}{_K}/tq6{_H}{_V}", f"tq6{_H}{_K}/tq6{_H}{_V}", f"q8_0{_K}/q8_0{_V}",
+    # what each option brings, one at a time, on polar5/polar4
+    "polar5@center/polar4", "polar5@sinks=1/polar4@sinks=1", "polar5@center,sinks=1/polar4@sinks=1",
+    "polar5@center,normalize,sinks=1/polar4@sinks=1",
 ]
 DEFAULT_CONFIGS = UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
 
@@ -99,7 +101,8 @@ def bits_per_value(pair_spec, head_dim=HEAD_DIM, tokens=None):
         nbytes += row
         if tokens:
             sinks = min(opts.get("sinks", 0), tokens)
-            fixed = 4 * head_dim * (sinks + opts.get("center", False)) - sinks * row
+            vectors = opts.get("center", False) + opts.get("normalize", False)
+            fixed = 4 * head_dim * (sinks + vectors) - sinks * row
             nbytes += fixed / tokens
     return 8.0 * nbytes / (2 * head_dim)
 
@@ -284,7 +287,7 @@ FAMILY_STYLE = {
     "polar colibri": ("#98df8a", "D", "polar engine (colibri)"),
     "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
-    "stream options": ("#e41a1c", "*", "K centered + 1 f32 sink row (stream options)"),
+    "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -310,6 +313,18 @@ def _spread(ys, gap):
         top = total / n + (n - 1) * gap / 2
         out += [top - i * gap for i in range(n)]
     return out
+
+
+SHORT = [(":codebook=gaussian", ":gauss"), (":side=unbiased", ":unb"), (":side_dtype=f16", "h"),
+         ("@center,normalize,sinks=1", "@cns"), ("@center,sinks=1", "@cs"),
+         ("@center", "@c"), ("@sinks=1", "@s")]
+
+
+def short_label(pair_spec):
+    """Figure label: ``h`` = fp16 side values, ``@c`` center, ``n`` normalize, ``s`` one sink."""
+    for long, short in SHORT:
+        pair_spec = pair_spec.replace(long, short)
+    return pair_spec
 
 
 def plot_frontier(result, out):
@@ -342,8 +357,7 @@ def plot_frontier(result, out):
         right = not any(0 < b - bits < 0.4 for b in columns)
         ys = _spread([math.log10(max(x["kld_mean"], 1e-12)) for x in col], LABEL_GAP)
         for x, ly in zip(col, ys):
-            name = x["codec"].replace(":codebook=gaussian", ":gauss").replace(
-                ":side=unbiased", ":unb")
+            name = short_label(x["codec"])
             ax.annotate(name, (bits, x["kld_mean"]), xytext=(bits + (0.15 if right else -0.15),
                                                              10 ** ly),
                         textcoords="data", fontsize=6.5, va="center",
@@ -378,7 +392,8 @@ def plot_frontier(result, out):
     text = "Python source" if t.get("name") == "code" else "pydoc prose"
     ax.set_title(f"SmolLM2-135M KV cache: quality per byte ({text}, {t['positions']} positions, "
                  f"chunks of {t['chunk_tokens']})", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="lower left", title="labels: h = fp16 side values; @c/@cs/@cns = "
+              "center / + 1 f32 sink / + normalize", title_fontsize=6)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     return out

@@ -262,3 +262,40 @@ def test_stream_options_bad_rows_truncate_and_errors(rng):
             QuantizedKVCache(1, {"k": (spec, 64)})
     with pytest.raises(ValueError, match="stream options"):
         get_codec("tq4@center", 64)
+
+
+def test_normalized_stream_scales_channels_by_the_root_of_their_spread(rng):
+    X = _offset_rows(rng, 80) * np.geomspace(0.1, 10.0, 64).astype(np.float32)
+    stream = RowStream(get_codec("polar5", 64), center=True, normalize=True)
+    stream.append(X[:50])
+    stream.append(X[50:])
+    mu = X[:50].astype(np.float64).mean(axis=0)
+    sigma = np.sqrt(((X[:50] - mu) ** 2).mean(axis=0))
+    scale = np.sqrt(sigma / np.sqrt((sigma ** 2).mean())).astype(np.float32)
+    assert np.allclose(stream.channel_scale, scale, rtol=1e-6)
+    codec = get_codec("polar5", 64)
+    mu32, s32 = stream.offset, stream.channel_scale
+    expected = codec.decode(codec.encode((X - mu32) / s32)) * s32 + mu32
+    assert np.array_equal(stream.decode(), expected)
+    q = rng.standard_normal((2, 64)).astype(np.float32)
+    w = rng.random((2, 80)).astype(np.float32)
+    ref_s = q.astype(np.float64) @ expected.T.astype(np.float64)
+    assert np.abs(stream.scores(q) - ref_s).max() <= 1e-5 * np.abs(ref_s).max()
+    ref_c = w.astype(np.float64) @ expected.astype(np.float64)
+    assert np.abs(stream.context(w) - ref_c).max() <= 1e-4 * (np.abs(ref_c).max() + 1)
+    assert stream.nbytes == 80 * codec.bytes_per_row + 2 * 64 * 4
+    # rows with channels of very different spread: the error falls
+    plain = RowStream(get_codec("polar5", 64), center=True)
+    plain.append(X)
+    assert np.linalg.norm(stream.decode() - X) < np.linalg.norm(plain.decode() - X)
+
+
+def test_normalize_with_one_first_row_keeps_unit_scales(rng):
+    stream = RowStream(get_codec("tq4", 64), normalize=True)
+    X = rng.standard_normal((5, 64)).astype(np.float32)
+    stream.append(X[:1])
+    stream.append(X[1:])
+    assert np.array_equal(stream.channel_scale, np.ones(64, np.float32))
+    assert stream.spec == "tq4@normalize"
+    with pytest.raises(ValueError, match="no value"):
+        QuantizedKVCache(1, {"k": ("tq4@normalize=1", 64)})

@@ -52,7 +52,8 @@ def split_spec_list(text):
         if not piece:
             continue
         head = re.split(r"[/@]", piece)[0]
-        is_option = head == "center" or ("=" in head and ":" not in head)
+        # bare flags: the stream options of kvquant.cache.parse_stream_spec
+        is_option = head in ("center", "normalize") or ("=" in head and ":" not in head)
         if is_option:
             if not specs or not any(c in specs[-1].split("/")[-1] for c in ":@"):
                 raise ValueError(f"option {piece!r} in {text!r} follows no spec with options")
