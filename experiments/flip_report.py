@@ -30,7 +30,13 @@ __all__ = [
 REPORT_CODECS = {
     "tiny-mla": None,  # None: kvquant.flips.DEFAULT_CODECS + TINY_EXTRAS
     "smollm2": ["f32", "kv8", "tq2", "tq3", "tq4", "tq4:compat=colibri", "tq4:side=unbiased",
-                "polar4", "polar4:compat=colibri", "q8_0", "q4_0", "q4_0+rot", "kv8/tq4"],
+                "polar4", "polar4:compat=colibri", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot",
+                "kv8/tq4", "tq8", "polar5/polar4",
+                # the quality-per-byte frontier's best (experiments/frontier.py): stream options
+                # (keys centered and normalized, values centered, the first row in f32) and fp16
+                # side values; the same stream options on llama.cpp's rotated q4_0 beside it
+                "polar5:side_dtype=f16@center,normalize,sinks=1/polar4:side_dtype=f16@center,sinks=1",
+                "q4_0+rot@center,normalize,sinks=1/q4_0+rot@center,sinks=1"],
 }
 TINY_EXTRAS = ["polar3", "polar4", "polar6", "polar6:compat=colibri", "q8_0/kv8", "q4_0/kv8",
                "q4_0+rot/kv8"]
@@ -165,30 +171,36 @@ def pareto_points(table):
     """(codec, bits per value, KLD, kind of KLD) per row of a flip table; f32 excluded.
 
     Bits per value = 8 x stored bytes per token / values per token (side values included); the
-    KLD is the real-text mean when the table has text, else the teacher-forced mean.
+    fixed bytes of stream options (f32 sinks, offsets, scales) are spread over the context of one
+    text chunk (or the protocol's sequence). The KLD is the real-text mean when the table has
+    text, else the teacher-forced mean.
     """
     rows = table["rows"]
     f32 = next(r for r in rows if r["codec"] == "f32")
     values_per_token = f32["bytes_per_token"] / 4.0
     key = "kld_mean" if "kld_mean" in f32 else "tf_kld_mean"
+    meta = table["meta"]
+    context = (meta["text"]["chunk_tokens"] if "text" in meta
+               else meta["protocol"]["prompt_tokens"] + meta["protocol"]["new_tokens"])
     points = []
     for r in rows:
         if r["codec"] == "f32":
             continue
-        points.append({"codec": r["codec"], "bits_per_value": 8.0 * r["bytes_per_token"]
-                       / values_per_token, "kld": r[key], "kld_kind": key})
+        per_token = r["bytes_per_token"] + r.get("fixed_bytes", 0) / context
+        points.append({"codec": r["codec"], "bits_per_value": 8.0 * per_token / values_per_token,
+                       "kld": r[key], "kld_kind": key})
     return points
 
 
-def pareto_front(points):
-    """Indices of points not beaten on both bits and KLD, by increasing bits."""
+def pareto_front(points, key="kld"):
+    """Indices of points not beaten on both bits and ``points[i][key]``, by increasing bits."""
     order = sorted(range(len(points)), key=lambda i: (points[i]["bits_per_value"],
-                                                      points[i]["kld"]))
+                                                      points[i][key]))
     front, best = [], float("inf")
     for i in order:
-        if points[i]["kld"] < best:
+        if points[i][key] < best:
             front.append(i)
-            best = points[i]["kld"]
+            best = points[i][key]
     return front
 
 

@@ -136,15 +136,9 @@ def pair_family(pair_spec):
 
 
 def pareto_front(points):
-    """Indices of the points no other point beats on both bits and KLD, by increasing bits."""
-    order = sorted(range(len(points)), key=lambda i: (points[i]["bits_per_value"],
-                                                      points[i]["kld_mean"]))
-    front, best = [], math.inf
-    for i in order:
-        if points[i]["kld_mean"] < best:
-            front.append(i)
-            best = points[i]["kld_mean"]
-    return front
+    """Indices of the points no other point beats on both bits and mean KLD, by increasing bits."""
+    from .flip_report import pareto_front as front
+    return front(points, key="kld_mean")
 
 
 def frontier_rows(result):

@@ -332,6 +332,13 @@ class RowStream:
         return (self.n_rows - self._n_exact) * self.codec.bytes_per_row + extra
 
     @property
+    def fixed_bytes(self):
+        """What the stream options add to ``n_rows * bytes_per_row`` once the sinks are filled:
+        float32 sink rows in place of their codes, the offset and the channel scales."""
+        dim, row = self.codec.dim, self.codec.bytes_per_row
+        return 4 * dim * (self.sinks + self.center + self.normalize) - self.sinks * row
+
+    @property
     def capacity_bytes(self):
         """Bytes allocated."""
         return self._codes.nbytes + self._side.nbytes + self._exact.nbytes
@@ -614,6 +621,14 @@ class QuantizedKVCache:
         offsets of streams with options are a fixed cost on top (see :attr:`nbytes`)."""
         return sum(heads[0].codec.bytes_per_row * self.n_kv_heads
                    for entry in self._layers for heads in entry.values())
+
+    @property
+    def fixed_bytes(self):
+        """Bytes of the stream options beyond ``bytes_per_token`` per token (sinks, offsets,
+        scales; :attr:`RowStream.fixed_bytes`), every layer, stream and head: a cache of T >= sinks
+        tokens holds ``T * bytes_per_token + fixed_bytes``."""
+        return sum(s.fixed_bytes for entry in self._layers for heads in entry.values()
+                   for s in heads)
 
 
 class _blas_threads:

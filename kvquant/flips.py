@@ -174,6 +174,7 @@ def flip_protocol(model, pair_specs, prompts, n_new=NEW_TOKENS, progress=None):
             "codec": spec,
             "streams": cache_streams(cache),
             "bytes_per_token": cache.bytes_per_token,
+            "fixed_bytes": cache.fixed_bytes,
             "tf": proportion(tf_hits, tf_n),
             "greedy": proportion(gen_hits, gen_n),
             "tf_kld_mean": float(np.concatenate(klds).mean()),

@@ -148,6 +148,8 @@ def test_frontier_bits_are_the_bytes_a_cache_holds(rng, pair, tokens):
     assert bits_per_value(pair, 64, tokens=tokens) == pytest.approx(
         8.0 * cache.nbytes / (tokens * 2 * 64), rel=1e-12)
     assert bits_per_value(pair, 64) == pytest.approx(8.0 * cache.bytes_per_token / (2 * 64))
+    if tokens >= 3:   # every sink filled: the cache's own account of its fixed bytes
+        assert cache.nbytes == tokens * cache.bytes_per_token + cache.fixed_bytes
 
 
 def test_pareto_front_keeps_only_undominated_points():
