@@ -71,7 +71,8 @@ STREAM_OPTION_CONFIGS = [
     f"polar5{_H}{_K}/polar4{_H}{_V}", f"polar5{_K}/polar4{_V}", f"polar6{_H}{_K}/polar3{_H}{_V}",
     f"polar4{_H}{_K}/polar4{_H}{_V}", f"polar4{_H}{_K}/polar3{_H}{_V}",
     f"tq5{_H}{_K}/tq3{_H}{_V}", f"tq4{_H}{_K}/tq4{_H}{_V}", f"q4_0+rot{_K}/q4_0+rot{_V}",
-    f"tq8{_H}{_K}/tq6{_H}{_V}", f"tq6{_H}{_K}/tq6{_H}{_V}", f"q8_0{_K}/q8_0{_V}",
+    f"polar6{_H}{_K}/polar5{_H}{_V}", f"tq6{_H}{_K}/tq6{_H}{_V}", f"tq8{_H}{_K}/tq6{_H}{_V}",
+    f"tq8{_H}{_K}/tq7{_H}{_V}", f"tq8{_H}{_K}/tq8{_H}{_V}", f"q8_0{_K}/q8_0{_V}",
     # what each option brings, one at a time, on polar5/polar4
     "polar5@center/polar4", "polar5@sinks=1/polar4@sinks=1", "polar5@center,sinks=1/polar4@sinks=1",
     "polar5@center,normalize,sinks=1/polar4@sinks=1",
@@ -331,7 +332,7 @@ def plot_frontier(result, out):
         with open(result) as f:
             result = json.load(f)
     rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
-    fig = Figure(figsize=(8.0, 5.6), layout="constrained")
+    fig = Figure(figsize=(10.5, 5.8), layout="constrained")
     ax = fig.subplots()
     seen = set()
     for x in rows:
@@ -343,9 +344,12 @@ def plot_frontier(result, out):
         seen.add(x["family"])
     # Labels: points at the same bits get a column of labels, LABEL_GAP decades apart around
     # their points (leader lines), on the right unless another column is close on that side.
+    # Only the front and the baselines are named (the table names every point).
+    front_codecs = {rows[i]["codec"] for i in pareto_front(rows)}
     columns = {}
     for x in rows:
-        columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
+        if x["codec"] in front_codecs or x["family"] in BASELINES:
+            columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
     for bits, col in columns.items():
         col.sort(key=lambda x: -x["kld_mean"])
         right = not any(0 < b - bits < 0.4 for b in columns)
@@ -386,8 +390,9 @@ def plot_frontier(result, out):
     text = "Python source" if t.get("name") == "code" else "pydoc prose"
     ax.set_title(f"SmolLM2-135M KV cache: quality per byte ({text}, {t['positions']} positions, "
                  f"chunks of {t['chunk_tokens']})", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left", title="labels: h = fp16 side values; @c/@cs/@cns = "
-              "center / + 1 f32 sink / + normalize", title_fontsize=6)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
+              title="named: the front and llama.cpp\nh = fp16 side values\n"
+                    "@c = center, @cs = + 1 f32 sink,\n@cns = + normalize", title_fontsize=7)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
