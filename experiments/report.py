@@ -502,7 +502,11 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
                  "row.")
     real_note = ("K (after RoPE) and V rows of every layer and KV head go through the codec "
                  "before attention reads them. Run at the report's size; `kvquant report "
-                 "--full` or `kvquant flips --model smollm2` for the full table.")
+                 "--full` or `kvquant flips --model smollm2` for the full table. The last rows "
+                 "carry stream options (`@center`, `@normalize`, `@sinks=1`; fp16 side values): "
+                 "the best of the quality-per-byte frontier (`python -m experiments.frontier`, "
+                 "goal: mean KLD <= 0.02 at <= 4.5 bits per value), beside the same options on "
+                 "llama.cpp's rotated q4_0.")
     sections = [
         section("distortion", lambda d: _distortion_section(d, out, figures), dist),
         section("codebooks", _codebook_section, dist),
