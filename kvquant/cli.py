@@ -24,7 +24,7 @@ ALL_CODECS = ("f32", "kv8", "kv8-g32", *(f"tq{b}" for b in range(1, 9)), "tq4:co
 
 def cmd_distortion(args):
     from kvquant import get_codec
-    from kvquant.metrics import measure_distortion
+    from kvquant.metrics import measure_distortion, measure_stream_distortion
 
     if args.data:
         try:
@@ -44,6 +44,12 @@ def cmd_distortion(args):
         every = args.codecs.strip().lower() == "all"
         skipped = []
         for spec in ALL_CODECS if every else _parse_codecs(args.codecs):
+            if "@" in spec:   # a stream spec: the codec inside a RowStream with its options
+                try:
+                    results.append(measure_stream_distortion(spec, X, n_threads=args.threads))
+                except ValueError as exc:
+                    raise SystemExit(f"kvquant distortion: {exc}")
+                continue
             try:
                 codec = get_codec(spec, dim)
             except ValueError as exc:
@@ -103,7 +109,9 @@ def build_parser():
     p = sub.add_parser("distortion", help="relative L2 error and bytes per row of codecs")
     p.add_argument("--codecs", default="kv8,tq2,tq3,tq4",
                    help="comma-separated codec specs (e.g. kv8,kv8-g32,tq4,tq4:compat=colibri,"
-                        "polar4,q4_0+rot), or 'all': every codec at its natural bit widths")
+                        "polar4,q4_0+rot), or 'all': every codec at its natural bit widths; "
+                        "a stream spec (tq4@center,normalize,sinks=1) runs the codec inside a "
+                        "cache stream with its options")
     p.add_argument("--dim", type=_int_list, default=[512], help="row width(s), comma-separated")
     p.add_argument("--rows", type=int, default=4096, help="Gaussian rows to draw")
     p.add_argument("--seed", type=int, default=0)

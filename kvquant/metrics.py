@@ -40,6 +40,34 @@ def measure_distortion(codec, X, n_threads=None):
     }
 
 
+def measure_stream_distortion(stream_spec, X, n_threads=None):
+    """:func:`measure_distortion` for a stream spec with options (``"tq4@center,sinks=1"``):
+    the rows are appended to one :class:`~kvquant.cache.RowStream` in a single call (the first
+    append is the whole of X, so its mean and spread set the offset and scales) and read back.
+    Bytes per row include the stream's fixed bytes spread over the rows."""
+    from kvquant.cache import RowStream, parse_stream_spec
+    from kvquant.codecs import get_codec
+    X = np.asarray(X)
+    codec_spec, options = parse_stream_spec(stream_spec)
+    codec = get_codec(codec_spec, X.shape[1] if X.ndim == 2 else -1)
+    stream = RowStream(codec, capacity=X.shape[0], **options)
+    stream.append(X, n_threads)
+    X_hat = stream.decode(n_threads=n_threads)
+    rel = relative_l2(X, X_hat)
+    X64 = X.astype(np.float64)
+    bytes_per_row = stream.nbytes / max(X.shape[0], 1)
+    return {
+        "codec": stream.spec,
+        "dim": codec.dim,
+        "bits_per_value": 8.0 * bytes_per_row / codec.dim,
+        "bytes_per_row": round(bytes_per_row, 2),
+        "compression": 4.0 * codec.dim / bytes_per_row,
+        "rel_l2_mean": float(rel.mean()),
+        "rel_l2_max": float(rel.max()),
+        "rel_mse": float(((X64 - X_hat) ** 2).sum() / (X64**2).sum()),
+    }
+
+
 def wilson_interval(successes, n, z=1.959963984540054):
     """Wilson score interval of a proportion (95% by default), as (low, high) in [0, 1]."""
     if n <= 0:
