@@ -151,49 +151,95 @@ static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_
     }
 }
 
+/* The search below stops once its bracket holds this few keys, and picks among them directly. */
+#define KVQ_POLAR_FEW 32
+
+/* The keys in [lo, lo + width) (at most KVQ_POLAR_FEW of them) into cand; returns how many.
+ * Blocks without one are skipped by a vectorized test. */
+KVQ_POLAR_CLONES
+static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32_t width,
+                             uint32_t* cand)
+{
+    int64_t i0, i;
+    int found = 0;
+    for (i0 = 0; i0 < m; i0 += 64) {
+        const int64_t e = i0 + 64 < m ? i0 + 64 : m;
+        uint32_t any = 0;
+        for (i = i0; i < e; i++) any |= key[i] - lo < width;
+        if (any)
+            for (i = i0; i < e; i++)
+                if (key[i] - lo < width && found < KVQ_POLAR_FEW) cand[found++] = key[i];
+    }
+    return found;
+}
+
+/* min, max and sum of the weights */
+KVQ_POLAR_CLONES
+static void kvq_polar_weight_stats(const int32_t* weight, int64_t cnt, int64_t* w_min,
+                                   int64_t* w_max, int64_t* w_sum)
+{
+    int32_t lo = weight[0], hi = weight[0];
+    int64_t j, sum = 0;
+    for (j = 0; j < cnt; j++) {
+        lo = weight[j] < lo ? weight[j] : lo;
+        hi = weight[j] > hi ? weight[j] : hi;
+        sum += weight[j];
+    }
+    *w_min = lo;
+    *w_max = hi;
+    *w_sum = sum;
+}
+
 /* Greedy bit allocation of one level: giving angle j its (k+1)-th bit is worth
  * weight[j] + gain[k]; the `total` largest keys win, ties to the lower index. Keys of one angle
  * decrease with k (gains strictly decrease), so angle j wins its first width[j] keys.
- * The threshold t (the total-th largest key) is the largest t with at least `total` keys >= t;
- * it is searched on a bracket by exact counts (interpolating where the count falls, halving
- * whenever that shrinks the bracket by less than half), so whatever the path, t is exact.
+ * The threshold t (the total-th largest key) is the largest t with at least `total` keys >= t.
+ * It is bracketed by exact counts: a first guess from the mean weight and the level's mean
+ * width, a step by the expected slope (about one key per angle per gain step), then
+ * interpolation, halving whenever a step shrank the bracket by less than half; once the
+ * bracket holds at most KVQ_POLAR_FEW keys they are sorted. Whatever the path, t is exact.
  * Integer arithmetic only: encoder, decoder and consumers agree. `keys` is scratch for
  * MAX_BITS * cnt values. */
 static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const int32_t* gain,
                                     int64_t total, uint32_t* keys, uint8_t* width)
 {
     const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
-    int64_t j, need, lo, hi, c_lo, c_hi, t, c;
-    int k, halve = 0;
+    uint32_t cand[KVQ_POLAR_FEW];
+    int64_t j, need, lo, hi, c_lo, c_hi, t = 0, c, w_sum = 0, step = 0;
+    int k, halve = 0, m;
     int64_t w_min, w_max, base, span;
+    uint32_t thr;
     if (total >= n_keys || total <= 0) {
         memset(width, total > 0 ? KVQ_POLAR_MAX_BITS : 0, (size_t)cnt);
         return;
     }
-    w_min = w_max = weight[0];
-    for (j = 1; j < cnt; j++) {
-        w_min = weight[j] < w_min ? weight[j] : w_min;
-        w_max = weight[j] > w_max ? weight[j] : w_max;
-    }
+    kvq_polar_weight_stats(weight, cnt, &w_min, &w_max, &w_sum);
     base = w_min + gain[KVQ_POLAR_MAX_BITS - 1];
     span = w_max + gain[0] - base;          /* < 2^32: the tables are bounded far below */
     kvq_polar_make_keys(weight, cnt, gain, base, keys);
-    /* invariant: count(>= lo) >= total > count(>= hi) */
+    /* invariant: count(>= lo) = c_lo >= total > c_hi = count(>= hi) */
     lo = 0;
     hi = span + 1;
     c_lo = n_keys;
     c_hi = 0;
-    while (hi - lo > 1) {
-        if (halve) {
+    while (hi - lo > 1 && c_lo - c_hi > KVQ_POLAR_FEW) {
+        if (step == 0) {
+            /* between the a-th and (a+1)-th bit of a mean angle, a the mean width */
+            const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
+            t = w_sum / cnt - base + ((int64_t)gain[a - 1] + gain[a]) / 2;
+        } else if (step == 1) {
+            const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
+            t += (int64_t)((double)(c - total) * (double)((int64_t)gain[a - 1] - gain[a])
+                           / (double)cnt);
+        } else if (halve) {
             t = lo + (hi - lo) / 2;
         } else {
             /* where the count would cross `total` if it fell linearly over the bracket */
             t = lo + (int64_t)((double)(hi - lo) * (double)(c_lo - total + 1)
                                / (double)(c_lo - c_hi + 1));
-            t = t <= lo ? lo + 1 : (t >= hi ? hi - 1 : t);
         }
+        t = t <= lo ? lo + 1 : (t >= hi ? hi - 1 : t);
         c = kvq_polar_count_ge(keys, n_keys, (uint32_t)t);
-        halve = 0;
         if (c >= total) {
             halve = 2 * (t - lo) < hi - lo;
             lo = t;
@@ -203,17 +249,35 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
             hi = t;
             c_hi = c;
         }
-        halve = !halve;   /* the bracket shrank by less than half: bisect next */
+        halve = step >= 2 && !halve;   /* that step shrank the bracket by less than half */
+        step++;
     }
-    /* every key above lo wins; `need` of the keys equal to lo win, in index order (an angle has
+    if (hi - lo == 1) {
+        thr = (uint32_t)lo;
+    } else {
+        /* the c_lo - c_hi keys in [lo, hi); the threshold is the (total - c_hi)-th largest */
+        int i;
+        m = kvq_polar_collect(keys, n_keys, (uint32_t)lo, (uint32_t)(hi - lo), cand);
+        for (i = 1; i < m; i++) {   /* insertion sort, largest first */
+            const uint32_t v = cand[i];
+            int p = i;
+            while (p > 0 && cand[p - 1] < v) {
+                cand[p] = cand[p - 1];
+                p--;
+            }
+            cand[p] = v;
+        }
+        thr = cand[total - c_hi - 1];
+        for (i = 0; i < m && cand[i] > thr; i++) c_hi++;   /* now: the keys above thr */
+    }
+    /* every key above thr wins; `need` of the keys equal to it win, in index order (an angle has
      * at most one key equal to it: its keys strictly decrease) */
     need = total - c_hi;
     for (j = 0; j < cnt; j++) {
         const uint32_t* kj = keys + j * KVQ_POLAR_MAX_BITS;
-        const uint32_t tl = (uint32_t)lo;
         int above = 0;
-        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) above += kj[k] > tl;
-        if (need > 0 && above < KVQ_POLAR_MAX_BITS && kj[above] == tl) {
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) above += kj[k] > thr;
+        if (need > 0 && above < KVQ_POLAR_MAX_BITS && kj[above] == thr) {
             above++;
             need--;
         }
