@@ -152,7 +152,7 @@ static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_
 }
 
 /* The search below stops once its bracket holds this few keys, and picks among them directly. */
-#define KVQ_POLAR_FEW 32
+#define KVQ_POLAR_FEW 16
 
 /* The keys in [lo, lo + width) (at most KVQ_POLAR_FEW of them) into cand; returns how many.
  * Blocks without one are skipped by a vectorized test. */
@@ -162,8 +162,8 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
 {
     int64_t i0, i;
     int found = 0;
-    for (i0 = 0; i0 < m; i0 += 64) {
-        const int64_t e = i0 + 64 < m ? i0 + 64 : m;
+    for (i0 = 0; i0 < m; i0 += 16) {
+        const int64_t e = i0 + 16 < m ? i0 + 16 : m;
         uint32_t any = 0;
         for (i = i0; i < e; i++) any |= key[i] - lo < width;
         if (any)
@@ -171,6 +171,29 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
                 if (key[i] - lo < width && found < KVQ_POLAR_FEW) cand[found++] = key[i];
     }
     return found;
+}
+
+/* Every key above thr wins; `need` of the keys equal to it win, in index order (an angle has at
+ * most one key equal to thr: its keys strictly decrease). */
+KVQ_POLAR_CLONES
+static void kvq_polar_widths(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                             int64_t base, uint32_t thr, int64_t need, uint8_t* width)
+{
+    int64_t j;
+    int k;
+    for (j = 0; j < cnt; j++) {
+        const uint32_t wj = (uint32_t)(weight[j] - base);
+        uint8_t above = 0;
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) above += wj + (uint32_t)gain[k] > thr;
+        width[j] = above;
+    }
+    for (j = 0; j < cnt && need > 0; j++) {
+        const uint32_t wj = (uint32_t)(weight[j] - base);
+        if (width[j] < KVQ_POLAR_MAX_BITS && wj + (uint32_t)gain[width[j]] == thr) {
+            width[j]++;
+            need--;
+        }
+    }
 }
 
 /* min, max and sum of the weights */
@@ -205,8 +228,8 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
 {
     const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
     uint32_t cand[KVQ_POLAR_FEW];
-    int64_t j, need, lo, hi, c_lo, c_hi, t = 0, c, w_sum = 0, step = 0;
-    int k, halve = 0, m;
+    int64_t lo, hi, c_lo, c_hi, t = 0, c = 0, w_sum = 0, step = 0;
+    int halve = 0, m;
     int64_t w_min, w_max, base, span;
     uint32_t thr;
     if (total >= n_keys || total <= 0) {
@@ -270,19 +293,7 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
         thr = cand[total - c_hi - 1];
         for (i = 0; i < m && cand[i] > thr; i++) c_hi++;   /* now: the keys above thr */
     }
-    /* every key above thr wins; `need` of the keys equal to it win, in index order (an angle has
-     * at most one key equal to it: its keys strictly decrease) */
-    need = total - c_hi;
-    for (j = 0; j < cnt; j++) {
-        const uint32_t* kj = keys + j * KVQ_POLAR_MAX_BITS;
-        int above = 0;
-        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) above += kj[k] > thr;
-        if (need > 0 && above < KVQ_POLAR_MAX_BITS && kj[above] == thr) {
-            above++;
-            need--;
-        }
-        width[j] = (uint8_t)above;
-    }
+    kvq_polar_widths(weight, cnt, gain, base, thr, total - c_hi, width);
 }
 
 /* log2 radius^2 of the two halves split by each angle: + log2 cos^2 / + log2 sin^2. */
