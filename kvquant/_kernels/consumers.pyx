@@ -16,6 +16,7 @@ import numpy as np
 from cython.parallel cimport prange
 from libc.math cimport sqrtf
 from libc.stdint cimport uint8_t, int32_t, int64_t
+from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 
 from kvquant._kernels._common cimport fwht
@@ -94,8 +95,11 @@ cdef extern from "polarops.h":
         const int32_t* log2_cos2
         const int32_t* log2_sin2
         const int32_t* gains
+        const void* plan
 
 cdef extern from "consumers_polar.h":
+    size_t kvq_polar_plan_bytes() noexcept nogil
+    void kvq_polar_plan_prepare(kvq_polar_layout* L, void* mem) noexcept nogil
     void kvq_polar_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                                 const float*, float*) noexcept nogil
     void kvq_polar_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t,
@@ -496,7 +500,17 @@ cdef void _polar_params(kvq_params* p, kvq_polar_layout* L, const uint8_t[:, ::1
     L.log2_cos2 = &log2_cos2[0, 0, 0]
     L.log2_sin2 = &log2_sin2[0, 0, 0]
     L.gains = &gains[0, 0]
+    L.plan = NULL
     p.codec = L
+
+
+cdef void* _polar_plan(kvq_polar_layout* L) noexcept nogil:
+    """The AVX-512 path's constants, built once per call (NULL: the kernels build their own)."""
+    cdef void* mem = NULL
+    if _level >= KVQ_SIMD_AVX512 and kvq_polar_plan_bytes() > 0:
+        mem = malloc(kvq_polar_plan_bytes())
+        kvq_polar_plan_prepare(L, mem)
+    return mem
 
 
 def scores_polar(const uint8_t[:, ::1] codes,       # IN  (T, code_bytes)
@@ -524,9 +538,12 @@ def scores_polar(const uint8_t[:, ::1] codes,       # IN  (T, code_bytes)
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
     cdef float[:, ::1] Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
+    cdef void* plan
     with nogil:
+        plan = _polar_plan(&L)
         _rotate_rows(Q, signs, Qrot, n_threads)
         _run_scores(fn, &p, &codes[0, 0], &side[0, 0], Qrot, out, n_threads)
+        free(plan)
 
 
 def context_polar(const uint8_t[:, ::1] codes,      # IN  (T, code_bytes)
@@ -556,6 +573,9 @@ def context_polar(const uint8_t[:, ::1] codes,      # IN  (T, code_bytes)
     cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
     cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
     cdef const float* s0 = &side[0, 0] if p.n_rows else NULL
+    cdef void* plan
     with nogil:
+        plan = _polar_plan(&L)
         _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
         _unrotate_rows_inplace(out, signs, n_threads)
+        free(plan)

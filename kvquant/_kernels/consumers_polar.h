@@ -132,7 +132,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_cut_init(kvq_polar_cut* C, const int* bi
     C->n_bytes = (end + 7) >> 3;
 }
 
-/* The 16 codes starting at g; `avail` bytes of the row remain from g. */
+/* The 16 codes starting at g; `avail` bytes may be read from g (a masked load below 16). */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512i kvq_polar_cut16(const uint8_t* g, int64_t avail,
                                                                  const kvq_polar_cut* C)
 {
@@ -239,15 +239,17 @@ KVQ_TARGET_AVX512 static void kvq_polar_plan_init(kvq_polar_plan* P, const kvq_p
 }
 
 /* In what follows W1 (level 1) and WD (deeper levels) are compile-time constants: the drivers
- * dispatch on the bits, so lookups and code offsets are straight-line code. */
+ * dispatch on the bits, so lookups and code offsets are straight-line code. `avail` is how many
+ * bytes may be read from the start of the row: up to the end of the codes array, so that only
+ * the last rows need masked loads (bytes past a group's codes are cut away). */
 
 /* The 16 values leaving the four top levels (buf[0..16) of the decoder after them). */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_polar_top16(const kvq_polar_plan* P,
                                                                 const uint8_t* row,
-                                                                int64_t code_bytes, float r,
+                                                                int64_t avail, float r,
                                                                 const int WD)
 {
-    const __m512i codes = kvq_polar_cut16(row + P->top_byte, code_bytes - P->top_byte, &P->top_cut);
+    const __m512i codes = kvq_polar_cut16(row + P->top_byte, avail - P->top_byte, &P->top_cut);
     __m512 v = _mm512_set1_ps(r);
     int k;
     for (k = 0; k < 4; k++) {
@@ -276,7 +278,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_split(const kvq_polar_
  * top levels' output. Afterwards buf[0 .. n/4) is the input of level 2. */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_middle(const kvq_polar_plan* P,
                                                                const uint8_t* row,
-                                                               int64_t code_bytes, float* buf,
+                                                               int64_t avail, float* buf,
                                                                const int WD)
 {
     const kvq_polar_layout* L = P->L;
@@ -292,7 +294,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_middle(const kvq_polar
         for (j0 = cnt - 16; j0 >= 0; j0 -= 16) {
             const int64_t g = start + (j0 >> 3) * WD;
             kvq_polar_split(P, _mm512_loadu_ps(buf + j0),
-                            kvq_polar_cut16(row + g, code_bytes - g, &P->cut[1]), &ct, &st, WD,
+                            kvq_polar_cut16(row + g, avail - g, &P->cut[1]), &ct, &st, WD,
                             &lo, &hi);
             _mm512_storeu_ps(buf + 2 * j0, lo);
             _mm512_storeu_ps(buf + 2 * j0 + 16, hi);
@@ -306,7 +308,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_middle(const kvq_polar
     do {                                                                                      \
         const int64_t g1_ = ((j0) >> 3) * W1;                                                 \
         __m512 lo_, hi_;                                                                      \
-        kvq_polar_split(P, (v), kvq_polar_cut16(row + g1_, code_bytes - g1_, &P->cut[0]),     \
+        kvq_polar_split(P, (v), kvq_polar_cut16(row + g1_, avail - g1_, &P->cut[0]),     \
                         &P->c1, &P->s1, W1, &lo_, &hi_);                                      \
         if (DOT) {                                                                            \
             acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + 2 * (j0)), lo_));      \
@@ -323,14 +325,14 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_middle(const kvq_polar
  * level 2, so level 1 still visits its elements in increasing order. */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_polar_row(const kvq_polar_plan* P,
                                                               const uint8_t* row,
-                                                              int64_t code_bytes, float r,
+                                                              int64_t avail, float r,
                                                               const float* q, float* out,
                                                               float* buf, const int DOT,
                                                               const int W1, const int WD)
 {
     const int64_t n = P->n;
     __m512 acc = _mm512_setzero_ps();
-    const __m512 top = kvq_polar_top16(P, row, code_bytes, r, WD);
+    const __m512 top = kvq_polar_top16(P, row, avail, r, WD);
     if (n == 32) {   /* the top levels end at level 2 */
         KVQ_POLAR_LEVEL1(DOT, top, 0);
         return acc;
@@ -340,13 +342,13 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_polar_row(const kvq_polar_
         int64_t j2;
         if (n > 64) {
             _mm512_storeu_ps(buf, top);
-            kvq_polar_middle(P, row, code_bytes, buf, WD);
+            kvq_polar_middle(P, row, avail, buf, WD);
         }
         for (j2 = 0; j2 < n / 4; j2 += 16) {
             const int64_t g = g2 + (j2 >> 3) * WD;
             __m512 lo, hi;
             kvq_polar_split(P, n == 64 ? top : _mm512_loadu_ps(buf + j2),
-                            kvq_polar_cut16(row + g, code_bytes - g, &P->cut[1]), &P->c2, &P->s2,
+                            kvq_polar_cut16(row + g, avail - g, &P->cut[1]), &P->c2, &P->s2,
                             WD, &lo, &hi);
             KVQ_POLAR_LEVEL1(DOT, lo, 2 * j2);
             KVQ_POLAR_LEVEL1(DOT, hi, 2 * j2 + 16);
@@ -380,7 +382,9 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_dot_body(const kvq_pol
             const float r = side[(t + k) * ns];
             kvq_polar_prefetch_row(row, cb);
             /* an inert row: zero lanes, score +0 */
-            acc[k] = kvq_polar_live(r) ? kvq_polar_row(P, row, cb, r, q, NULL, buf, 1, W1, WD)
+            /* code groups may be read 16 bytes wide up to the end of the whole array */
+            acc[k] = kvq_polar_live(r) ? kvq_polar_row(P, row, (p->n_rows - t - k) * cb, r, q,
+                                                       NULL, buf, 1, W1, WD)
                                        : _mm512_setzero_ps();
         }
         if (nr == 4) {
@@ -406,7 +410,27 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_axpy_body(const kvq_po
         const float r = side[t * ns];
         kvq_polar_prefetch_row(row, cb);
         if (kvq_polar_live(r))
-            kvq_polar_row(P, row, cb, w[t] * r, NULL, acc, buf, 0, W1, WD);
+            kvq_polar_row(P, row, (p->n_rows - t) * cb, w[t] * r, NULL, acc, buf, 0, W1, WD);
+    }
+}
+
+/* The plan of a call, built once by the driver for every row kernel call (and thread) to read:
+ * memory for it (kvq_polar_plan_bytes, any alignment) and its construction. Leaves L->plan NULL
+ * when the layout has no vector path. */
+static size_t kvq_polar_plan_bytes(void)
+{
+    return sizeof(kvq_polar_plan) + 64;
+}
+
+static int kvq_polar_vector_layout(const kvq_polar_layout* L);
+
+KVQ_TARGET_AVX512 static void kvq_polar_plan_prepare(kvq_polar_layout* L, void* mem)
+{
+    kvq_polar_plan* P = (kvq_polar_plan*)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+    L->plan = NULL;
+    if (mem && kvq_polar_vector_layout(L)) {
+        kvq_polar_plan_init(P, L);
+        L->plan = P;
     }
 }
 
@@ -445,8 +469,13 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
         return;
     }
     if (kvq_polar_vector_layout(L)) {
+        /* a local copy: stores to the rows' floats cannot alias it, so its constants can stay
+         * in registers */
         kvq_polar_plan P;
-        kvq_polar_plan_init(&P, L);
+        if (L->plan)
+            memcpy(&P, L->plan, sizeof(P));
+        else
+            kvq_polar_plan_init(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_dot_body, L->level_bits[1], &P, p, codes, side, r0, r1, q,
                            out, W.buf)
     } else {
@@ -485,8 +514,13 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
         return;
     }
     if (kvq_polar_vector_layout(L)) {
+        /* a local copy: stores to the rows' floats cannot alias it, so its constants can stay
+         * in registers */
         kvq_polar_plan P;
-        kvq_polar_plan_init(&P, L);
+        if (L->plan)
+            memcpy(&P, L->plan, sizeof(P));
+        else
+            kvq_polar_plan_init(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_axpy_body, L->level_bits[1], &P, p, codes, side, r0, r1, w,
                            acc, W.buf)
     } else {
@@ -502,6 +536,8 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
     kvq_polar_work_free(&W);
 }
 #else  /* no vector path in this build: the dispatcher never picks these */
+static size_t kvq_polar_plan_bytes(void) { return 0; }
+static void kvq_polar_plan_prepare(kvq_polar_layout* L, void* mem) { (void)mem; L->plan = NULL; }
 #define kvq_polar_dot_avx512 kvq_polar_dot_portable
 #define kvq_polar_axpy_avx512 kvq_polar_axpy_portable
 #endif

@@ -42,6 +42,7 @@ cdef extern from "polarops.h" nogil:
         const int32_t* log2_cos2
         const int32_t* log2_sin2
         const int32_t* gains
+        const void* plan
     ctypedef struct kvq_polar_scratch:
         pass
     int kvq_polar_scratch_alloc(kvq_polar_scratch* s, int64_t n)
@@ -312,6 +313,7 @@ cdef void _layout(kvq_polar_layout* L, Py_ssize_t n, int mode, const int32_t[::1
     L.log2_cos2 = &log2_cos2[0, 0, 0]
     L.log2_sin2 = &log2_sin2[0, 0, 0]
     L.gains = &gains[0, 0]
+    L.plan = NULL
 
 
 def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes)

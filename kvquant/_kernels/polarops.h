@@ -34,6 +34,7 @@ typedef struct {
     const int32_t* log2_cos2;     /* (n_levels + 1, 9, 256) radius mode: 2^16 log2 cos^2 */
     const int32_t* log2_sin2;
     const int32_t* gains;         /* (n_levels + 1, 8) radius mode */
+    const void* plan;             /* consumers: their vector constants, built once per call (or NULL) */
 } kvq_polar_layout;
 
 static inline int64_t kvq_polar_tab_index(int level, int width)
