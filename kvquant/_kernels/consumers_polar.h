@@ -7,16 +7,18 @@
  * Inert rows (radius not in (0, FLT_MAX]) score 0 and add nothing.
  *
  * The portable path is polarops.h's rebuild. The AVX-512 path (fixed-width modes: compat and
- * alloc=level, n >= 16) computes the same products:
+ * alloc=level, n >= 32) computes the same products:
  *   - the four top levels (1 + 2 + 4 + 8 angles: the 16 values entering the level of 16 angles)
  *     in one register: output lane m is r * F1 * F2 * F4 * F8, each factor the cos or sin of
  *     its ancestor's angle, multiplied in the decoder's top-down order;
  *   - every level of >= 16 angles 16 angles at a time: codes cut from 2w bytes (byte aligned:
  *     every earlier level holds a multiple of 8 bits), cos/sin looked up with permutes from
  *     registers, the products v*cos and v*sin interleaved back into element order;
- *   - level 1 fused with the dot (or the accumulation): its output never goes to memory.
- * alloc=radius has per-row widths (allocate_bits): both paths run polarops.h's rebuild, the
- * AVX-512 one with a vector dot.
+ *   - levels 2 and 1 fused with the dot (or the accumulation): their outputs never go to memory.
+ * Its constants (the plan) are built once per call by the driver. alloc=radius has per-row
+ * widths (allocate_bits) and n < 32 too few angles: both paths run polarops.h's rebuild there,
+ * the AVX-512 one with a vector dot. VBMI is not used: the cut above (one byte shuffle, one
+ * shift) already takes 16 codes per step.
  */
 #ifndef KVQ_CONSUMERS_POLAR_H
 #define KVQ_CONSUMERS_POLAR_H
