@@ -108,10 +108,11 @@ static void kvq_polar_axpy_portable(const kvq_params* p, const uint8_t* codes, c
 }
 
 #if KVQ_HAVE_X86_SIMD
-/* Cutting 16 codes out of at most 16 bytes: lane i takes 4 bytes from byte ctl_i, shifts right
- * by sh_i and keeps `mask_i` (its width). */
+/* Cutting 16 codes out of at most 16 bytes: lane i takes 4 bytes from byte ctl_i and shifts right
+ * by sh_i. The bits above the code are left in place: the angle tables repeat with period
+ * 2^width (polar.angle_tables), and the lookups read only the low log2(entries) index bits. */
 typedef struct {
-    __m512i ctl, sh, mask;
+    __m512i ctl, sh;
     int n_bytes;          /* bytes the 16 codes span (a masked load reads no more) */
 } kvq_polar_cut;
 
@@ -119,18 +120,16 @@ KVQ_TARGET_AVX512 static void kvq_polar_cut_init(kvq_polar_cut* C, const int* bi
                                                  const int* width)
 {
     uint8_t ctl[64];
-    int32_t sh[16], mask[16];
+    int32_t sh[16];
     int i, k, end = 0;
     for (i = 0; i < 16; i++) {
         const int o = bit_offset[i] >> 3;
         for (k = 0; k < 4; k++) ctl[4 * i + k] = (uint8_t)(o + k < 16 ? o + k : 0x80);
         sh[i] = bit_offset[i] & 7;
-        mask[i] = (1 << width[i]) - 1;
         if (width[i] && bit_offset[i] + width[i] > end) end = bit_offset[i] + width[i];
     }
     C->ctl = _mm512_loadu_si512((const void*)ctl);
     C->sh = _mm512_loadu_si512((const void*)sh);
-    C->mask = _mm512_loadu_si512((const void*)mask);
     C->n_bytes = (end + 7) >> 3;
 }
 
@@ -141,7 +140,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512i kvq_polar_cut16(const uint8_t
     const __m128i raw = avail >= 16 ? _mm_loadu_si128((const __m128i*)g)
                                     : _mm_maskz_loadu_epi8((__mmask16)((1u << C->n_bytes) - 1u), g);
     const __m512i x = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), C->ctl);
-    return _mm512_and_si512(_mm512_srlv_epi32(x, C->sh), C->mask);
+    return _mm512_srlv_epi32(x, C->sh);
 }
 
 /* A (level, width) table of up to 64 floats in registers. */
@@ -454,6 +453,10 @@ static inline int kvq_polar_vector_layout(const kvq_polar_layout* L)
            && L->level_bits[2] == (b - 1 > 1 ? b - 1 : 1);
 }
 
+/* The middle levels' buffer (the input of level 2: n/4 floats) is on the stack up to this width,
+ * so that the vector path allocates nothing per call. */
+#define KVQ_POLAR_STACK_DIM 8192
+
 KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const uint8_t* codes,
                                                    const float* side, int64_t r0, int64_t r1,
                                                    const float* q, float* out)
@@ -462,7 +465,20 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side;
     kvq_polar_work W;
     int64_t t;
-    if (p->dim % 16) {   /* widths 2, 4, 8 */
+    if (kvq_polar_vector_layout(L) && n <= KVQ_POLAR_STACK_DIM) {
+        /* a local copy: stores to the rows' floats cannot alias it, so its constants can stay
+         * in registers */
+        kvq_polar_plan P;
+        float buf[KVQ_POLAR_STACK_DIM / 4 + 16];
+        if (L->plan)
+            memcpy(&P, L->plan, sizeof(P));
+        else
+            kvq_polar_plan_init(&P, L);
+        KVQ_POLAR_DISPATCH(kvq_polar_dot_body, L->level_bits[1], &P, p, codes, side, r0, r1, q,
+                           out, buf)
+        return;
+    }
+    if (n % 16) {   /* widths 2, 4, 8 */
         kvq_polar_dot_portable(p, codes, side, r0, r1, q, out);
         return;
     }
@@ -471,8 +487,6 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
         return;
     }
     if (kvq_polar_vector_layout(L)) {
-        /* a local copy: stores to the rows' floats cannot alias it, so its constants can stay
-         * in registers */
         kvq_polar_plan P;
         if (L->plan)
             memcpy(&P, L->plan, sizeof(P));
@@ -507,7 +521,18 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side;
     kvq_polar_work W;
     int64_t t, i;
-    if (p->dim % 16) {
+    if (kvq_polar_vector_layout(L) && n <= KVQ_POLAR_STACK_DIM) {
+        kvq_polar_plan P;
+        float buf[KVQ_POLAR_STACK_DIM / 4 + 16];
+        if (L->plan)
+            memcpy(&P, L->plan, sizeof(P));
+        else
+            kvq_polar_plan_init(&P, L);
+        KVQ_POLAR_DISPATCH(kvq_polar_axpy_body, L->level_bits[1], &P, p, codes, side, r0, r1, w,
+                           acc, buf)
+        return;
+    }
+    if (n % 16) {
         kvq_polar_axpy_portable(p, codes, side, r0, r1, w, acc);
         return;
     }
@@ -516,8 +541,6 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
         return;
     }
     if (kvq_polar_vector_layout(L)) {
-        /* a local copy: stores to the rows' floats cannot alias it, so its constants can stay
-         * in registers */
         kvq_polar_plan P;
         if (L->plan)
             memcpy(&P, L->plan, sizeof(P));

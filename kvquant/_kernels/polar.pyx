@@ -274,7 +274,8 @@ def angle_tables(int mode,
     """cosf and sinf of the decode angle of every (level, width, code): the engine's bin centre
     (grid mode) or the stored centroid, with the decoder's float expressions. Built once per
     codec: the decoder and the consumers multiply by these entries instead of evaluating angles
-    per row. Unused entries are 0."""
+    per row. The 256 entries of a (level, width) repeat with period 2**width, so that a vector
+    lookup may ignore the index bits above the code. Level 0 is unused (zeros)."""
     cdef int n_levels = cos_out.shape[0] - 1, level, b, q
     cdef float grid_lo[MAX_LEVELS + 1]
     cdef float grid_two_w[MAX_LEVELS + 1]
@@ -295,6 +296,9 @@ def angle_tables(int mode,
                     theta = centroids[level, b, q]
                 cos_out[level, b, q] = cosf(theta)
                 sin_out[level, b, q] = sinf(theta)
+            for q in range(1 << b, 256):
+                cos_out[level, b, q] = cos_out[level, b, q & ((1 << b) - 1)]
+                sin_out[level, b, q] = sin_out[level, b, q & ((1 << b) - 1)]
 
 
 cdef void _layout(kvq_polar_layout* L, Py_ssize_t n, int mode, const int32_t[::1] level_bits,
