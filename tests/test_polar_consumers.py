@@ -172,3 +172,22 @@ def test_inert_rows_contribute_nothing(variant, d, rng, simd_path):
         X_hat = codec.decode(enc)
         assert not X_hat[inert].any()
         _check_against(X_hat[live], Q, W_zero[:, live], s[:, live], ctx)
+
+
+@pytest.mark.parametrize("spec", ["polar3:compat=colibri", "polar5:compat=colibri"])
+def test_rows_wider_than_the_stack_buffer(spec, rng, simd_path):
+    """Beyond width 8192 the vector path takes its buffer from the heap (compat only: the Lloyd
+    codebooks stop at 4096)."""
+    d, T = 16384, 9
+    codec = get_codec(spec, d)
+    enc = codec.encode(_rows(rng, T, d))
+    Q = gaussian_rows(rng, 2, d)
+    W = rng.standard_normal((2, T)).astype(np.float32)
+    out = {}
+    for mode in PATHS:
+        simd_path(mode)
+        out[mode] = (codec.scores(enc, Q), codec.context(enc, W))
+    for mode in PATHS[1:]:
+        for a, b in zip(out["portable"], out[mode]):
+            assert np.array_equal(_bits(a), _bits(b)), mode
+    _check_against(codec.decode(enc), Q, W, *out[PATHS[-1]])
