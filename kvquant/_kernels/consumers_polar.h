@@ -179,6 +179,7 @@ typedef struct {
     kvq_polar_cut top_cut;        /* their 15 codes (lanes 0-7: 8 angles, 8-11: 4, 12-13: 2, 14: 1) */
     __m512i top_idx[4];           /* per top level (1, 2, 4, 8 angles): lane m -> its ancestor's lane */
     __mmask16 top_sin[4];         /* lanes that take the sine */
+    __m512i top_sin16[4];         /* the same as 16 in those lanes (index bit 4: the sine half) */
     kvq_polar_tab top_cos[4], top_sin_tab[4];
     kvq_polar_cut cut[2];         /* groups of 16 codes: [0] level 1, [1] deeper levels */
     kvq_polar_tab c1, s1, c2, s2; /* levels 1 and 2 */
@@ -207,8 +208,11 @@ KVQ_TARGET_AVX512 static void kvq_polar_plan_init(kvq_polar_plan* P, const kvq_p
         for (m = 0; m < 16; m++) idx[m] = lane_base[k] + (m >> (4 - k));
         P->top_idx[k] = _mm512_loadu_si512((const void*)idx);
         P->top_sin[k] = 0;
-        for (m = 0; m < 16; m++)
+        for (m = 0; m < 16; m++) {
+            idx[m] = ((m >> (3 - k)) & 1) << 4;
             if ((m >> (3 - k)) & 1) P->top_sin[k] |= (__mmask16)(1u << m);
+        }
+        P->top_sin16[k] = _mm512_loadu_si512((const void*)idx);
         kvq_polar_tab_load(&P->top_cos[k], L->cos_tab + kvq_polar_tab_index(level, w));
         kvq_polar_tab_load(&P->top_sin_tab[k], L->sin_tab + kvq_polar_tab_index(level, w));
     }
@@ -255,8 +259,16 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_polar_top16(const kvq_pola
     int k;
     for (k = 0; k < 4; k++) {
         const __m512i c = _mm512_permutexvar_epi32(P->top_idx[k], codes);
-        v = _mm512_mul_ps(v, _mm512_mask_mov_ps(kvq_polar_look(c, &P->top_cos[k], WD), P->top_sin[k],
-                                                kvq_polar_look(c, &P->top_sin_tab[k], WD)));
+        if (WD <= 4) {
+            /* one lookup in 16 cosines then 16 sines: index = code | 16 * (takes the sine) */
+            const __m512i ix = _mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(15)),
+                                               P->top_sin16[k]);
+            v = _mm512_mul_ps(v, _mm512_permutex2var_ps(P->top_cos[k].t0, ix, P->top_sin_tab[k].t0));
+        } else {
+            v = _mm512_mul_ps(v, _mm512_mask_mov_ps(kvq_polar_look(c, &P->top_cos[k], WD),
+                                                    P->top_sin[k],
+                                                    kvq_polar_look(c, &P->top_sin_tab[k], WD)));
+        }
     }
     return v;
 }
@@ -329,9 +341,10 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_polar_row(const kvq_polar_
                                                               int64_t avail, float r,
                                                               const float* q, float* out,
                                                               float* buf, const int DOT,
-                                                              const int W1, const int WD)
+                                                              const int W1, const int WD,
+                                                              const int64_t NFIX)
 {
-    const int64_t n = P->n;
+    const int64_t n = NFIX ? NFIX : P->n;   /* NFIX: a width known at compile time, or 0 */
     __m512 acc = _mm512_setzero_ps();
     const __m512 top = kvq_polar_top16(P, row, avail, r, WD);
     if (n == 32) {   /* the top levels end at level 2 */
@@ -370,7 +383,8 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_dot_body(const kvq_pol
                                                                  const float* side, int64_t r0,
                                                                  int64_t r1, const float* q,
                                                                  float* out, float* buf,
-                                                                 const int W1, const int WD)
+                                                                 const int W1, const int WD,
+                                                                 const int64_t NFIX)
 {
     const int64_t cb = p->code_bytes, ns = p->n_side;
     __m512 acc[4];
@@ -378,15 +392,30 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_dot_body(const kvq_pol
     for (t = r0; t < r1; t += 4) {
         const int nr = r1 - t < 4 ? (int)(r1 - t) : 4;
         int k;
-        for (k = 0; k < nr; k++) {
-            const uint8_t* row = codes + (t + k) * cb;
-            const float r = side[(t + k) * ns];
-            kvq_polar_prefetch_row(row, cb);
-            /* an inert row: zero lanes, score +0 */
-            /* code groups may be read 16 bytes wide up to the end of the whole array */
-            acc[k] = kvq_polar_live(r) ? kvq_polar_row(P, row, (p->n_rows - t - k) * cb, r, q,
-                                                       NULL, buf, 1, W1, WD)
-                                       : _mm512_setzero_ps();
+        if (NFIX && NFIX <= 64 && nr == 4) {
+            /* no branch between the four rows, so that the compiler can interleave them: each
+             * row is computed (an inert one from radius 0), then an inert row's lanes are
+             * zeroed, giving the score +0 as below */
+            for (k = 0; k < 4; k++) {
+                const uint8_t* row = codes + (t + k) * cb;
+                const float r = side[(t + k) * ns];
+                const int live = kvq_polar_live(r);
+                kvq_polar_prefetch_row(row, cb);
+                acc[k] = _mm512_maskz_mov_ps((__mmask16)(live ? 0xFFFF : 0),
+                                             kvq_polar_row(P, row, (p->n_rows - t - k) * cb,
+                                                           live ? r : 0.0f, q, NULL, buf, 1, W1,
+                                                           WD, NFIX));
+            }
+        } else {
+            for (k = 0; k < nr; k++) {
+                const uint8_t* row = codes + (t + k) * cb;
+                const float r = side[(t + k) * ns];
+                kvq_polar_prefetch_row(row, cb);
+                /* an inert row: zero lanes, score +0 */
+                acc[k] = kvq_polar_live(r) ? kvq_polar_row(P, row, (p->n_rows - t - k) * cb, r,
+                                                           q, NULL, buf, 1, W1, WD, NFIX)
+                                           : _mm512_setzero_ps();
+            }
         }
         if (nr == 4) {
             _mm_storeu_ps(out + t, kvq_tree16x4_avx512(acc[0], acc[1], acc[2], acc[3]));
@@ -402,7 +431,8 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_axpy_body(const kvq_po
                                                                   const float* side, int64_t r0,
                                                                   int64_t r1, const float* w,
                                                                   float* acc, float* buf,
-                                                                  const int W1, const int WD)
+                                                                  const int W1, const int WD,
+                                                                  const int64_t NFIX)
 {
     const int64_t cb = p->code_bytes, ns = p->n_side;
     int64_t t;
@@ -411,7 +441,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_polar_axpy_body(const kvq_po
         const float r = side[t * ns];
         kvq_polar_prefetch_row(row, cb);
         if (kvq_polar_live(r))
-            kvq_polar_row(P, row, (p->n_rows - t) * cb, w[t] * r, NULL, acc, buf, 0, W1, WD);
+            kvq_polar_row(P, row, (p->n_rows - t) * cb, w[t] * r, NULL, acc, buf, 0, W1, WD, NFIX);
     }
 }
 
@@ -435,15 +465,23 @@ KVQ_TARGET_AVX512 static void kvq_polar_plan_prepare(kvq_polar_layout* L, void* 
     }
 }
 
-/* Fixed-width modes: level 1 on b bits, deeper levels on max(b - 1, 1). */
-#define KVQ_POLAR_DISPATCH(BODY, b, ...)                      \
+/* Fixed-width modes: level 1 on b bits, deeper levels on max(b - 1, 1); width 64 (a common
+ * head size, where the per-row branches weigh most) compiled apart with its width known. */
+#define KVQ_POLAR_DISPATCH_N(BODY, b, NFIX, ...)              \
     switch (b) {                                              \
-    case 2: BODY(__VA_ARGS__, 2, 1); break;                   \
-    case 3: BODY(__VA_ARGS__, 3, 2); break;                   \
-    case 4: BODY(__VA_ARGS__, 4, 3); break;                   \
-    case 5: BODY(__VA_ARGS__, 5, 4); break;                   \
-    default: BODY(__VA_ARGS__, 6, 5); break;                  \
+    case 2: BODY(__VA_ARGS__, 2, 1, NFIX); break;             \
+    case 3: BODY(__VA_ARGS__, 3, 2, NFIX); break;             \
+    case 4: BODY(__VA_ARGS__, 4, 3, NFIX); break;             \
+    case 5: BODY(__VA_ARGS__, 5, 4, NFIX); break;             \
+    default: BODY(__VA_ARGS__, 6, 5, NFIX); break;            \
     }
+#define KVQ_POLAR_DISPATCH(BODY, b, ...)                      \
+    do {                                                      \
+        if (P.n == 64)                                        \
+            KVQ_POLAR_DISPATCH_N(BODY, b, 64, __VA_ARGS__)    \
+        else                                                  \
+            KVQ_POLAR_DISPATCH_N(BODY, b, 0, __VA_ARGS__)     \
+    } while (0)
 
 /* The vector rebuild takes fixed widths that the dispatch knows, and at least 32 elements. */
 static inline int kvq_polar_vector_layout(const kvq_polar_layout* L)
@@ -475,7 +513,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
         else
             kvq_polar_plan_init(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_dot_body, L->level_bits[1], &P, p, codes, side, r0, r1, q,
-                           out, buf)
+                           out, buf);
         return;
     }
     if (n % 16) {   /* widths 2, 4, 8 */
@@ -493,7 +531,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
         else
             kvq_polar_plan_init(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_dot_body, L->level_bits[1], &P, p, codes, side, r0, r1, q,
-                           out, W.buf)
+                           out, W.buf);
     } else {
         /* radius mode (and n = 16): the shared rebuild, a vector dot in the same lane order */
         for (t = r0; t < r1; t++) {
@@ -529,7 +567,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
         else
             kvq_polar_plan_init(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_axpy_body, L->level_bits[1], &P, p, codes, side, r0, r1, w,
-                           acc, buf)
+                           acc, buf);
         return;
     }
     if (n % 16) {
@@ -547,7 +585,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
         else
             kvq_polar_plan_init(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_axpy_body, L->level_bits[1], &P, p, codes, side, r0, r1, w,
-                           acc, W.buf)
+                           acc, W.buf);
     } else {
         for (t = r0; t < r1; t++) {
             const float r = side[t * ns];
