@@ -81,20 +81,6 @@ static void kvq_polar_scratch_free(kvq_polar_scratch* s)
 
 /* ---- codes --------------------------------------------------------------------------------- */
 
-/* `width` bits at bit `pos`, LSB first; reads only the bytes those bits touch. */
-static inline uint32_t kvq_polar_get_bits(const uint8_t* packed, int64_t pos, int width)
-{
-    const uint8_t* p = packed + (pos >> 3);
-    const int shift = (int)(pos & 7);
-    uint32_t v;
-    if (width == 0)
-        return 0;
-    v = (uint32_t)p[0] >> shift;
-    if (shift + width > 8)
-        v |= (uint32_t)p[1] << (8 - shift);
-    return v & ((1u << width) - 1u);
-}
-
 /* cnt codes of one width (>= 1) from bit `pos`, through a bit accumulator. */
 static inline void kvq_polar_unpack(const uint8_t* row, int64_t pos, int64_t cnt, int width,
                                     uint8_t* code)
