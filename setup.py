@@ -69,6 +69,8 @@ def _extensions():
             f"kvquant._kernels.{pyx.stem}",
             [str(pyx)],
             include_dirs=[str(KERNEL_DIR)],
+            # a header edit rebuilds the modules (setuptools only compares the sources otherwise)
+            depends=[str(h) for h in sorted(KERNEL_DIR.glob("*.h"))],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         )
         for pyx in sorted(KERNEL_DIR.glob("*.pyx"))

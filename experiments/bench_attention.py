@@ -17,9 +17,13 @@ from kvquant._kernels import consumers
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                        "results")
-# polar rebuilds every row with cos/sin and its decoder is slow at large T: run it separately
+# polar: the fixed-width layouts (the engine's compat tiers and alloc=level) have vector
+# consumers; alloc=radius (the default polar<b>) allocates every row's bits with a per-level
+# selection and stays far slower than numpy f32: time it separately (--codecs polar4).
 CODECS = ("f32", "kv8", "kv8-g32", "kv8-g8", "tq1", "tq2", "tq3", "tq4", "tq5", "tq6", "tq7",
-          "tq8", "q8_0", "q4_0", "q4_0+rot")
+          "tq8", "q8_0", "q4_0", "q4_0+rot", "polar2:compat=colibri", "polar3:compat=colibri",
+          "polar4:compat=colibri", "polar5:compat=colibri", "polar6:compat=colibri",
+          "polar4:alloc=level")
 
 
 def verdict(result):

@@ -15,7 +15,8 @@ import numpy as np
 
 from cython.parallel cimport prange
 from libc.math cimport sqrtf
-from libc.stdint cimport uint8_t, int64_t
+from libc.stdint cimport uint8_t, int32_t, int64_t
+from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 
 from kvquant._kernels._common cimport fwht
@@ -33,6 +34,7 @@ cdef extern from "simd.h":
         const float* table
         const uint8_t* planes
         int vbmi
+        const void* codec
     ctypedef void (*kvq_dot_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
                                 int64_t r0, int64_t r1, const float* q,
                                 float* out) noexcept nogil
@@ -79,6 +81,33 @@ cdef extern from "consumers_tq.h":
                            const float*, float*) noexcept nogil
     void kvq_tq_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                             const float*, float*) noexcept nogil
+
+cdef extern from "polarops.h":
+    ctypedef struct kvq_polar_layout:
+        int64_t dim
+        int n_levels
+        int mode
+        const int32_t* level_bits
+        const int32_t* level_totals
+        const int32_t* level_starts
+        const float* cos_tab
+        const float* sin_tab
+        const int32_t* log2_cos2
+        const int32_t* log2_sin2
+        const int32_t* gains
+        const void* plan
+
+cdef extern from "consumers_polar.h":
+    size_t kvq_polar_plan_bytes() noexcept nogil
+    void kvq_polar_plan_prepare(kvq_polar_layout* L, void* mem) noexcept nogil
+    void kvq_polar_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                                const float*, float*) noexcept nogil
+    void kvq_polar_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t,
+                                 int64_t, const float*, float*) noexcept nogil
+    void kvq_polar_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                              const float*, float*) noexcept nogil
+    void kvq_polar_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                               const float*, float*) noexcept nogil
 
 cdef extern from "consumers_ggml.h":
     void kvq_ggml_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
@@ -446,3 +475,107 @@ def context_ggml(const uint8_t[:, ::1] codes,  # IN  (T, (n/32) * block bytes)
         _run_context(fn, &p, c0, NULL, W, partial, out, n_threads)
         if rotate:
             _unrotate_rows_inplace(out, signs, n_threads)
+
+
+# -- polar ---------------------------------------------------------------------------------------
+cdef void _polar_params(kvq_params* p, kvq_polar_layout* L, const uint8_t[:, ::1] codes,
+                        const float[:, ::1] side, int64_t dim, int mode,
+                        const int32_t[::1] level_bits, const int32_t[::1] level_totals,
+                        const int32_t[::1] level_starts, const float[:, :, ::1] cos_tab,
+                        const float[:, :, ::1] sin_tab, const int32_t[:, :, ::1] log2_cos2,
+                        const int32_t[:, :, ::1] log2_sin2, const int32_t[:, ::1] gains):
+    memset(p, 0, sizeof(kvq_params))
+    p.n_rows = codes.shape[0]
+    p.dim = dim
+    p.code_bytes = codes.shape[1]
+    p.n_side = side.shape[1]
+    L.dim = dim
+    L.n_levels = level_bits.shape[0] - 1
+    L.mode = mode
+    L.level_bits = &level_bits[0]
+    L.level_totals = &level_totals[0]
+    L.level_starts = &level_starts[0]
+    L.cos_tab = &cos_tab[0, 0, 0]
+    L.sin_tab = &sin_tab[0, 0, 0]
+    L.log2_cos2 = &log2_cos2[0, 0, 0]
+    L.log2_sin2 = &log2_sin2[0, 0, 0]
+    L.gains = &gains[0, 0]
+    L.plan = NULL
+    p.codec = L
+
+
+cdef void* _polar_plan(kvq_polar_layout* L) noexcept nogil:
+    """The AVX-512 path's constants, built once per call (NULL: the kernels build their own)."""
+    cdef void* mem = NULL
+    if _level >= KVQ_SIMD_AVX512 and kvq_polar_plan_bytes() > 0:
+        mem = malloc(kvq_polar_plan_bytes())
+        kvq_polar_plan_prepare(L, mem)
+    return mem
+
+
+def scores_polar(const uint8_t[:, ::1] codes,       # IN  (T, code_bytes)
+                 const float[:, ::1] side,          # IN  (T, 1) radius
+                 const float[::1] signs,            # IN  (n,) rotation signs
+                 int mode,                          # kvquant.codecs.polar MODE_*
+                 const int32_t[::1] level_bits,     # IN  (n_levels + 1,)
+                 const int32_t[::1] level_totals,   # IN  (n_levels + 1,)
+                 const int32_t[::1] level_starts,   # IN  (n_levels + 1,)
+                 const float[:, :, ::1] cos_tab,    # IN  (n_levels + 1, 9, 256) polar.angle_tables
+                 const float[:, :, ::1] sin_tab,    # IN
+                 const int32_t[:, :, ::1] log2_cos2,  # IN (n_levels + 1, 9, 256)
+                 const int32_t[:, :, ::1] log2_sin2,  # IN
+                 const int32_t[:, ::1] gains,       # IN  (n_levels + 1, 8)
+                 const float[:, ::1] Q,             # IN  (m, n) queries, original basis
+                 float[:, ::1] out,                 # OUT (m, T)
+                 int n_threads):
+    """Rotates the queries once, then dots them with each row rebuilt in the rotated basis."""
+    cdef kvq_params p
+    cdef kvq_polar_layout L
+    cdef kvq_dot_fn fn = (kvq_polar_dot_avx512 if _level >= KVQ_SIMD_AVX512
+                          else kvq_polar_dot_portable)
+    _polar_params(&p, &L, codes, side, Q.shape[1], mode, level_bits, level_totals, level_starts,
+                  cos_tab, sin_tab, log2_cos2, log2_sin2, gains)
+    if p.n_rows == 0 or Q.shape[0] == 0:
+        return
+    cdef float[:, ::1] Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
+    cdef void* plan
+    with nogil:
+        plan = _polar_plan(&L)
+        _rotate_rows(Q, signs, Qrot, n_threads)
+        _run_scores(fn, &p, &codes[0, 0], &side[0, 0], Qrot, out, n_threads)
+        free(plan)
+
+
+def context_polar(const uint8_t[:, ::1] codes,      # IN  (T, code_bytes)
+                  const float[:, ::1] side,         # IN  (T, 1)
+                  const float[::1] signs,           # IN  (n,)
+                  int mode,
+                  const int32_t[::1] level_bits,
+                  const int32_t[::1] level_totals,
+                  const int32_t[::1] level_starts,
+                  const float[:, :, ::1] cos_tab,
+                  const float[:, :, ::1] sin_tab,
+                  const int32_t[:, :, ::1] log2_cos2,
+                  const int32_t[:, :, ::1] log2_sin2,
+                  const int32_t[:, ::1] gains,
+                  const float[:, ::1] W,            # IN  (m, T)
+                  float[:, ::1] out,                # OUT (m, n) original basis
+                  int n_threads):
+    """Accumulates rows rebuilt in the rotated basis, then unrotates each context once."""
+    cdef kvq_params p
+    cdef kvq_polar_layout L
+    cdef kvq_axpy_fn fn = (kvq_polar_axpy_avx512 if _level >= KVQ_SIMD_AVX512
+                           else kvq_polar_axpy_portable)
+    _polar_params(&p, &L, codes, side, out.shape[1], mode, level_bits, level_totals,
+                  level_starts, cos_tab, sin_tab, log2_cos2, log2_sin2, gains)
+    if W.shape[0] == 0:
+        return
+    cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
+    cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
+    cdef const float* s0 = &side[0, 0] if p.n_rows else NULL
+    cdef void* plan
+    with nogil:
+        plan = _polar_plan(&L)
+        _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
+        _unrotate_rows_inplace(out, signs, n_threads)
+        free(plan)

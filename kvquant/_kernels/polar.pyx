@@ -9,10 +9,12 @@
 #   MODE_LLOYD_LEVEL   Lloyd-Max centroids per level, fixed widths per level;
 #   MODE_LLOYD_RADIUS  Lloyd-Max centroids, each level's bits split among its angles by the
 #                      decoded sub-radii, all in fixed-point integers derived from the codes
-#                      (allocate_bits), so encoder and decoder agree exactly.
+#                      (allocate_bits, polarops.h), so encoder and decoder agree exactly.
+# The decoder rebuilds rows with polarops.h from cos/sin tables (angle_tables), as the attention
+# consumers do (consumers_polar.h).
 # The norm is accumulated in double and is the stored radius; the inert rule is the engine's.
 from cython.parallel cimport parallel, prange
-from libc.math cimport atan2f, hypotf, floorf, cosf, sinf, sqrt, sqrtf, isfinite
+from libc.math cimport atan2f, hypotf, floorf, cosf, sinf, sqrt, sqrtf, isfinite, NAN
 from libc.float cimport FLT_MAX
 from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport malloc, free
@@ -24,6 +26,35 @@ cdef extern from "rowops.h" nogil:
     double kvq_sum_squares(const float* x, Py_ssize_t n, int in_index_order)
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
+
+# The radius allocation and the row rebuild are shared with the attention consumers
+# (consumers_polar.h): one implementation, the same bits.
+cdef extern from "polarops.h" nogil:
+    ctypedef struct kvq_polar_layout:
+        int64_t dim
+        int n_levels
+        int mode
+        const int32_t* level_bits
+        const int32_t* level_totals
+        const int32_t* level_starts
+        const float* cos_tab
+        const float* sin_tab
+        const int32_t* log2_cos2
+        const int32_t* log2_sin2
+        const int32_t* gains
+        const void* plan
+    ctypedef struct kvq_polar_scratch:
+        pass
+    int kvq_polar_scratch_alloc(kvq_polar_scratch* s, int64_t n)
+    void kvq_polar_scratch_free(kvq_polar_scratch* s)
+    void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                                 int64_t total, uint32_t* keys, uint8_t* width)
+    void kvq_polar_child_weights(const int32_t* weight, int64_t cnt, const uint8_t* width,
+                                 const uint8_t* code, const int32_t* log2_cos2,
+                                 const int32_t* log2_sin2, int32_t* child)
+    void kvq_polar_rebuild_row(const kvq_polar_layout* L, const uint8_t* row, float r,
+                               kvq_polar_scratch* s, float* buf)
+    int kvq_polar_live(float r)
 
 cdef enum:
     MODE_ENGINE_GRID = 0
@@ -56,18 +87,6 @@ cdef inline void put_bits(uint8_t* out, Py_ssize_t pos, uint32_t code, int width
     out[byte] |= <uint8_t>(v & 0xFF)
     if shift + width > 8:
         out[byte + 1] |= <uint8_t>((v >> 8) & 0xFF)
-
-
-cdef inline uint32_t get_bits(const uint8_t* packed, Py_ssize_t pos, int width) noexcept nogil:
-    cdef Py_ssize_t byte = pos >> 3
-    cdef int shift = pos & 7
-    cdef uint32_t v
-    if width == 0:
-        return 0
-    v = packed[byte] >> shift
-    if shift + width > 8:
-        v |= (<uint32_t>packed[byte + 1]) << (8 - shift)
-    return v & ((1u << width) - 1u)
 
 
 # -- the engine's grids ----------------------------------------------------------------------
@@ -115,7 +134,7 @@ cdef void engine_grid(int n_levels, float* lo, float* two_w) noexcept nogil:
         two_w[level] = F_TWO * w
 
 
-# -- Lloyd codebooks and the radius allocation -----------------------------------------------
+# -- Lloyd codebooks ----------------------------------------------------------------------------
 
 cdef inline int nearest_centroid(float ang, const float* bnd, int n_bnd) noexcept nogil:
     """Number of boundaries strictly below `ang` (ties go to the lower centroid)."""
@@ -127,85 +146,6 @@ cdef inline int nearest_centroid(float ang, const float* bnd, int n_bnd) noexcep
         else:
             hi = mid
     return lo
-
-
-cdef void allocate_bits(const int32_t* weight,   # IN  (cnt,) log2 of each angle's radius^2
-                        Py_ssize_t cnt,
-                        const int32_t* gain,     # IN  (MAX_ANGLE_BITS,) strictly decreasing
-                        Py_ssize_t total,        # bits to hand out, 0..MAX_ANGLE_BITS*cnt
-                        uint32_t* keys,          # scratch (MAX_ANGLE_BITS * cnt,)
-                        uint8_t* width) noexcept nogil:   # OUT (cnt,)
-    """Greedy bit allocation: giving angle j its (k+1)-th bit is worth weight[j] + gain[k]; the
-    `total` largest keys win, ties to the lower index. Keys of one angle decrease with k, so the
-    winners of angle j are its first width[j] keys. The threshold (the total-th largest key) is
-    found by a most-significant-digit radix select: linear, no worst case."""
-    cdef Py_ssize_t j, i, n_keys = MAX_ANGLE_BITS * cnt, need, acc
-    cdef Py_ssize_t hist[256]
-    cdef int k, shift, digit, radix, top
-    cdef int64_t w_min, w_max, base, span
-    cdef uint32_t prefix, high_mask, t
-    if total >= n_keys or total <= 0:
-        for j in range(cnt):
-            width[j] = MAX_ANGLE_BITS if total > 0 else 0
-        return
-    w_min = weight[0]
-    w_max = weight[0]
-    for j in range(1, cnt):
-        if weight[j] < w_min:
-            w_min = weight[j]
-        if weight[j] > w_max:
-            w_max = weight[j]
-    base = w_min + gain[MAX_ANGLE_BITS - 1]
-    span = w_max + gain[0] - base          # < 2^32: tables are bounded far below
-    for j in range(cnt):
-        for k in range(MAX_ANGLE_BITS):
-            keys[j * MAX_ANGLE_BITS + k] = <uint32_t>(weight[j] + gain[k] - base)
-    # small levels: 4-bit digits (clearing and walking 256 bins would cost more than the keys)
-    radix = 8 if n_keys >= 512 else 4
-    top = (1 << radix) - 1
-    shift = 0
-    while shift + radix < 32 and (span >> (shift + radix)) > 0:
-        shift += radix
-    prefix = 0
-    need = total                           # rank of the threshold among keys sharing `prefix`
-    while shift >= 0:
-        for digit in range(top + 1):
-            hist[digit] = 0
-        high_mask = 0 if shift + radix >= 32 else ~((<uint32_t>1 << (shift + radix)) - 1)
-        for i in range(n_keys):
-            if (keys[i] & high_mask) == prefix:
-                hist[(keys[i] >> shift) & top] += 1
-        acc = 0
-        digit = top
-        while acc + hist[digit] < need:
-            acc += hist[digit]
-            digit -= 1
-        need -= acc
-        prefix |= (<uint32_t>digit) << shift
-        shift -= radix
-    # every key above t wins; `need` of the keys equal to t win, in index order
-    t = prefix
-    for j in range(cnt):
-        k = 0
-        while k < MAX_ANGLE_BITS and keys[j * MAX_ANGLE_BITS + k] > t:
-            k += 1
-        if need > 0 and k < MAX_ANGLE_BITS and keys[j * MAX_ANGLE_BITS + k] == t:
-            k += 1
-            need -= 1
-        width[j] = <uint8_t>k
-
-
-cdef inline void child_weights(const int32_t* weight, Py_ssize_t cnt, const uint8_t* width,
-                               const uint8_t* code,
-                               const int32_t* log2_cos2,    # (9, 256) tables of this level
-                               const int32_t* log2_sin2,
-                               int32_t* child) noexcept nogil:
-    """log2 radius^2 of the two halves split by each angle: + log2 cos^2 / + log2 sin^2."""
-    cdef Py_ssize_t j, k
-    for j in range(cnt):
-        k = (<Py_ssize_t>width[j] << 8) + code[j]
-        child[2 * j] = weight[j] + log2_cos2[k]
-        child[2 * j + 1] = weight[j] + log2_sin2[k]
 
 
 # -- encode ----------------------------------------------------------------------------------
@@ -287,8 +227,8 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 cnt = n >> level
                 off = n - (n >> (level - 1))
                 if mode == MODE_LLOYD_RADIUS:
-                    allocate_bits(cur_w, cnt, &gains[level, 0], level_totals[level], keys,
-                                  &width[off])
+                    kvq_polar_allocate_bits(cur_w, cnt, &gains[level, 0], level_totals[level],
+                                            keys, &width[off])
                 else:
                     for j in range(cnt):
                         width[off + j] = <uint8_t>level_bits[level]
@@ -305,8 +245,9 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                         q = nearest_centroid(ang[off + j], &boundaries[level, b, 0], (1 << b) - 1)
                     code[off + j] = <uint8_t>q
                 if mode == MODE_LLOYD_RADIUS and level > 1:
-                    child_weights(cur_w, cnt, &width[off], &code[off], &log2_cos2[level, 0, 0],
-                                  &log2_sin2[level, 0, 0], next_w)
+                    kvq_polar_child_weights(cur_w, cnt, &width[off], &code[off],
+                                            &log2_cos2[level, 0, 0], &log2_sin2[level, 0, 0],
+                                            next_w)
                     swap = cur_w
                     cur_w = next_w
                     next_w = swap
@@ -326,6 +267,59 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
 
 # -- decode ----------------------------------------------------------------------------------
 
+def angle_tables(int mode,
+                 const float[:, :, ::1] centroids,      # IN  (n_levels + 1, 9, 256) Lloyd
+                 float[:, :, ::1] cos_out,              # OUT (n_levels + 1, 9, 256)
+                 float[:, :, ::1] sin_out):             # OUT (n_levels + 1, 9, 256)
+    """cosf and sinf of the decode angle of every (level, width, code): the engine's bin centre
+    (grid mode) or the stored centroid, with the decoder's float expressions. Built once per
+    codec: the decoder and the consumers multiply by these entries instead of evaluating angles
+    per row. The 256 entries of a (level, width) repeat with period 2**width, so that a vector
+    lookup may ignore the index bits above the code. Level 0 is unused (zeros)."""
+    cdef int n_levels = cos_out.shape[0] - 1, level, b, q
+    cdef float grid_lo[MAX_LEVELS + 1]
+    cdef float grid_two_w[MAX_LEVELS + 1]
+    cdef float theta
+    cos_out[:, :, :] = 0
+    sin_out[:, :, :] = 0
+    engine_grid(n_levels, grid_lo, grid_two_w)
+    for level in range(1, n_levels + 1):
+        for b in range(MAX_ANGLE_BITS + 1):
+            for q in range(1 << b):
+                if mode == MODE_ENGINE_GRID:
+                    if level == 1:
+                        theta = engine_centre_level1(q, <float>(1 << b))
+                    else:
+                        theta = engine_centre_deep(q, grid_lo[level], grid_two_w[level],
+                                                   <float>(1 << b))
+                else:
+                    theta = centroids[level, b, q]
+                cos_out[level, b, q] = cosf(theta)
+                sin_out[level, b, q] = sinf(theta)
+            for q in range(1 << b, 256):
+                cos_out[level, b, q] = cos_out[level, b, q & ((1 << b) - 1)]
+                sin_out[level, b, q] = sin_out[level, b, q & ((1 << b) - 1)]
+
+
+cdef void _layout(kvq_polar_layout* L, Py_ssize_t n, int mode, const int32_t[::1] level_bits,
+                  const int32_t[::1] level_totals, const int32_t[::1] level_starts,
+                  const float[:, :, ::1] cos_tab, const float[:, :, ::1] sin_tab,
+                  const int32_t[:, :, ::1] log2_cos2, const int32_t[:, :, ::1] log2_sin2,
+                  const int32_t[:, ::1] gains) noexcept:
+    L.dim = n
+    L.n_levels = level_bits.shape[0] - 1
+    L.mode = mode
+    L.level_bits = &level_bits[0]
+    L.level_totals = &level_totals[0]
+    L.level_starts = &level_starts[0]
+    L.cos_tab = &cos_tab[0, 0, 0]
+    L.sin_tab = &sin_tab[0, 0, 0]
+    L.log2_cos2 = &log2_cos2[0, 0, 0]
+    L.log2_sin2 = &log2_sin2[0, 0, 0]
+    L.gains = &gains[0, 0]
+    L.plan = NULL
+
+
 def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes)
                 const float[::1] side,                 # IN  (n_rows,) radius
                 const float[::1] signs,                # IN  (n,)
@@ -333,96 +327,45 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
                 const int32_t[::1] level_bits,         # IN  (n_levels + 1,)
                 const int32_t[::1] level_totals,       # IN  (n_levels + 1,)
                 const int32_t[::1] level_starts,       # IN  (n_levels + 1,) first bit of a level
-                const float[:, :, ::1] centroids,      # IN  (n_levels + 1, 9, 256) Lloyd
-                const int32_t[:, :, ::1] log2_cos2,    # IN
+                const float[:, :, ::1] cos_tab,        # IN  (n_levels + 1, 9, 256) angle_tables
+                const float[:, :, ::1] sin_tab,        # IN
+                const int32_t[:, :, ::1] log2_cos2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, :, ::1] log2_sin2,    # IN
                 const int32_t[:, ::1] gains,           # IN  (n_levels + 1, 8)
                 float[:, ::1] out,                     # OUT (n_rows, n)
                 int n_threads):
+    """Top-down rebuild (polarops.h, the consumers' too), then unrotate."""
     cdef Py_ssize_t n_rows = out.shape[0], n = out.shape[1]
-    cdef Py_ssize_t r, i, j, jj, cnt, pos
-    cdef int n_levels = level_bits.shape[0] - 1, level, b, q
+    cdef Py_ssize_t r, i
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
-    cdef float grid_lo[MAX_LEVELS + 1]
-    cdef float grid_two_w[MAX_LEVELS + 1]
-    cdef float radius, v
+    cdef kvq_polar_layout L
+    cdef kvq_polar_scratch* scratch
     cdef float* buf
-    cdef float* theta
-    cdef uint8_t* code
-    cdef uint8_t* width
-    cdef int32_t* weight
-    cdef int32_t* child
-    cdef int32_t* swap
-    cdef int32_t* cur_w
-    cdef uint32_t* keys
-    cdef int32_t* next_w
-    cdef const uint8_t* row
     if n_rows == 0:
         return
-    engine_grid(n_levels, grid_lo, grid_two_w)
+    _layout(&L, n, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab, log2_cos2,
+            log2_sin2, gains)
     with nogil, parallel(num_threads=n_threads):
-        theta = <float*>malloc(n * sizeof(float))
-        code = <uint8_t*>malloc(n * sizeof(uint8_t))
-        width = <uint8_t*>malloc(n * sizeof(uint8_t))
-        weight = <int32_t*>malloc(n * sizeof(int32_t))
-        child = <int32_t*>malloc(n * sizeof(int32_t))
-        keys = <uint32_t*>malloc(MAX_ANGLE_BITS * n * sizeof(uint32_t))
+        # assigned in the parallel block: one scratch per thread
+        scratch = <kvq_polar_scratch*>malloc(sizeof(kvq_polar_scratch))
+        if scratch != NULL and kvq_polar_scratch_alloc(scratch, n) != 0:
+            free(scratch)
+            scratch = NULL
         for r in prange(n_rows, schedule="static"):
             buf = &out[r, 0]
-            radius = side[r]
-            if not (radius > 0.0) or radius > FLT_MAX:
-                # inert row (also a damaged side value: never decoded as data)
+            if scratch == NULL or not kvq_polar_live(side[r]):
+                # inert row (also a damaged side value: never decoded as data); NaN if memory
+                # for the scratch was short (kernels do not raise)
                 for i in range(n):
-                    buf[i] = 0.0
+                    buf[i] = 0.0 if scratch != NULL else NAN
                 continue
-            row = &codes[r, 0]
-            buf[0] = radius
-            # per-row pointers: the thread's buffers stay put, only these swap
-            cur_w = weight
-            next_w = child
-            cur_w[0] = 0
-            for level in range(n_levels, 0, -1):
-                cnt = n >> level
-                if mode == MODE_LLOYD_RADIUS:
-                    allocate_bits(cur_w, cnt, &gains[level, 0], level_totals[level], keys, width)
-                else:
-                    for j in range(cnt):
-                        width[j] = <uint8_t>level_bits[level]
-                pos = level_starts[level]
-                for j in range(cnt):
-                    b = width[j]
-                    q = <int>get_bits(row, pos, b)
-                    pos = pos + b
-                    code[j] = <uint8_t>q
-                    if mode == MODE_ENGINE_GRID:
-                        if level == 1:
-                            theta[j] = engine_centre_level1(q, <float>(1 << b))
-                        else:
-                            theta[j] = engine_centre_deep(q, grid_lo[level], grid_two_w[level],
-                                                          <float>(1 << b))
-                    else:
-                        theta[j] = centroids[level, b, q]
-                if mode == MODE_LLOYD_RADIUS and level > 1:
-                    child_weights(cur_w, cnt, width, code, &log2_cos2[level, 0, 0],
-                                  &log2_sin2[level, 0, 0], next_w)
-                    swap = cur_w
-                    cur_w = next_w
-                    next_w = swap
-                # cur[0 .. cnt) -> nxt[0 .. 2 cnt), in place from the top index down
-                for jj in range(cnt):
-                    j = cnt - 1 - jj
-                    v = buf[j]
-                    buf[2 * j] = v * cosf(theta[j])
-                    buf[2 * j + 1] = v * sinf(theta[j])
+            kvq_polar_rebuild_row(&L, &codes[r, 0], side[r], scratch, buf)
             fwht(buf, n)
             for i in range(n):
                 buf[i] = buf[i] * inv_sqrt_n * signs[i]
-        free(theta)
-        free(code)
-        free(width)
-        free(weight)
-        free(child)
-        free(keys)
+        if scratch != NULL:
+            kvq_polar_scratch_free(scratch)
+            free(scratch)
 
 
 # -- the engine's grids, exposed for tests ---------------------------------------------------

@@ -85,6 +85,7 @@ typedef struct {
     const float* table;   /* tq: 256 levels indexed by any byte whose low bits are the code */
     const uint8_t* planes;/* tq: byte k of table[e] at planes[256 k + e] */
     int vbmi;             /* the CPU has AVX-512 VBMI and the caller allows it */
+    const void* codec;    /* polar: its kvq_polar_layout (polarops.h) */
 } kvq_params;
 
 /* out[t] = q . x^_t for rows t in [r0, r1) (q already in the codec's basis: rotated for tq).

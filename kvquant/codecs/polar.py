@@ -70,6 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import polar as _polar
 from kvquant.codecs.base import SIDE_DTYPES, Codec
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
@@ -416,6 +417,12 @@ class PolarCodec(Codec):
         self._level_bits = np.asarray(level_bits, np.int32)
         self._level_totals = np.asarray(totals, np.int32)
         self._level_starts = np.concatenate([[0, 0], np.cumsum(totals[1:])[:-1]]).astype(np.int32)
+        # cos/sin of every (level, width, code), computed once as the decoder computes them
+        cos_tab = np.empty((n_levels + 1, MAX_ANGLE_BITS + 1, 256), np.float32)
+        sin_tab = np.empty_like(cos_tab)
+        _polar.angle_tables(self.mode, self._tables[0], cos_tab, sin_tab)
+        cos_tab.flags.writeable = sin_tab.flags.writeable = False
+        self._angle_tables = (cos_tab, sin_tab)
         self.spec = self._canonical_spec()
 
     def _canonical_spec(self):
@@ -443,24 +450,27 @@ class PolarCodec(Codec):
 
     def _decode(self, codes, side, n_threads):
         out = np.empty((codes.shape[0], self.dim), np.float32)
-        centroids, boundaries, log_cos2, log_sin2, gains = self._tables
+        _, _, log_cos2, log_sin2, gains = self._tables
+        cos_tab, sin_tab = self._angle_tables
         _polar.decode_rows(codes, np.ascontiguousarray(side[:, 0]), self.rotation.signs,
                            self.mode, self._level_bits, self._level_totals, self._level_starts,
-                           centroids, log_cos2, log_sin2, gains, out, n_threads)
+                           cos_tab, sin_tab, log_cos2, log_sin2, gains, out, n_threads)
         return out
 
-    # Polar rows only exist once rebuilt (cos/sin down the tree), as in the engine's consumer:
-    # rebuild a block of rows at a time and read it with the f32 kernels.
-    _scores = Codec._scores_by_decoded_blocks
-    _context = Codec._context_by_decoded_blocks
+    # Consumers: each row is rebuilt in the rotated basis (the decoder's rebuild, polarops.h) and
+    # read at once; the query is rotated once and contexts are unrotated once
+    # (kvquant/_kernels/consumers_polar.h). Nothing is decoded to memory.
+    def _kernel_tables(self):
+        _, _, log_cos2, log_sin2, gains = self._tables
+        cos_tab, sin_tab = self._angle_tables
+        return (self.rotation.signs, self.mode, self._level_bits, self._level_totals,
+                self._level_starts, cos_tab, sin_tab, log_cos2, log_sin2, gains)
 
-    # Consumers: rows rebuilt (and unrotated) a block at a time by the decoder, then read by the
-    # f32 kernels; the whole cache is never decoded (Codec._scores_by_decoded_blocks).
     def _scores(self, codes, side, Q, out, n_threads):
-        self._scores_by_decoded_blocks(codes, side, Q, out, n_threads)
+        _consumers.scores_polar(codes, side, *self._kernel_tables(), Q, out, n_threads)
 
     def _context(self, codes, side, W, out, n_threads):
-        self._context_by_decoded_blocks(codes, side, W, out, n_threads)
+        _consumers.context_polar(codes, side, *self._kernel_tables(), W, out, n_threads)
 
 
 def parse(base, dim, options):

@@ -1,0 +1,378 @@
+/* Row operations of the polar codec shared by its encoder, its decoder and its attention
+ * consumers (kvquant/_kernels/polar.pyx, consumers_polar.h): the radius bit allocation and the
+ * top-down rebuild of a row in the rotated basis. One implementation, so that the decoder's rows
+ * and the rows the consumers read are the same bits.
+ *
+ * Angles are never evaluated here: cos/sin of every (level, width, code) are tabulated once per
+ * codec by polar.pyx (angle_tables) with the decoder's float expressions, so a rebuilt element is
+ * exactly parent * cos_tab[...] or parent * sin_tab[...], whatever path computes it.
+ */
+#ifndef KVQ_POLAROPS_H
+#define KVQ_POLAROPS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KVQ_POLAR_MAX_BITS 8      /* widest code of one angle (radius allocation) */
+#define KVQ_POLAR_TAB 256         /* entries per (level, width) row of the angle tables */
+
+/* the codec's modes (kvquant.codecs.polar MODE_*) */
+#define KVQ_POLAR_GRID 0
+#define KVQ_POLAR_LEVEL 1
+#define KVQ_POLAR_RADIUS 2
+
+typedef struct {
+    int64_t dim;                  /* n, a power of two >= 2 */
+    int n_levels;                 /* log2(n) */
+    int mode;                     /* KVQ_POLAR_* */
+    const int32_t* level_bits;    /* (n_levels + 1,) width of every angle of a level (fixed modes) */
+    const int32_t* level_totals;  /* (n_levels + 1,) bits a level occupies */
+    const int32_t* level_starts;  /* (n_levels + 1,) first bit of a level; level 1 at bit 0 */
+    const float* cos_tab;         /* (n_levels + 1, 9, 256): cos of the angle of (level, width, code) */
+    const float* sin_tab;
+    const int32_t* log2_cos2;     /* (n_levels + 1, 9, 256) radius mode: 2^16 log2 cos^2 */
+    const int32_t* log2_sin2;
+    const int32_t* gains;         /* (n_levels + 1, 8) radius mode */
+    const void* plan;             /* consumers: their vector constants, built once per call (or NULL) */
+} kvq_polar_layout;
+
+static inline int64_t kvq_polar_tab_index(int level, int width)
+{
+    return ((int64_t)level * (KVQ_POLAR_MAX_BITS + 1) + width) * KVQ_POLAR_TAB;
+}
+
+/* Scratch of one thread for rows of width n: per-angle codes, widths, integer weights, keys. */
+typedef struct {
+    uint8_t* code;     /* (n,) */
+    uint8_t* width;    /* (n,) */
+    int32_t* weight;   /* (n,) */
+    int32_t* child;    /* (n,) */
+    uint32_t* keys;    /* (MAX_BITS * n / 2,) */
+    uint8_t* row;      /* (n + 8,) a copy of the codes of a row, zero padded: 8-byte reads */
+    void* block;       /* the allocation holding all of them */
+} kvq_polar_scratch;
+
+/* 0 on success, -1 when memory is short (then nothing is held). */
+static int kvq_polar_scratch_alloc(kvq_polar_scratch* s, int64_t n)
+{
+    const size_t m = (size_t)n;
+    char* p = (char*)malloc(3 * m + 8 * m + 4 * (KVQ_POLAR_MAX_BITS * m / 2 + 1) + 64);
+    s->block = p;
+    if (!p)
+        return -1;
+    s->keys = (uint32_t*)p;
+    p += 4 * (KVQ_POLAR_MAX_BITS * m / 2 + 1);
+    s->weight = (int32_t*)p;
+    p += 4 * m;
+    s->child = (int32_t*)p;
+    p += 4 * m;
+    s->code = (uint8_t*)p;
+    s->width = (uint8_t*)p + m;
+    s->row = (uint8_t*)p + 2 * m;   /* a row holds at most 8 (n - 1) bits: n - 1 bytes */
+    return 0;
+}
+
+static void kvq_polar_scratch_free(kvq_polar_scratch* s)
+{
+    free(s->block);
+    s->block = NULL;
+}
+
+/* ---- codes --------------------------------------------------------------------------------- */
+
+/* cnt codes of one width (>= 1) from bit `pos`, through a bit accumulator. */
+static inline void kvq_polar_unpack(const uint8_t* row, int64_t pos, int64_t cnt, int width,
+                                    uint8_t* code)
+{
+    const uint8_t* src = row + (pos >> 3);
+    const uint32_t mask = (1u << width) - 1u;
+    const int drop = (int)(pos & 7);
+    uint64_t acc = 0;
+    int filled = 0;
+    int64_t i;
+    if (drop) {
+        acc = (uint64_t)(*src++ >> drop);
+        filled = 8 - drop;
+    }
+    for (i = 0; i < cnt; i++) {
+        while (filled < width) {
+            acc |= (uint64_t)(*src++) << filled;
+            filled += 8;
+        }
+        code[i] = (uint8_t)(acc & mask);
+        acc >>= width;
+        filled -= width;
+    }
+}
+
+/* ---- the radius allocation ----------------------------------------------------------------- */
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* the counting loops vectorize; GCC builds one clone per instruction set, picked at load time */
+#define KVQ_POLAR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KVQ_POLAR_CLONES
+#endif
+
+/* How many keys are >= t. */
+KVQ_POLAR_CLONES
+static int64_t kvq_polar_count_ge(const uint32_t* key, int64_t m, uint32_t t)
+{
+    uint32_t c = 0;
+    int64_t i;
+    for (i = 0; i < m; i++) c += key[i] >= t;
+    return (int64_t)c;
+}
+
+KVQ_POLAR_CLONES
+static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                                int64_t base, uint32_t* keys)
+{
+    int64_t j;
+    int k;
+    for (j = 0; j < cnt; j++) {
+        const uint32_t wj = (uint32_t)(weight[j] - base);
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+            keys[j * KVQ_POLAR_MAX_BITS + k] = wj + (uint32_t)gain[k];
+    }
+}
+
+/* The search below stops once its bracket holds this few keys, and picks among them directly. */
+#define KVQ_POLAR_FEW 16
+
+/* The keys in [lo, lo + width) (at most KVQ_POLAR_FEW of them) into cand; returns how many.
+ * Blocks without one are skipped by a vectorized test. */
+KVQ_POLAR_CLONES
+static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32_t width,
+                             uint32_t* cand)
+{
+    int64_t i0, i;
+    int found = 0;
+    for (i0 = 0; i0 < m; i0 += 16) {
+        const int64_t e = i0 + 16 < m ? i0 + 16 : m;
+        uint32_t any = 0;
+        for (i = i0; i < e; i++) any |= key[i] - lo < width;
+        if (any)
+            for (i = i0; i < e; i++)
+                if (key[i] - lo < width && found < KVQ_POLAR_FEW) cand[found++] = key[i];
+    }
+    return found;
+}
+
+/* Every key above thr wins; `need` of the keys equal to it win, in index order (an angle has at
+ * most one key equal to thr: its keys strictly decrease). */
+KVQ_POLAR_CLONES
+static void kvq_polar_widths(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                             int64_t base, uint32_t thr, int64_t need, uint8_t* width)
+{
+    int64_t j;
+    int k;
+    for (j = 0; j < cnt; j++) {
+        const uint32_t wj = (uint32_t)(weight[j] - base);
+        uint8_t above = 0;
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) above += wj + (uint32_t)gain[k] > thr;
+        width[j] = above;
+    }
+    for (j = 0; j < cnt && need > 0; j++) {
+        const uint32_t wj = (uint32_t)(weight[j] - base);
+        if (width[j] < KVQ_POLAR_MAX_BITS && wj + (uint32_t)gain[width[j]] == thr) {
+            width[j]++;
+            need--;
+        }
+    }
+}
+
+/* min, max and sum of the weights */
+KVQ_POLAR_CLONES
+static void kvq_polar_weight_stats(const int32_t* weight, int64_t cnt, int64_t* w_min,
+                                   int64_t* w_max, int64_t* w_sum)
+{
+    int32_t lo = weight[0], hi = weight[0];
+    int64_t j, sum = 0;
+    for (j = 0; j < cnt; j++) {
+        lo = weight[j] < lo ? weight[j] : lo;
+        hi = weight[j] > hi ? weight[j] : hi;
+        sum += weight[j];
+    }
+    *w_min = lo;
+    *w_max = hi;
+    *w_sum = sum;
+}
+
+/* Greedy bit allocation of one level: giving angle j its (k+1)-th bit is worth
+ * weight[j] + gain[k]; the `total` largest keys win, ties to the lower index. Keys of one angle
+ * decrease with k (gains strictly decrease), so angle j wins its first width[j] keys.
+ * The threshold t (the total-th largest key) is the largest t with at least `total` keys >= t.
+ * It is bracketed by exact counts: a first guess from the mean weight and the level's mean
+ * width, a step by the expected slope (about one key per angle per gain step), then
+ * interpolation, halving whenever a step shrank the bracket by less than half; once the
+ * bracket holds at most KVQ_POLAR_FEW keys they are sorted. Whatever the path, t is exact.
+ * Integer arithmetic only: encoder, decoder and consumers agree. `keys` is scratch for
+ * MAX_BITS * cnt values. */
+static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                                    int64_t total, uint32_t* keys, uint8_t* width)
+{
+    const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
+    uint32_t cand[KVQ_POLAR_FEW];
+    int64_t lo, hi, c_lo, c_hi, t = 0, c = 0, w_sum = 0, step = 0;
+    int halve = 0, m;
+    int64_t w_min, w_max, base, span;
+    uint32_t thr;
+    if (total >= n_keys || total <= 0) {
+        memset(width, total > 0 ? KVQ_POLAR_MAX_BITS : 0, (size_t)cnt);
+        return;
+    }
+    kvq_polar_weight_stats(weight, cnt, &w_min, &w_max, &w_sum);
+    base = w_min + gain[KVQ_POLAR_MAX_BITS - 1];
+    span = w_max + gain[0] - base;          /* < 2^32: the tables are bounded far below */
+    kvq_polar_make_keys(weight, cnt, gain, base, keys);
+    /* invariant: count(>= lo) = c_lo >= total > c_hi = count(>= hi) */
+    lo = 0;
+    hi = span + 1;
+    c_lo = n_keys;
+    c_hi = 0;
+    while (hi - lo > 1 && c_lo - c_hi > KVQ_POLAR_FEW) {
+        if (step == 0) {
+            /* between the a-th and (a+1)-th bit of a mean angle, a the mean width */
+            const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
+            t = w_sum / cnt - base + ((int64_t)gain[a - 1] + gain[a]) / 2;
+        } else if (step == 1) {
+            const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
+            t += (int64_t)((double)(c - total) * (double)((int64_t)gain[a - 1] - gain[a])
+                           / (double)cnt);
+        } else if (halve) {
+            t = lo + (hi - lo) / 2;
+        } else {
+            /* where the count would cross `total` if it fell linearly over the bracket */
+            t = lo + (int64_t)((double)(hi - lo) * (double)(c_lo - total + 1)
+                               / (double)(c_lo - c_hi + 1));
+        }
+        t = t <= lo ? lo + 1 : (t >= hi ? hi - 1 : t);
+        c = kvq_polar_count_ge(keys, n_keys, (uint32_t)t);
+        if (c >= total) {
+            halve = 2 * (t - lo) < hi - lo;
+            lo = t;
+            c_lo = c;
+        } else {
+            halve = 2 * (hi - t) < hi - lo;
+            hi = t;
+            c_hi = c;
+        }
+        halve = step >= 2 && !halve;   /* that step shrank the bracket by less than half */
+        step++;
+    }
+    if (hi - lo == 1) {
+        thr = (uint32_t)lo;
+    } else {
+        /* the c_lo - c_hi keys in [lo, hi); the threshold is the (total - c_hi)-th largest */
+        int i;
+        m = kvq_polar_collect(keys, n_keys, (uint32_t)lo, (uint32_t)(hi - lo), cand);
+        for (i = 1; i < m; i++) {   /* insertion sort, largest first */
+            const uint32_t v = cand[i];
+            int p = i;
+            while (p > 0 && cand[p - 1] < v) {
+                cand[p] = cand[p - 1];
+                p--;
+            }
+            cand[p] = v;
+        }
+        thr = cand[total - c_hi - 1];
+        for (i = 0; i < m && cand[i] > thr; i++) c_hi++;   /* now: the keys above thr */
+    }
+    kvq_polar_widths(weight, cnt, gain, base, thr, total - c_hi, width);
+}
+
+/* log2 radius^2 of the two halves split by each angle: + log2 cos^2 / + log2 sin^2. */
+static inline void kvq_polar_child_weights(const int32_t* weight, int64_t cnt,
+                                           const uint8_t* width, const uint8_t* code,
+                                           const int32_t* log2_cos2, const int32_t* log2_sin2,
+                                           int32_t* child)
+{
+    int64_t j;
+    for (j = 0; j < cnt; j++) {
+        const int64_t k = ((int64_t)width[j] << 8) + code[j];
+        child[2 * j] = weight[j] + log2_cos2[k];
+        child[2 * j + 1] = weight[j] + log2_sin2[k];
+    }
+}
+
+/* ---- the rebuild --------------------------------------------------------------------------- */
+
+/* Levels n_levels down to `last` of the top-down rebuild, in place in buf, from buf[0] = r:
+ * buf[2j] = buf[j] * cos(theta_j), buf[2j+1] = buf[j] * sin(theta_j), j from the top down.
+ * After level `last`, buf[0 .. n >> (last - 1)) holds that level's output. The radius mode
+ * allocates each level's widths from the levels above, so it always starts at the top. */
+static void kvq_polar_rebuild_levels(const kvq_polar_layout* L, const uint8_t* row, float r,
+                                     int last, kvq_polar_scratch* s, float* buf)
+{
+    const int64_t n = L->dim;
+    int32_t *cur_w = s->weight, *next_w = s->child, *swap;
+    uint8_t* code = s->code;
+    const uint8_t* padded = s->row;
+    int level;
+    int64_t j, cnt;
+    buf[0] = r;
+    cur_w[0] = 0;
+    if (L->mode == KVQ_POLAR_RADIUS) {
+        const int64_t end = L->level_starts[L->n_levels] + L->level_totals[L->n_levels];
+        const int64_t n_bytes = (end + 7) >> 3;
+        memcpy(s->row, row, (size_t)n_bytes);
+        memset(s->row + n_bytes, 0, 8);
+    }
+    for (level = L->n_levels; level >= last; level--) {
+        cnt = n >> level;
+        if (L->mode == KVQ_POLAR_RADIUS) {
+            const int64_t lt = kvq_polar_tab_index(level, 0);
+            uint8_t* width = s->width;
+            int64_t pos = L->level_starts[level];
+            kvq_polar_allocate_bits(cur_w, cnt, L->gains + KVQ_POLAR_MAX_BITS * level,
+                                    L->level_totals[level], s->keys, width);
+            /* variable widths: 8-byte reads from the padded copy, no branch per code */
+            for (j = 0; j < cnt; j++) {
+                uint64_t v;
+                memcpy(&v, padded + (pos >> 3), 8);
+                code[j] = (uint8_t)((v >> (pos & 7)) & ((1u << width[j]) - 1u));
+                pos += width[j];
+            }
+            if (level > 1) {
+                kvq_polar_child_weights(cur_w, cnt, width, code, L->log2_cos2 + lt,
+                                        L->log2_sin2 + lt, next_w);
+                swap = cur_w;
+                cur_w = next_w;
+                next_w = swap;
+            }
+            for (j = cnt - 1; j >= 0; j--) {
+                const int64_t k = lt + ((int64_t)width[j] << 8) + code[j];
+                const float v = buf[j];
+                buf[2 * j] = v * L->cos_tab[k];
+                buf[2 * j + 1] = v * L->sin_tab[k];
+            }
+        } else {
+            const int w = L->level_bits[level];
+            const float* ct = L->cos_tab + kvq_polar_tab_index(level, w);
+            const float* st = L->sin_tab + kvq_polar_tab_index(level, w);
+            kvq_polar_unpack(row, L->level_starts[level], cnt, w, code);
+            for (j = cnt - 1; j >= 0; j--) {
+                const float v = buf[j];
+                buf[2 * j] = v * ct[code[j]];
+                buf[2 * j + 1] = v * st[code[j]];
+            }
+        }
+    }
+}
+
+/* The whole row in the rotated basis (the decoder's buffer before its unrotation). */
+static inline void kvq_polar_rebuild_row(const kvq_polar_layout* L, const uint8_t* row, float r,
+                                         kvq_polar_scratch* s, float* buf)
+{
+    kvq_polar_rebuild_levels(L, row, r, 1, s, buf);
+}
+
+/* The decoder's rule for a stored radius: anything not in (0, FLT_MAX] is an inert row. */
+static inline int kvq_polar_live(float r)
+{
+    return r > 0.0f && r <= 3.40282346638528859812e+38f;
+}
+
+#endif /* KVQ_POLAROPS_H */
