@@ -69,6 +69,8 @@ _K = "@center,normalize,sinks=1"      # keys: centered, half-way normalized, fir
 _V = "@center,sinks=1"                # values: centered, first row in f32
 STREAM_OPTION_CONFIGS = [
     f"polar5{_H}{_K}/polar4{_H}{_V}", f"polar5{_K}/polar4{_V}", f"polar6{_H}{_K}/polar3{_H}{_V}",
+    # the fixed-width polar layout, whose consumer runs at numpy f32 speed or faster
+    f"polar5:alloc=level{_H.replace(':', ',')}{_K}/polar4:alloc=level{_H.replace(':', ',')}{_V}",
     f"polar4{_H}{_K}/polar4{_H}{_V}", f"polar4{_H}{_K}/polar3{_H}{_V}",
     f"tq5{_H}{_K}/tq3{_H}{_V}", f"tq4{_H}{_K}/tq4{_H}{_V}", f"q4_0+rot{_K}/q4_0+rot{_V}",
     f"polar6{_H}{_K}/polar5{_H}{_V}", f"tq6{_H}{_K}/tq6{_H}{_V}", f"tq8{_H}{_K}/tq6{_H}{_V}",

@@ -286,31 +286,6 @@ class Codec:
         X = self._decode(codes, side, n_threads)
         np.matmul(W, X, out=out)
 
-    # For codecs whose rows only exist once rebuilt (polar: cos/sin down a tree): rebuild
-    # DECODE_BLOCK rows at a time, never the whole cache, and read each block with the f32 kernels.
-    # The block size is part of the context's summation order, so it is a constant.
-    DECODE_BLOCK = 4096
-
-    def _scores_by_decoded_blocks(self, codes, side, Q, out, n_threads):
-        from kvquant._kernels import consumers
-        for r0 in range(0, codes.shape[0], self.DECODE_BLOCK):
-            r1 = min(r0 + self.DECODE_BLOCK, codes.shape[0])
-            X = self._decode(codes[r0:r1], side[r0:r1], n_threads)
-            block = np.empty((Q.shape[0], r1 - r0), np.float32)
-            consumers.scores_f32(X.view(np.uint8), Q, block, n_threads)
-            out[:, r0:r1] = block
-
-    def _context_by_decoded_blocks(self, codes, side, W, out, n_threads):
-        from kvquant._kernels import consumers
-        out[:] = 0.0
-        block = np.empty_like(out)
-        for r0 in range(0, codes.shape[0], self.DECODE_BLOCK):
-            r1 = min(r0 + self.DECODE_BLOCK, codes.shape[0])
-            X = self._decode(codes[r0:r1], side[r0:r1], n_threads)
-            consumers.context_f32(X.view(np.uint8), np.ascontiguousarray(W[:, r0:r1]), block,
-                                  n_threads)
-            out += block
-
 
 def _show_rows(rows):
     return ", ".join(str(i) for i in rows[:10]) + (" ..." if rows.size > 10 else "")
