@@ -82,20 +82,7 @@ cdef extern from "consumers_tq.h":
     void kvq_tq_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                             const float*, float*) noexcept nogil
 
-cdef extern from "polarops.h":
-    ctypedef struct kvq_polar_layout:
-        int64_t dim
-        int n_levels
-        int mode
-        const int32_t* level_bits
-        const int32_t* level_totals
-        const int32_t* level_starts
-        const float* cos_tab
-        const float* sin_tab
-        const int32_t* log2_cos2
-        const int32_t* log2_sin2
-        const int32_t* gains
-        const void* plan
+from kvquant._kernels._polarops cimport kvq_polar_layout
 
 cdef extern from "consumers_polar.h":
     size_t kvq_polar_plan_bytes() noexcept nogil
