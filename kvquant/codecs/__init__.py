@@ -73,9 +73,10 @@ def get_codec(spec, dim, **options):
     """
     if isinstance(spec, str) and "@" in spec:
         raise ValueError(
-            f"{spec!r}: what follows '@' are stream options (center, sinks=N) of a cache stream "
-            "(kvquant.cache.QuantizedKVCache, model pair specs), not codec options; give the "
-            f"codec {spec.partition('@')[0]!r} here")
+            f"{spec!r}: what follows '@' are stream options (center, normalize, sinks=N) of a "
+            "cache stream (kvquant.cache.QuantizedKVCache, model pair specs), not codec options "
+            "(cache files do not store them yet); give the codec "
+            f"{spec.partition('@')[0]!r} here")
     base, spec_options = parse_spec(spec)
     for key, value in options.items():
         if key in spec_options and spec_options[key] != value:
