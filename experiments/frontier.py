@@ -94,19 +94,15 @@ def bits_per_value(pair_spec, head_dim=HEAD_DIM, tokens=None):
     over the rows: a centered stream stores its f32 offset (head_dim floats), a stream with sinks
     stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
     """
-    from kvquant.cache import parse_stream_spec
+    from kvquant.cache import RowStream, parse_stream_spec
     from kvquant.codecs import get_codec
     from kvquant.models import split_pair_spec
     nbytes = 0.0
     for stream_spec in split_pair_spec(pair_spec):
         codec_spec, opts = parse_stream_spec(stream_spec)
-        row = get_codec(codec_spec, head_dim).bytes_per_row
-        nbytes += row
-        if tokens:
-            sinks = min(opts.get("sinks", 0), tokens)
-            vectors = opts.get("center", False) + opts.get("normalize", False)
-            fixed = 4 * head_dim * (sinks + vectors) - sinks * row
-            nbytes += fixed / tokens
+        stream = RowStream(get_codec(codec_spec, head_dim), **opts)
+        nbytes += (stream.bytes_for(tokens) / tokens if tokens
+                   else stream.codec.bytes_per_row)
     return 8.0 * nbytes / (2 * head_dim)
 
 

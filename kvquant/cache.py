@@ -266,8 +266,12 @@ class RowStream:
         """The coded rows among the first ``length`` (all by default) as EncodedRows: a view.
 
         For a stream with sinks these are the rows after the sinks (the sinks are float32)."""
-        n = self._length(length) - min(self._n_exact, self._length(length))
-        return EncodedRows(self._codes[:n], self._side[:n], self.codec.spec, self.codec.dim)
+        return EncodedRows(*self._coded(self._length(length)), self.codec.spec, self.codec.dim)
+
+    def _coded(self, n):
+        """(codes, side) views of the coded rows among the first n, checked when stored."""
+        k = n - min(self._n_exact, n)
+        return self._codes[:k], self._side[:k]
 
     def _length(self, length):
         if length is None:
@@ -278,13 +282,13 @@ class RowStream:
 
     def scores(self, q, n_threads=None, length=None):
         """``q . x^_t`` for the stored rows t < length; q of shape (dim,) or (m, dim)."""
-        if self._plain:
-            return self.codec.scores(self.encoded(length), q, n_threads)
         n = self._length(length)
+        if self._plain:
+            return self.codec.scores_checked(*self._coded(n), q, n_threads)
         e = min(n, self._n_exact)
         q32 = np.asarray(q, dtype=np.float32)
         q_coded = q32 if self.channel_scale is None else q32 * self.channel_scale
-        coded = self.codec.scores(self.encoded(n), q_coded, n_threads)
+        coded = self.codec.scores_checked(*self._coded(n), q_coded, n_threads)
         if self.offset is not None and coded.shape[-1]:
             coded += (q32 @ self.offset)[..., None]
         if e == 0:
@@ -293,12 +297,12 @@ class RowStream:
 
     def context(self, w, n_threads=None):
         """``sum_t w_t x^_t`` over the first ``len(w)`` rows; w of shape (T,) or (m, T)."""
-        if self._plain:
-            return self.codec.context(self.encoded(np.shape(w)[-1]), w, n_threads)
         n = self._length(np.shape(w)[-1])
+        if self._plain:
+            return self.codec.context_checked(*self._coded(n), w, n_threads)
         e = min(n, self._n_exact)
         w32 = np.asarray(w, dtype=np.float32)
-        out = self.codec.context(self.encoded(n), w32[..., e:], n_threads)
+        out = self.codec.context_checked(*self._coded(n), w32[..., e:], n_threads)
         if self.channel_scale is not None:
             out *= self.channel_scale
         if self.offset is not None and n > e:
@@ -324,19 +328,24 @@ class RowStream:
             return coded
         return np.concatenate([self._exact[start:min(stop, e)], coded])
 
+    def bytes_for(self, n_rows):
+        """Bytes this stream holds once it has ``n_rows`` rows: codes and side values of the
+        coded rows, float32 sinks, and the offset and scales from the first append on."""
+        exact = min(n_rows, self.sinks)
+        vectors = (self.center + self.normalize) if n_rows else 0
+        return (n_rows - exact) * self.codec.bytes_per_row + 4 * self.codec.dim * (exact + vectors)
+
     @property
     def nbytes(self):
         """Bytes of the stored rows (codes and side values; float32 sinks, offset, scales)."""
-        extra = 4 * self.codec.dim * (self._n_exact + (self.offset is not None)
-                                      + (self.channel_scale is not None))
-        return (self.n_rows - self._n_exact) * self.codec.bytes_per_row + extra
+        return self.bytes_for(self.n_rows)
 
     @property
     def fixed_bytes(self):
         """What the stream options add to ``n_rows * bytes_per_row`` once the sinks are filled:
         float32 sink rows in place of their codes, the offset and the channel scales."""
-        dim, row = self.codec.dim, self.codec.bytes_per_row
-        return 4 * dim * (self.sinks + self.center + self.normalize) - self.sinks * row
+        n = max(self.sinks, 1)
+        return self.bytes_for(n) - n * self.codec.bytes_per_row
 
     @property
     def capacity_bytes(self):

@@ -36,7 +36,6 @@ __all__ = [
     "add_cli",
     "flip_protocol",
     "format_markdown",
-    "pydoc_tokens",
     "run_flips",
     "text_metrics",
     "text_tokens",
@@ -194,10 +193,6 @@ def pydoc_text():
     """The text of ``pydoc_data.topics``, topics in sorted order, separated by blank lines."""
     from pydoc_data.topics import topics
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
-
-
-def pydoc_tokens(model):
-    return model.encode(pydoc_text())
 
 
 # Pure-Python standard-library modules: source code, a second kind of real text beside the

@@ -82,7 +82,7 @@ cdef extern from "consumers_tq.h":
     void kvq_tq_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                             const float*, float*) noexcept nogil
 
-from kvquant._kernels._polarops cimport kvq_polar_layout
+from kvquant._kernels._polarops cimport kvq_polar_layout, polar_layout
 
 cdef extern from "consumers_polar.h":
     size_t kvq_polar_plan_bytes() noexcept nogil
@@ -476,18 +476,8 @@ cdef void _polar_params(kvq_params* p, kvq_polar_layout* L, const uint8_t[:, ::1
     p.dim = dim
     p.code_bytes = codes.shape[1]
     p.n_side = side.shape[1]
-    L.dim = dim
-    L.n_levels = level_bits.shape[0] - 1
-    L.mode = mode
-    L.level_bits = &level_bits[0]
-    L.level_totals = &level_totals[0]
-    L.level_starts = &level_starts[0]
-    L.cos_tab = &cos_tab[0, 0, 0]
-    L.sin_tab = &sin_tab[0, 0, 0]
-    L.log2_cos2 = &log2_cos2[0, 0, 0]
-    L.log2_sin2 = &log2_sin2[0, 0, 0]
-    L.gains = &gains[0, 0]
-    L.plan = NULL
+    polar_layout(L, dim, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab,
+                 log2_cos2, log2_sin2, gains)
     p.codec = L
 
 

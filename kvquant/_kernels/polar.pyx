@@ -31,7 +31,8 @@ cdef extern from "rowops.h" nogil:
 # (consumers_polar.h): one implementation, the same bits.
 from kvquant._kernels._polarops cimport (
     kvq_polar_allocate_bits, kvq_polar_child_weights, kvq_polar_layout, kvq_polar_live,
-    kvq_polar_rebuild_row, kvq_polar_scratch, kvq_polar_scratch_alloc, kvq_polar_scratch_free)
+    kvq_polar_rebuild_row, kvq_polar_scratch, kvq_polar_scratch_alloc, kvq_polar_scratch_free,
+    polar_layout)
 
 cdef enum:
     MODE_ENGINE_GRID = 0
@@ -278,25 +279,6 @@ def angle_tables(int mode,
                 sin_out[level, b, q] = sin_out[level, b, q & ((1 << b) - 1)]
 
 
-cdef void _layout(kvq_polar_layout* L, Py_ssize_t n, int mode, const int32_t[::1] level_bits,
-                  const int32_t[::1] level_totals, const int32_t[::1] level_starts,
-                  const float[:, :, ::1] cos_tab, const float[:, :, ::1] sin_tab,
-                  const int32_t[:, :, ::1] log2_cos2, const int32_t[:, :, ::1] log2_sin2,
-                  const int32_t[:, ::1] gains) noexcept:
-    L.dim = n
-    L.n_levels = level_bits.shape[0] - 1
-    L.mode = mode
-    L.level_bits = &level_bits[0]
-    L.level_totals = &level_totals[0]
-    L.level_starts = &level_starts[0]
-    L.cos_tab = &cos_tab[0, 0, 0]
-    L.sin_tab = &sin_tab[0, 0, 0]
-    L.log2_cos2 = &log2_cos2[0, 0, 0]
-    L.log2_sin2 = &log2_sin2[0, 0, 0]
-    L.gains = &gains[0, 0]
-    L.plan = NULL
-
-
 def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes)
                 const float[::1] side,                 # IN  (n_rows,) radius
                 const float[::1] signs,                # IN  (n,)
@@ -320,8 +302,8 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
     cdef float* buf
     if n_rows == 0:
         return
-    _layout(&L, n, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab, log2_cos2,
-            log2_sin2, gains)
+    polar_layout(&L, n, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab, log2_cos2,
+                 log2_sin2, gains)
     with nogil, parallel(num_threads=n_threads):
         # assigned in the parallel block: one scratch per thread
         scratch = <kvq_polar_scratch*>malloc(sizeof(kvq_polar_scratch))

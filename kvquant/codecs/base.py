@@ -247,7 +247,11 @@ class Codec:
         ndarray of shape (T,) or (m, T), dtype float32
             ``q . x^_t`` with ``x^ = decode(enc)``, to rounding (REFERENCE.md §1.5).
         """
-        codes, side = self.check_encoded(enc)
+        return self.scores_checked(*self.check_encoded(enc), q, n_threads)
+
+    def scores_checked(self, codes, side, q, n_threads=None):
+        """:meth:`scores` on rows already accepted by :meth:`check_encoded` (a cache checks its
+        rows once, when it stores them, not at every read)."""
         Q, one = _as_matrix(q, self.dim, "queries q", f"the row width {self.dim}")
         out = np.empty((Q.shape[0], codes.shape[0]), np.float32)
         self._scores(codes, side, Q, out, resolve_n_threads(n_threads))
@@ -268,7 +272,10 @@ class Codec:
         ndarray of shape (dim,) or (m, dim), dtype float32
             ``sum_t w_t x^_t``, to rounding. The same bits for any ``n_threads``.
         """
-        codes, side = self.check_encoded(enc)
+        return self.context_checked(*self.check_encoded(enc), w, n_threads)
+
+    def context_checked(self, codes, side, w, n_threads=None):
+        """:meth:`context` on rows already accepted by :meth:`check_encoded`."""
         W, one = _as_matrix(w, codes.shape[0], "weights w", f"the number of rows {codes.shape[0]}")
         out = np.empty((W.shape[0], self.dim), np.float32)
         self._context(codes, side, W, out, resolve_n_threads(n_threads))
