@@ -62,8 +62,9 @@ SPLITS_LOW = ["tq5/tq3", "tq6/tq2", "tq5/polar3", "polar5/tq3", "polar5/polar4",
 SPLITS_HIGH = ["tq6/tq4", "q8_0/tq4", "tq8/tq4", "q8_0/tq6", "tq8/tq6"]
 # Between the two budgets (q8_0 keys cannot fit 4.5 bits: V would need <= 0.5 bits).
 SPLITS_MID = ["tq6/tq3", "q8_0/tq2"]
-# Stream options (kvquant.cache.parse_stream_spec): keys centered on the prompt's mean key, the
-# first row of K and V kept in f32; fp16 side values (tq / polar `side_dtype=f16`) pay for them.
+# Stream options (kvquant.stream_options.parse_stream_spec): keys centered on the prompt's mean
+# key, the first row of K and V kept in f32; fp16 side values (tq / polar `side_dtype=f16`) pay
+# for them.
 _H = ":side_dtype=f16"
 _K = "@center,normalize,sinks=1"      # keys: centered, half-way normalized, first row in f32
 _V = "@center,sinks=1"                # values: centered, first row in f32
@@ -94,7 +95,8 @@ def bits_per_value(pair_spec, head_dim=HEAD_DIM, tokens=None):
     over the rows: a centered stream stores its f32 offset (head_dim floats), a stream with sinks
     stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
     """
-    from kvquant.cache import RowStream, parse_stream_spec
+    from kvquant.cache import RowStream
+    from kvquant.stream_options import parse_stream_spec
     from kvquant.codecs import get_codec
     from kvquant.models import split_pair_spec
     nbytes = 0.0

@@ -20,100 +20,10 @@ import numpy as np
 
 from kvquant.codecs import Codec, EncodedRows, get_codec
 from kvquant._threads import resolve_n_threads
+from kvquant.stream_options import (  # noqa: F401 (parse/format: the cache's spec language)
+    StreamOptions, format_stream_spec, parse_stream_spec, split_rows)
 
 _MIN_CAPACITY = 16
-
-
-STREAM_OPTIONS = ("center", "normalize", "sinks")
-STREAM_FLAGS = ("center", "normalize")
-
-
-def parse_stream_spec(spec):
-    """Split a stream spec into its codec spec and stream options.
-
-    A stream spec is a codec spec, optionally followed by ``@`` and comma-separated stream options
-    (what a sequence of rows does around its codec, which a codec alone cannot do):
-
-    ``center``
-        Subtract the mean of the rows of the first append (the prompt's prefill) from every row
-        before it is encoded, and add it back when the rows are read. Keys of real models share a
-        large per-channel mean (on SmolLM2 it holds ~60% of the key energy); the codec then spends
-        its bits on what differs between keys. Attention is unchanged in exact arithmetic: scores
-        and contexts add the offset's share back (``q . mu`` and ``sum(w) mu``).
-    ``normalize``
-        Divide each channel by ``sqrt(sigma_c / rms(sigma))`` before encoding (sigma_c: the
-        channel's standard deviation over the first append's rows; floored at 1e-3 rms(sigma)),
-        multiply back when reading. Outlier channels then take a smaller share of the row's norm,
-        which a rotated codec spreads over every coordinate. The square root (half-way
-        normalization) measured better on SmolLM2 keys than full normalization (exponent 1).
-        Reading costs nothing extra: scores use the query times the scales, contexts are scaled
-        once.
-    ``sinks=N``
-        Keep the first N rows of the sequence in float32, unquantized (attention sinks: the first
-        tokens draw much of the attention and their keys are outliers).
-
-    Examples
-    --------
-    >>> parse_stream_spec("polar5@center,normalize,sinks=1")
-    ('polar5', {'center': True, 'normalize': True, 'sinks': 1})
-    >>> parse_stream_spec("tq4:side=unbiased")
-    ('tq4:side=unbiased', {})
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a stream spec must be a non-empty string, got {spec!r}")
-    codec_spec, at, opt_text = spec.strip().partition("@")
-    options = {}
-    if at and not opt_text.strip():
-        raise ValueError(f"stream spec {spec!r}: nothing after '@' (options: center, normalize, "
-                         "sinks=N)")
-    for item in filter(None, (part.strip() for part in opt_text.split(","))):
-        key, eq, value = item.partition("=")
-        if key not in STREAM_OPTIONS:
-            raise ValueError(f"stream spec {spec!r}: unknown stream option {key!r}; the options "
-                             "are 'center', 'normalize' and 'sinks=N'")
-        if key in options:
-            raise ValueError(f"stream spec {spec!r}: option {key!r} given twice")
-        if key in STREAM_FLAGS:
-            if eq:
-                raise ValueError(f"stream spec {spec!r}: {key!r} takes no value")
-            options[key] = True
-        else:
-            try:
-                n = int(value)
-            except ValueError:
-                n = -1
-            if not eq or n < 0:
-                raise ValueError(f"stream spec {spec!r}: sinks must be 'sinks=N' with N >= 0, "
-                                 f"got {item!r}")
-            options["sinks"] = n
-    return codec_spec.strip(), options
-
-
-def format_stream_spec(codec_spec, center=False, normalize=False, sinks=0):
-    """The canonical stream spec (inverse of :func:`parse_stream_spec`)."""
-    opts = ((["center"] if center else []) + (["normalize"] if normalize else [])
-            + ([f"sinks={sinks}"] if sinks else []))
-    return codec_spec + ("@" + ",".join(opts) if opts else "")
-
-
-def _finite_mean(X):
-    """Per-channel mean over the finite rows (a bad row is refused later by the codec, or stored
-    inert under nonfinite='inert': it must not poison the offset)."""
-    ok = np.isfinite(X).all(axis=1)
-    if not ok.any():
-        return np.zeros(X.shape[1], np.float32)
-    return X[ok].mean(axis=0, dtype=np.float64).astype(np.float32)
-
-
-def _channel_scale(X):
-    """sqrt(sigma_c / rms(sigma)) per channel over the finite rows, floored at sqrt(1e-3); all
-    ones when the rows do not vary (one row, or identical rows)."""
-    ok = np.isfinite(X).all(axis=1)
-    sigma = X[ok].std(axis=0, dtype=np.float64) if ok.sum() > 1 else np.zeros(X.shape[1])
-    rms = math.sqrt(float((sigma ** 2).mean()))
-    if not rms > 0.0:
-        return np.ones(X.shape[1], np.float32)
-    return np.sqrt(np.maximum(sigma / rms, 1e-3)).astype(np.float32)
 
 
 class RowStream:
@@ -134,8 +44,9 @@ class RowStream:
     Notes
     -----
     Rows 0 .. min(n_rows, sinks) are held as float32; the codes hold the rows after them, as
-    ``(x - offset) / channel_scale`` (offset 0 and scale 1 where not asked for). Reading (``scores``, ``context``, ``decode``) gives the stored rows as
-    the model sees them: the sinks exactly, the other rows decoded plus the offset.
+    ``(x - offset) / channel_scale`` (offset 0 and scale 1 where not asked for). Reading
+    (``scores``, ``context``, ``decode``) gives the stored rows as the model sees them: the sinks
+    exactly, the other rows decoded, scaled back and offset.
     """
 
     def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False):
@@ -156,10 +67,58 @@ class RowStream:
         self._side = np.empty((0, codec.n_side), np.float32)
         self.reserve(capacity)
 
+    @classmethod
+    def from_state(cls, codec, options, codes, side, offset=None, channel_scale=None,
+                   exact=None):
+        """A stream holding rows stored elsewhere (a cache file's records), ready for attention.
+
+        Parameters
+        ----------
+        codec : Codec
+        options : StreamOptions
+        codes, side : ndarray of shape (n_coded, code_bytes) uint8 / (n_coded, n_side)
+            The coded rows (after the sinks), as this codec encoded them.
+        offset, channel_scale : ndarray of shape (dim,), float32, or None
+            The stream's offset and scales: given exactly when the options ask for them and the
+            stream holds rows.
+        exact : ndarray of shape (n_exact, dim), float32, or None
+            The float32 sink rows; ``n_exact == options.sinks`` when there are coded rows.
+        """
+        codes, side = codec.check_encoded(EncodedRows(codes, side, codec.spec, codec.dim))
+        exact = np.zeros((0, codec.dim), np.float32) if exact is None else np.asarray(exact)
+        n_coded, n_exact = codes.shape[0], exact.shape[0]
+        dim = codec.dim
+        if exact.shape[1:] != (dim,) or n_exact > options.sinks or (
+                n_coded and n_exact != options.sinks):
+            raise ValueError(f"{options.sinks} sink row(s) of width {dim} come before any coded "
+                             f"row: got {exact.shape} sink rows and {n_coded} coded rows")
+        has_rows = n_coded + n_exact > 0
+        for name, vec, asked in (("offset", offset, options.center),
+                                 ("channel_scale", channel_scale, options.normalize)):
+            if (vec is not None) != (asked and has_rows):
+                raise ValueError(f"{name} must be given exactly when the stream "
+                                 f"{'asks for it' if asked else 'does not ask for it'} and holds "
+                                 f"rows (options {options.as_dict()}, {n_coded + n_exact} rows)")
+            if vec is not None and np.shape(vec) != (dim,):
+                raise ValueError(f"{name} must have shape ({dim},), got {np.shape(vec)}")
+        self = cls(codec, n_coded, **options.as_dict())
+        self.offset = None if offset is None else np.array(offset, np.float32)
+        self.channel_scale = None if channel_scale is None else np.array(channel_scale,
+                                                                         np.float32)
+        self._exact[:n_exact] = exact
+        self._n_exact = n_exact
+        self.n_rows = n_exact
+        self._append_codes(EncodedRows(codes, side, codec.spec, codec.dim))
+        return self
+
+    @property
+    def options(self):
+        return StreamOptions(self.center, self.normalize, self.sinks)
+
     @property
     def spec(self):
         """The stream spec: the codec's spec and the stream options."""
-        return format_stream_spec(self.codec.spec, self.center, self.normalize, self.sinks)
+        return self.options.stream_spec(self.codec.spec)
 
     @property
     def _plain(self):
@@ -196,28 +155,8 @@ class RowStream:
         if self._plain:
             return (None, None, None, self.codec.encode(rows, n_threads))
         X = self.codec.as_rows(rows)
-        offset, scale = self.offset, self.channel_scale
-        first = self.n_rows == 0 and X.shape[0] > 0
-        if self.center and first:
-            offset = _finite_mean(X)
-        if self.normalize and first:
-            scale = _channel_scale(X)
-        take = min(self.sinks - self._n_exact, X.shape[0])
-        exact = X[:take]
-        bad = np.flatnonzero(~np.isfinite(exact).all(axis=1))
-        if bad.size:
-            if self.codec.nonfinite != "inert":
-                raise ValueError(
-                    f"sink row(s) {', '.join(str(self._n_exact + i) for i in bad)} contain NaN or "
-                    "inf; nothing was stored. Clean them, or build the codec with "
-                    "nonfinite='inert' to store them as zero rows")
-            exact = exact.copy()
-            exact[bad] = 0.0
-        rest = X[take:]
-        if offset is not None:
-            rest = rest - offset
-        if scale is not None:
-            rest = rest / scale
+        offset, scale, exact, rest = split_rows(
+            X, self.options, self.offset, self.channel_scale, self.n_rows, self.codec.nonfinite)
         return (offset, scale, exact, self.codec.encode(rest, n_threads))
 
     def store(self, prepared):

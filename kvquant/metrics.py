@@ -45,7 +45,8 @@ def measure_stream_distortion(stream_spec, X, n_threads=None):
     the rows are appended to one :class:`~kvquant.cache.RowStream` in a single call (the first
     append is the whole of X, so its mean and spread set the offset and scales) and read back.
     Bytes per row include the stream's fixed bytes spread over the rows."""
-    from kvquant.cache import RowStream, parse_stream_spec
+    from kvquant.cache import RowStream
+    from kvquant.stream_options import parse_stream_spec
     from kvquant.codecs import get_codec
     X = np.asarray(X)
     codec_spec, options = parse_stream_spec(stream_spec)

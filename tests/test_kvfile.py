@@ -592,7 +592,7 @@ def test_kvq_version_mismatch_refused(tmp_path, rng):
     path = tmp_path / "c"
     write_cache(path, make_rows(rng, 2, mode="tq4"), "tq4")
     b = bytearray(read(path))
-    struct.pack_into("<I", b, 8, 2)
+    struct.pack_into("<I", b, 8, max(kvq.VERSIONS) + 1)
     import zlib
     struct.pack_into("<I", b, 20, zlib.crc32(bytes(b[:20])))
     path.write_bytes(bytes(b))

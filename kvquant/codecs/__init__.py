@@ -52,7 +52,7 @@ def split_spec_list(text):
         if not piece:
             continue
         head = re.split(r"[/@]", piece)[0]
-        # bare flags: the stream options of kvquant.cache.parse_stream_spec
+        # bare flags: the stream options of kvquant.stream_options.parse_stream_spec
         is_option = head in ("center", "normalize") or ("=" in head and ":" not in head)
         if is_option:
             if not specs or not any(c in specs[-1].split("/")[-1] for c in ":@"):
@@ -74,8 +74,8 @@ def get_codec(spec, dim, **options):
     if isinstance(spec, str) and "@" in spec:
         raise ValueError(
             f"{spec!r}: what follows '@' are stream options (center, normalize, sinks=N) of a "
-            "cache stream (kvquant.cache.QuantizedKVCache, model pair specs), not codec options "
-            "(cache files do not store them yet); give the codec "
+            "stream of rows (kvquant.cache.QuantizedKVCache, model pair specs, cache file "
+            "streams), not codec options; give the codec "
             f"{spec.partition('@')[0]!r} here")
     base, spec_options = parse_spec(spec)
     for key, value in options.items():

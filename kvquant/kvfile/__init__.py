@@ -13,14 +13,16 @@ Tiers
     Ours (:mod:`kvquant.kvfile.kvq`): any streams and codecs, a checksummed JSON header that
     records what the engine's header forgets (codec spec, rotation seed, sign hash and
     ordering, codebook identity and checksum, side-value kind, row widths), CRC32 per block of
-    records, two checksummed commit slots.
+    records, two checksummed commit slots. Stream specs with stream options
+    (``Stream("K", 64, rows, "polar5@center,sinks=1")``) store their offset, scales and float32
+    sink rows too; read such a stream with ``records.decode`` or ``records.row_stream``.
 
 Opening under a mode
 --------------------
 * no file, or an empty one: start empty; the first save creates it.
 * a file of another model shape (or another engine version, or a torn engine header): ignored
   with a message; start empty.
-* another tier, codec, bit width, seed, codebook or side kind: refused,
+* another tier, codec, bit width, seed, codebook, side kind or stream options: refused,
   :class:`CacheFileMismatch` with ``.reason`` (or, with ``on_mismatch="start_over"``, start
   empty with the reason in the report). A kvq file whose header fails its checksum:
   :class:`CacheFileCorrupt`, likewise.

@@ -10,6 +10,7 @@ import numpy as np
 from kvquant.codecs import EncodedRows, get_codec
 from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.rotation import ORDERING, SIGN_HASH
+from kvquant.stream_options import StreamOptions
 
 INT32_MAX = 2**31 - 1
 # The engine's "< 3.4e38f" bound on side values (a float32 literal, just below FLT_MAX).
@@ -345,6 +346,11 @@ def check_side_values(side, kind, stream):
 class CacheRecords:
     """The records of a cache, in memory: token ids and, per stream, codes and side values.
 
+    A stream with stream options (``"polar5@center,sinks=1"``) also holds its state: the offset
+    and channel scales of every row slot (set by the first append) and the float32 rows of the
+    first ``sinks`` tokens (their records hold a zero row's codes as placeholders). Read such a
+    stream with :meth:`decode` or :meth:`row_stream`; its codes alone are not its rows.
+
     Arrays returned are read-only views valid until the next append or truncate.
 
     Attributes
@@ -352,18 +358,26 @@ class CacheRecords:
     tokens : ndarray of shape (n,), dtype int32
     """
 
-    def __init__(self, streams, codecs):
+    def __init__(self, streams, codecs, options=None):
         self._streams = list(streams)
         self._codecs = dict(codecs)
+        self._options = {s.name: (options or {}).get(s.name, StreamOptions())
+                         for s in self._streams}
         self._n = 0
         self._cap = 0
         self._tokens = np.zeros(0, np.int32)
         self._codes = {}
         self._side = {}
+        self._offset = {}   # name -> (rows, dim) float32, once a centered stream has rows
+        self._scale = {}    # name -> (rows, dim) float32, once a normalized stream has rows
+        self._exact = {}    # name -> (sinks, rows, dim) float32; the first min(n, sinks) are held
         for s in self._streams:
             c = self._codecs[s.name]
             self._codes[s.name] = np.zeros((0, s.rows, c.code_bytes), np.uint8)
             self._side[s.name] = np.zeros((0, s.rows, c.n_side), np.float32)
+            self._offset[s.name] = self._scale[s.name] = None
+            self._exact[s.name] = np.zeros((self._options[s.name].sinks, s.rows, c.dim),
+                                           np.float32)
 
     def __len__(self):
         return self._n
@@ -377,6 +391,8 @@ class CacheRecords:
 
     @staticmethod
     def _ro(a):
+        if a is None:
+            return None
         v = a.view()
         v.flags.writeable = False
         return v
@@ -393,8 +409,37 @@ class CacheRecords:
         """Side values of stream ``name``, shape (n, rows, n_side), float32."""
         return self._ro(self._side[name][:self._n])
 
+    def options(self, name):
+        """The :class:`~kvquant.stream_options.StreamOptions` of stream ``name``."""
+        return self._options[name]
+
+    def offset(self, name):
+        """Offset of every row slot, (rows, dim) float32, or None (not centered, or no rows)."""
+        return self._ro(self._offset[name])
+
+    def channel_scale(self, name):
+        """Channel scales of every row slot, (rows, dim) float32, or None."""
+        return self._ro(self._scale[name])
+
+    def sinks(self, name):
+        """The float32 rows of the first min(n, sinks) tokens, (n_exact, rows, dim)."""
+        return self._ro(self._exact[name][:self._n_exact(name)])
+
+    def _n_exact(self, name):
+        return min(self._n, self._options[name].sinks)
+
+    def _check_plain(self, name, what):
+        if not self._options[name].plain:
+            spec = self._options[name].stream_spec(self._codecs[name].spec)
+            raise ValueError(
+                f"stream {name!r} is {spec!r}: its codes hold rows after an offset, scales or "
+                f"float32 sinks, so {what} would not be its rows; read it with "
+                f"records.decode({name!r}) or records.row_stream({name!r}, row)")
+
     def rows(self, name, row):
-        """EncodedRows of row slot ``row`` (e.g. a layer) of stream ``name``, one per token."""
+        """EncodedRows of row slot ``row`` (e.g. a layer) of stream ``name``, one per token
+        (streams without stream options)."""
+        self._check_plain(name, "EncodedRows of its codes")
         c = self._codecs[name]
         return EncodedRows(np.array(self._codes[name][:self._n, row], order="C"),
                            np.array(self._side[name][:self._n, row], order="C"), c.spec, c.dim)
@@ -404,11 +449,26 @@ class CacheRecords:
         n_rows = self._codes[name].shape[1]
         return [self.rows(name, j) for j in range(n_rows)]
 
+    def row_stream(self, name, row):
+        """Row slot ``row`` of stream ``name`` as a :class:`kvquant.cache.RowStream` (a copy),
+        with its offset, scales and sinks: attention reads it through the consumers."""
+        from kvquant.cache import RowStream
+        c = self._codecs[name]
+        e = self._n_exact(name)
+        off, scale = self._offset[name], self._scale[name]
+        return RowStream.from_state(
+            c, self._options[name], self._codes[name][e:self._n, row],
+            self._side[name][e:self._n, row],
+            offset=None if off is None else off[row],
+            channel_scale=None if scale is None else scale[row],
+            exact=self._exact[name][:e, row])
+
     def floats(self, name):
         """Rows of an f32 stream as float32 of shape (n, rows, dim)."""
         c = self._codecs[name]
         if c.spec != "f32":
             raise ValueError(f"stream {name!r} is {c.spec!r}, not f32: decode it with its codec")
+        self._check_plain(name, "its f32 codes")
         return self._ro(np.ascontiguousarray(self._codes[name][:self._n]).view("<f4"))
 
     @property
@@ -427,13 +487,20 @@ class CacheRecords:
         return self.floats("index") if "index" in self._codes else None
 
     def decode(self, name, n_threads=None):
-        """Decoded rows of stream ``name``, float32 of shape (n, rows, dim)."""
+        """Rows of stream ``name`` as the model sees them, float32 of shape (n, rows, dim):
+        decoded (then scaled and offset, for a stream with those options), sinks exact."""
         c = self._codecs[name]
-        n, rows = self._n, self._codes[name].shape[1]
-        enc = EncodedRows(np.ascontiguousarray(self._codes[name][:n]).reshape(n * rows, -1),
-                          np.ascontiguousarray(self._side[name][:n]).reshape(n * rows, -1),
+        e = self._n_exact(name)
+        n, rows = self._n - e, self._codes[name].shape[1]
+        enc = EncodedRows(np.ascontiguousarray(self._codes[name][e:self._n]).reshape(n * rows, -1),
+                          np.ascontiguousarray(self._side[name][e:self._n]).reshape(n * rows, -1),
                           c.spec, c.dim)
-        return c.decode(enc, n_threads).reshape(n, rows, c.dim)
+        coded = c.decode(enc, n_threads).reshape(n, rows, c.dim)
+        if self._scale[name] is not None:
+            coded *= self._scale[name]
+        if self._offset[name] is not None:
+            coded += self._offset[name]
+        return np.concatenate([self._exact[name][:e], coded]) if e else coded
 
     # -- mutation (the CacheFile's business) ------------------------------------------------
     def _reserve(self, n_new):
@@ -452,7 +519,9 @@ class CacheRecords:
                 store[name] = new
         self._cap = cap
 
-    def _extend(self, tokens, codes, side):
+    def _extend(self, tokens, codes, side, states=None):
+        """Append records; ``states`` maps a stream with options to (offset, scales, new sink
+        rows) after these records (see :func:`kvquant.stream_options.split_rows`)."""
         k = len(tokens)
         self._reserve(k)
         a, b = self._n, self._n + k
@@ -460,10 +529,17 @@ class CacheRecords:
         for name in self._codes:
             self._codes[name][a:b] = codes[name]
             self._side[name][a:b] = side[name]
+        for name, (offset, scale, exact) in (states or {}).items():
+            self._offset[name], self._scale[name] = offset, scale
+            e = min(a, self._options[name].sinks)
+            self._exact[name][e:e + len(exact)] = exact
         self._n = b
 
     def _truncate(self, n):
         self._n = min(self._n, n)
+        if self._n == 0:   # a stream with no rows has no offset or scales (as RowStream)
+            for name in self._offset:
+                self._offset[name] = self._scale[name] = None
 
     def _slice(self, start, stop):
         """(tokens, codes, side) of records start..stop-1 (views)."""

@@ -12,6 +12,7 @@ from kvquant.kvfile._common import (
     INT32_MAX, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, CacheRecords, KVFileShape,
     LoadReport, Stream, build_codec, check_side_values, codec_identity, pread_exact,
     pwrite_all, sanitize_rows, side_kind, write_new_file)
+from kvquant.stream_options import StreamOptions, split_rows, split_stream_spec
 
 TIERS = ("auto", "engine", "kvq")
 ON_MISMATCH = ("raise", "start_over")
@@ -143,7 +144,7 @@ class CacheFile:
         self._fd = None
         self._set_streams(shape, mode, streams, vocab)
         self._resolve_tier(block_records)
-        self.records = CacheRecords(self.streams, self.codecs)
+        self.records = CacheRecords(self.streams, self.codecs, self.options)
         self.report = LoadReport(self.path, tier=self.tier)
         self._needs_rewrite = True
         self._committed = 0
@@ -178,13 +179,23 @@ class CacheFile:
             self.streams = streams
             self.vocab = int(vocab)
             self._model = {"kind": "streams", "vocab": self.vocab}
-        self.codecs = {s.name: build_codec(s.spec, s.dim, self._nonfinite) for s in self.streams}
-        self.mode = {s.name: self.codecs[s.name].spec for s in self.streams}
+        self.options, self.codecs = {}, {}
+        for s in self.streams:
+            try:
+                codec_spec, self.options[s.name] = split_stream_spec(s.spec)
+            except ValueError as exc:
+                raise ValueError(f"stream {s.name!r}: {exc}") from None
+            self.codecs[s.name] = build_codec(codec_spec, s.dim, self._nonfinite)
+        self.mode = {s.name: self.options[s.name].stream_spec(self.codecs[s.name].spec)
+                     for s in self.streams}
 
     def _engine_tier_problem(self):
         """Why the running streams have no engine tier, or None."""
         if self.shape is None:
             return "engine .coli_kv files hold MLA models (L and R rows) only"
+        if not all(opt.plain for opt in self.options.values()):
+            return "stream options (center, normalize, sinks) are ours: the engine has no field "\
+                   "for an offset, scales or float32 sink rows"
         cl, cr = self.codecs["L"], self.codecs["R"]
         if cl.engine_tag is None:
             hint = (" (the engine has no grouped-scale format: KV8_GS turns persistence off)"
@@ -216,7 +227,7 @@ class CacheFile:
     def _kvq_layout(self, block_records, codecs=None):
         import kvquant
         return kvq.KvqLayout(self._model, self.streams, codecs or self.codecs, block_records,
-                             writer=f"kvquant {kvquant.__version__}")
+                             writer=f"kvquant {kvquant.__version__}", options=self.options)
 
     def _describe_running(self):
         spec = self.mode["L"] if self.shape is not None and "L" in self.mode else ", ".join(
@@ -243,7 +254,7 @@ class CacheFile:
     def _refused(self, exc):
         if self._on_mismatch == "raise":
             raise exc
-        self.records = CacheRecords(self.streams, self.codecs)
+        self.records = CacheRecords(self.streams, self.codecs, self.options)
         self.report.status = "started-over"
         self.report.add("refused", f"{exc}; starting over (the file is kept until the first "
                         "save)", reason=exc.reason)
@@ -349,20 +360,35 @@ class CacheFile:
         rep.add("loaded", f"loaded {k} record(s) from {path} "
                 f"({engine.describe_tier(ftier, tag)})", records=k)
 
+    def _loaded_states(self, state, k):
+        """The stream state of a kvq file for its first ``k`` records (refused when the file's
+        state cannot be the state of those records)."""
+        states = {}
+        for name, (offset, scale, sinks) in state.items():
+            opt = self.options[name]
+            if k and len(sinks) < min(k, opt.sinks):
+                raise kvq._corrupt(self.path, f"stream {name!r}: {k} record(s) but only "
+                                   f"{len(sinks)} of its {opt.sinks} float32 sink rows", "state")
+            if k and ((offset is None) == opt.center or (scale is None) == opt.normalize):
+                raise kvq._corrupt(self.path, f"stream {name!r}: {k} record(s) but no offset or "
+                                   "scales in the stream state", "state")
+            states[name] = (offset, scale, sinks[:k]) if k else (None, None, sinks[:0])
+        return states
+
     def _upgrade(self, tokens, codes, side, k):
-        new_codes, new_side, inert = {}, {}, 0
+        new_codes, new_side, states, inert = {}, {}, {}, 0
         for s in self.streams:
             c = self.codecs[s.name]
-            if c.spec == "f32":
+            if c.spec == "f32" and self.options[s.name].plain:
                 new_codes[s.name], new_side[s.name] = codes[s.name][:k], side[s.name][:k]
                 continue
-            inert_codec = build_codec(c.spec, c.dim, "inert")
-            X = codes[s.name][:k].view("<f4").reshape(k * s.rows, s.dim)
-            inert += int((~np.isfinite(X).all(axis=1)).sum()) if k else 0
-            enc = inert_codec.encode(X, self._n_threads)
-            new_codes[s.name] = enc.codes.reshape(k, s.rows, c.code_bytes)
-            new_side[s.name] = enc.side.reshape(k, s.rows, c.n_side)
-        self.records._extend(tokens[:k], new_codes, new_side)
+            X = codes[s.name][:k].view("<f4").reshape(k, s.rows, s.dim)
+            inert += int((~np.isfinite(X).all(axis=2)).sum()) if k else 0
+            new_codes[s.name], new_side[s.name], state = self._encode_floats(
+                s, X, build_codec(c.spec, c.dim, "inert"))
+            if state is not None:
+                states[s.name] = state
+        self.records._extend(tokens[:k], new_codes, new_side, states)
         self.report.status = "upgraded"
         self.report.add(
             "upgraded", f"f32 .coli_kv (v1) quantized in memory ({k} record(s)"
@@ -443,6 +469,14 @@ class CacheFile:
                         f"{path}: stream {fs['name']!r} was written with {label} "
                         f"{_show(key, fv)} ({fs['spec']}), the running codec has "
                         f"{_show(key, rv)} ({mine['spec']}): refusing it", reason, path, "kvq")
+            file_opts = StreamOptions(**fs.get("options", {}))
+            if file_opts != self.options[fs["name"]]:
+                raise CacheFileMismatch(
+                    f"{path}: stream {fs['name']!r} was written as "
+                    f"{file_opts.stream_spec(fs['spec'])!r}, the running stream is "
+                    f"{self.mode[fs['name']]!r}: its codes hold rows after another offset, "
+                    "scales or sinks; refusing it (open with the file's stream spec to resume it)",
+                    "options", path, "kvq")
         layout = self._kvq_layout(header["block_records"])
         if layout.record_bytes != header["record_bytes"]:
             raise kvq._corrupt(path, "record size disagrees with the codecs", "header")
@@ -476,7 +510,12 @@ class CacheFile:
                     "records ignored (an append that did not commit, or a truncation)")
         tokens, codes, side = layout.from_bytes(b"".join(parts), good)
         k, changed = self._post_load(tokens, codes, side, self.codecs)
-        self.records._extend(tokens[:k], *self._cut(codes, side, k))
+        states = None
+        if layout.state_streams:
+            state = layout.parse_state(
+                path, pread_exact(fd, layout.state_bytes, layout.state_offset))
+            states = self._loaded_states(state, k)
+        self.records._extend(tokens[:k], *self._cut(codes, side, k), states)
         self.tier = "kvq"
         self._engine_tag = None
         self._layout = layout
@@ -495,7 +534,7 @@ class CacheFile:
     @property
     def committed(self):
         """Records durable on disk under this cache's tier (0 until the first save after an
-        upgrade, an ignored or a refused file)."""
+        upgrade, an ignored or a refused file, or an append that changed a stream's state)."""
         return 0 if self._needs_rewrite else self._committed
 
     @property
@@ -567,13 +606,24 @@ class CacheFile:
                              f"{[s.name for s in self.streams]}")
         tokens = self._check_tokens(tokens)
         n = len(tokens)
-        codes, side = {}, {}
+        codes, side, states = {}, {}, {}
         for s in self.streams:
             if s.name not in given:
                 raise ValueError(f"rows of stream {s.name!r} are missing")
-            codes[s.name], side[s.name] = self._encode_stream(s, given[s.name], n)
-        self.records._extend(tokens, codes, side)
+            codes[s.name], side[s.name], state = self._encode_stream(s, given[s.name], n)
+            if state is not None:
+                states[s.name] = state
+        held = len(self.records)
+        self.records._extend(tokens, codes, side, states)
+        if n and any(self._changes_state(name, held) for name in states):
+            self._needs_rewrite = True   # the state lives before the records: rewrite the file
         return self.save() if save else self.committed
+
+    def _changes_state(self, name, held):
+        """Whether appending to ``held`` records sets the stream's offset or scales, or adds
+        sink rows."""
+        opt = self.options[name]
+        return held < opt.sinks or (held == 0 and (opt.center or opt.normalize))
 
     def _check_writable(self):
         if self._readonly:
@@ -591,9 +641,17 @@ class CacheFile:
         return t.astype(np.int32)
 
     def _encode_stream(self, s, value, n):
+        """(codes, side, stream state or None) of the rows ``value`` given for stream ``s``."""
         c = self.codecs[s.name]
         if isinstance(value, EncodedRows):
             value = [value]
+        if isinstance(value, (list, tuple)) and not self.options[s.name].plain and any(
+                isinstance(v, EncodedRows) for v in value):
+            raise ValueError(
+                f"stream {s.name!r} is {self.mode[s.name]!r}: rows encoded elsewhere carry no "
+                "offset, scales or float32 sinks; append the float rows instead")
+        if isinstance(value, (list, tuple)) and not self.options[s.name].plain:
+            value = np.stack([np.asarray(v) for v in value], axis=1) if len(value) else value
         if isinstance(value, (list, tuple)):
             if len(value) != s.rows:
                 raise ValueError(f"stream {s.name!r}: expected {s.rows} row slot(s) (one per "
@@ -615,11 +673,41 @@ class CacheFile:
             if X.shape != (n, s.rows, s.dim):
                 raise ValueError(f"stream {s.name!r}: expected rows of shape ({n}, {s.rows}, "
                                  f"{s.dim}), got {X.shape}")
-            enc = c.encode(X.reshape(n * s.rows, s.dim), self._n_threads)
-            codes = enc.codes.reshape(n, s.rows, c.code_bytes)
-            side = enc.side.reshape(n, s.rows, c.n_side)
+            return self._encode_floats(s, X, c)
         check_side_values(side, side_kind(c), s.name)
-        return codes, side
+        return codes, side, None
+
+    def _encode_floats(self, s, X, codec):
+        """Encode float rows (n, rows, dim) of stream ``s`` with ``codec``, through the
+        stream's options: (codes, side, state or None), nothing changed in place."""
+        n, opt = X.shape[0], self.options[s.name]
+        if opt.plain or n == 0:
+            enc = codec.encode(X.reshape(n * s.rows, s.dim), self._n_threads)
+            codes = enc.codes.reshape(n, s.rows, codec.code_bytes)
+            side = enc.side.reshape(n, s.rows, codec.n_side)
+            check_side_values(side, side_kind(codec), s.name)
+            return codes, side, None
+        held = len(self.records)
+        offset, scale = self.records.offset(s.name), self.records.channel_scale(s.name)
+        parts = [split_rows(codec.as_rows(X[:, j]), opt,
+                            None if offset is None else offset[j],
+                            None if scale is None else scale[j], held, codec.nonfinite,
+                            where=f"stream {s.name!r} row slot {j}: ")
+                 for j in range(s.rows)]
+        rest = np.stack([p[3] for p in parts], axis=1)
+        take = n - rest.shape[0]
+        enc = codec.encode(rest.reshape(-1, s.dim), self._n_threads)
+        # the sink tokens' records hold a zero row's codes: valid for every codec, never read
+        zero = codec.encode(np.zeros((1, s.dim), np.float32))
+        codes = np.concatenate([np.broadcast_to(zero.codes, (take, s.rows, codec.code_bytes)),
+                                enc.codes.reshape(-1, s.rows, codec.code_bytes)])
+        side = np.concatenate([np.broadcast_to(zero.side, (take, s.rows, codec.n_side)),
+                               enc.side.reshape(-1, s.rows, codec.n_side)])
+        check_side_values(side, side_kind(codec), s.name)
+        state = (None if not opt.center else np.stack([p[0] for p in parts]),
+                 None if not opt.normalize else np.stack([p[1] for p in parts]),
+                 np.stack([p[2] for p in parts], axis=1))
+        return codes, side, state
 
     # -- writing -----------------------------------------------------------------------------
     def save(self):
@@ -692,7 +780,7 @@ class CacheFile:
     def _rewrite(self, n):
         if self.tier == "kvq":
             data, tail_crc = self._layout.data_bytes(0, self._raw(0, n), 0)
-            chunks = (self._layout.file_head(n, tail_crc), data)
+            chunks = (self._layout.file_head(n, tail_crc, self.records), data)
         else:
             chunks = (self._layout.header(n), self._raw(0, n))
         fd = write_new_file(self.path, chunks)

@@ -6,6 +6,7 @@ from kvquant.kvfile import engine, kvq
 from kvquant.kvfile._common import (
     CacheFileRefused, KVFileShape, Stream, build_codec, pread_exact)
 from kvquant.kvfile.cachefile import CacheFile
+from kvquant.stream_options import StreamOptions
 
 # Header-derived sizes above these are reported, not acted on (no codec is built for them, so
 # a lying header cannot make inspect allocate).
@@ -101,6 +102,14 @@ def _inspect_engine(path, head, size, info, mode):
         info["load"] = {"mode": mode, **_try_open(path, shape=shape, mode=mode)}
 
 
+def _stream_spec(entry):
+    """The stream spec of a kvq header's stream entry (codec spec + stream options)."""
+    try:
+        return StreamOptions(**entry.get("options", {})).stream_spec(entry["spec"])
+    except (TypeError, ValueError):
+        return entry["spec"]
+
+
 def _inspect_kvq(path, head, size, info, mode):
     info["tier"] = "kvq"
     info["tier_name"] = engine.describe_tier("kvq")
@@ -118,7 +127,7 @@ def _inspect_kvq(path, head, size, info, mode):
     info["slots"] = [{"slot": "AB"[i], "count": c, "seq": s} for i, c, s, _ in valid]
     info["damaged_slots"] = ["AB"[i] for i in invalid]
     info["count"] = max(valid, key=lambda v: v[2])[1] if valid else None
-    info["codec"] = {s["name"]: s["spec"] for s in header["streams"]}
+    info["codec"] = {s["name"]: _stream_spec(s) for s in header["streams"]}
     info["integrity"] = "CRC32 per block of records, per commit slot and over the header"
     streams = header["streams"]
     if any(s["dim"] > _MAX_DIM or s["rows"] > _MAX_ROWS for s in streams):
@@ -129,7 +138,7 @@ def _inspect_kvq(path, head, size, info, mode):
     try:
         if kind == "mla":
             shape = KVFileShape(**model)
-            own = {s["name"]: s["spec"] for s in streams}
+            own = {s["name"]: _stream_spec(s) for s in streams}
             opener = {"shape": shape}
             as_written = {"mode": own}
             asked = ({"mode": {"L": mode, "R": mode, "index": own.get("index", "f32")}}
@@ -137,7 +146,7 @@ def _inspect_kvq(path, head, size, info, mode):
         else:
             vocab = model.get("vocab", 0)
             opener = {"vocab": vocab}
-            as_written = {"streams": [Stream(s["name"], s["dim"], s["rows"], s["spec"])
+            as_written = {"streams": [Stream(s["name"], s["dim"], s["rows"], _stream_spec(s))
                                       for s in streams]}
             asked = {"streams": [Stream(s["name"], s["dim"], s["rows"], mode) for s in streams]}
     except (TypeError, ValueError) as exc:
@@ -170,7 +179,8 @@ def format_inspection(info):
             if s.get("codebook"):
                 cb = s["codebook"]
                 extra += f"  codebook {cb['identity']} (sha256 {str(cb['checksum'])[:12]}...)"
-            lines.append(f"stream     {s['name']}: {s['rows']} x {s['dim']}  {s['spec']}  "
+            lines.append(f"stream     {s['name']}: {s['rows']} x {s['dim']}  "
+                         f"{_stream_spec(s)}  "
                          f"{s['code_bytes']} B + {s['n_side']} side ({s['side']}, "
                          f"{s.get('side_dtype', 'f32')}){extra}")
         slots = ", ".join(f"{s['slot']} count {s['count']} seq {s['seq']}"
@@ -178,6 +188,9 @@ def format_inspection(info):
         damaged = (f"; damaged: {', '.join(info['damaged_slots'])}"
                    if info["damaged_slots"] else "")
         lines.append(f"commit     {slots or 'no valid slot'}{damaged}")
+        if h.get("state_bytes"):
+            lines.append(f"state      {h['state_bytes']} bytes of stream state (offsets, scales, "
+                         "float32 sink rows) before the data")
         lines.append(f"blocks     {info['block_records']} records per block + CRC32, data from "
                      f"byte {info['data_offset']}")
     if "record_bytes" in info:

@@ -3,7 +3,7 @@
 Layout (little-endian)::
 
     0    8  magic b"KVQCACHE"
-    8    4  u32 format version (1)
+    8    4  u32 format version: 1, or 2 when a stream has stream options (below)
     12   4  u32 header length J
     16   4  u32 CRC32 of the header JSON
     20   4  u32 CRC32 of bytes 0..19
@@ -14,8 +14,13 @@ Layout (little-endian)::
             dim, code bytes, side-value count, kind and dtype, engine tag, rotation (identity,
             seed, sign hash, ordering), codebook (identity, SHA-256 of its levels), record bytes,
             records per block
-    D       data, D = 72 + J rounded up to 8: blocks of ``block_records`` records; a full
-            block is followed by the u32 CRC32 of its bytes
+    S       version 2 only, S = 72 + J rounded up to 8: the stream state, ``state_bytes`` long:
+            u32 CRC32 of the rest (seeded with the header CRC), u32 0, then per stream with
+            options, in header order: u32 flags (1: offset set, 2: scales set), u32 sink rows
+            held, f32 offset (rows x dim) if ``center``, f32 scales (rows x dim) if
+            ``normalize``, f32 sink rows (sinks x rows x dim; unheld ones zero)
+    D       data, D = 72 + J (version 2: S + state_bytes) rounded up to 8: blocks of
+            ``block_records`` records; a full block is followed by the u32 CRC32 of its bytes
 
 A record is: i32 token, then per stream in header order its codes (rows x code_bytes) and
 its side values (rows x n_side, f32 or f16 as the stream's ``side_dtype`` says; a header without
@@ -24,6 +29,13 @@ CRC holds is the commit: its count says how many records exist and its tail CRC 
 records of the last, partial block (whose trailer is not written yet). Appends write the records
 (and the trailers of the blocks they complete), fsync, then write the other slot and fsync: a
 crash at any point leaves the previous slot valid and every block it covers intact.
+
+Stream options (``"polar5@center,normalize,sinks=1"``, :mod:`kvquant.stream_options`) are in
+the stream's header entry (``options``); the state they build (offset and scales from the first
+append, float32 rows of the first ``sinks`` tokens, whose records hold a zero row's codes) is
+written only by a whole-file rewrite, which the cache does whenever an append changes it (the
+first append, and appends while fewer than ``sinks`` tokens are held). A commit count below the
+sink rows held means the first ``count`` of them; a count of 0 means no offset or scales.
 """
 import json
 import struct
@@ -33,10 +45,15 @@ import numpy as np
 
 from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.kvfile._common import (
-    CacheFileCorrupt, CacheFileMismatch, codec_identity, side_bytes)
+    SIDE_MAX, CacheFileCorrupt, CacheFileMismatch, codec_identity, side_bytes)
+from kvquant.stream_options import StreamOptions
 
 MAGIC = b"KVQCACHE"
-VERSION = 1
+VERSION = 1            # files without stream options (unchanged since the first kvq files)
+STATE_VERSION = 2      # files with a stream-state area
+VERSIONS = (VERSION, STATE_VERSION)
+STATE_HEAD = struct.Struct("<II")
+MAX_SINKS = 1 << 16
 PREFIX = struct.Struct("<8sIIII")
 SLOT = struct.Struct("<QQII")
 SLOT_BODY = struct.Struct("<QQI")
@@ -57,10 +74,17 @@ def _align8(n):
 class KvqLayout:
     """Record and block layout of a kvq file for given streams and codecs."""
 
-    def __init__(self, model, streams, codecs, block_records=None, writer=""):
+    def __init__(self, model, streams, codecs, block_records=None, writer="", options=None):
         self.model = dict(model)
         self.streams = list(streams)
         self.codecs = dict(codecs)
+        options = options or {}
+        self.options = {s.name: options.get(s.name, StreamOptions()) for s in self.streams}
+        self.state_streams = [s for s in self.streams if not self.options[s.name].plain]
+        self.version = STATE_VERSION if self.state_streams else VERSION
+        self.state_bytes = (STATE_HEAD.size + sum(_stream_state_bytes(
+            s.rows, s.dim, self.options[s.name]) for s in self.state_streams)
+            if self.state_streams else 0)
         fields = [("token", "<i4")]
         for s in self.streams:
             c = self.codecs[s.name]
@@ -78,38 +102,108 @@ class KvqLayout:
                 f"block_records must be in 1..{MAX_BLOCK_RECORDS}, got {block_records}")
         self.block_records = int(block_records)
         self.stride = self.block_records * self.record_bytes + 4
+        stream_entries = []
+        for s in self.streams:
+            entry = {"name": s.name, "rows": s.rows, **codec_identity(self.codecs[s.name])}
+            if not self.options[s.name].plain:
+                entry["options"] = self.options[s.name].as_dict()
+            stream_entries.append(entry)
         self.header = {
             "format": FORMAT_NAME,
-            "version": VERSION,
+            "version": self.version,
             "byteorder": "little",
             "token": "int32",
             "model": self.model,
             "record_bytes": self.record_bytes,
             "block_records": self.block_records,
-            "streams": [{"name": s.name, "rows": s.rows, **codec_identity(self.codecs[s.name])}
-                        for s in self.streams],
+            "streams": stream_entries,
             "writer": writer,
         }
+        if self.state_streams:
+            self.header["state_bytes"] = self.state_bytes
         self.header_json = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
         if len(self.header_json) > MAX_HEADER_BYTES:
             raise ValueError("the kvq header would exceed 1 MiB")
         self.header_crc = zlib.crc32(self.header_json)
-        self.data_offset = _align8(HEADER_OFFSET + len(self.header_json))
+        self.state_offset = _align8(HEADER_OFFSET + len(self.header_json))
+        self.data_offset = _align8(self.state_offset + self.state_bytes)
 
     # -- fixed parts ---------------------------------------------------------------------------
     def prefix(self):
-        head = PREFIX.pack(MAGIC, VERSION, len(self.header_json), self.header_crc, 0)[:20]
+        head = PREFIX.pack(MAGIC, self.version, len(self.header_json), self.header_crc, 0)[:20]
         return head + struct.pack("<I", zlib.crc32(head))
 
     def slot(self, count, seq, tail_crc):
         body = SLOT_BODY.pack(count, seq, tail_crc)
         return body + struct.pack("<I", zlib.crc32(body, self.header_crc))
 
-    def file_head(self, count, tail_crc):
-        """Everything before the data: prefix, slot A (the commit), slot B (empty), header."""
-        pad = b"\0" * (self.data_offset - HEADER_OFFSET - len(self.header_json))
-        return (self.prefix() + self.slot(count, 1, tail_crc) + self.slot(0, 0, 0)
-                + self.header_json + pad)
+    def file_head(self, count, tail_crc, records=None):
+        """Everything before the data: prefix, slot A (the commit), slot B (empty), header, and
+        (version 2) the stream state of ``records``."""
+        head = (self.prefix() + self.slot(count, 1, tail_crc) + self.slot(0, 0, 0)
+                + self.header_json)
+        head += b"\0" * (self.state_offset - len(head))
+        if self.state_streams:
+            head += self.state_area(records)
+        return head + b"\0" * (self.data_offset - len(head))
+
+    # -- stream state --------------------------------------------------------------------------
+    def state_area(self, records):
+        """The stream-state area for the state held by ``records`` (a CacheRecords)."""
+        parts = []
+        for s in self.state_streams:
+            opt = self.options[s.name]
+            offset, scale = records.offset(s.name), records.channel_scale(s.name)
+            sinks = np.zeros((opt.sinks, s.rows, s.dim), "<f4")
+            held = records.sinks(s.name)
+            sinks[:len(held)] = held
+            parts.append(STATE_HEAD.pack((offset is not None) | (scale is not None) << 1,
+                                         len(held)))
+            for asked, vec in ((opt.center, offset), (opt.normalize, scale)):
+                if asked:
+                    parts.append((np.zeros((s.rows, s.dim), "<f4") if vec is None
+                                  else np.asarray(vec, "<f4")).tobytes())
+            parts.append(sinks.tobytes())
+        payload = b"".join(parts)
+        return STATE_HEAD.pack(zlib.crc32(payload, self.header_crc), 0) + payload
+
+    def parse_state(self, path, buf):
+        """The stream state in ``buf`` (the state area as read): ``{name: (offset or None,
+        scales or None, sink rows (held, rows, dim))}``; a damaged area raises."""
+        if len(buf) != self.state_bytes:
+            raise _corrupt(path, f"the stream state is cut short ({len(buf)} of "
+                           f"{self.state_bytes} bytes)", "state")
+        crc, _ = STATE_HEAD.unpack_from(buf)
+        if zlib.crc32(memoryview(buf)[STATE_HEAD.size:], self.header_crc) != crc:
+            raise _corrupt(path, "the stream state fails its checksum", "state")
+        state, pos = {}, STATE_HEAD.size
+        for s in self.state_streams:
+            opt = self.options[s.name]
+            flags, held = STATE_HEAD.unpack_from(buf, pos)
+            pos += STATE_HEAD.size
+            if flags & ~3 or held > opt.sinks:
+                raise _corrupt(path, f"stream {s.name!r}: state flags {flags:#x} / {held} sink "
+                               f"rows do not fit its options {opt.as_dict()}", "state")
+            vecs = []
+            for bit, asked in ((1, opt.center), (2, opt.normalize)):
+                vec = None
+                if asked:
+                    vec = np.frombuffer(buf, "<f4", s.rows * s.dim, pos).reshape(s.rows, s.dim)
+                    pos += 4 * s.rows * s.dim
+                if flags & bit and not asked:
+                    raise _corrupt(path, f"stream {s.name!r}: state flags {flags:#x} set for an "
+                                   "option the stream does not have", "state")
+                vecs.append(np.array(vec, np.float32) if flags & bit else None)
+            sinks = np.frombuffer(buf, "<f4", opt.sinks * s.rows * s.dim, pos).reshape(
+                opt.sinks, s.rows, s.dim)[:held]
+            pos += 4 * opt.sinks * s.rows * s.dim
+            offset, scale = vecs
+            if not (np.isfinite(sinks).all() and (offset is None or np.isfinite(offset).all())
+                    and (scale is None or ((scale > 0) & (scale <= SIDE_MAX)).all())):
+                raise _corrupt(path, f"stream {s.name!r}: the stream state holds NaN, inf or "
+                               "a scale <= 0", "state")
+            state[s.name] = (offset, scale, np.array(sinks, np.float32))
+        return state
 
     def record_offset(self, i):
         b, r = divmod(i, self.block_records)
@@ -178,10 +272,10 @@ def read_header(path, head, size):
     magic, version, hlen, hcrc, pcrc = PREFIX.unpack_from(head)
     if zlib.crc32(head[:20]) != pcrc:
         raise _corrupt(path, "the prefix checksum does not match")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise CacheFileMismatch(
-            f"{path}: kvq cache file of format version {version}; this kvquant reads version "
-            f"{VERSION}: refusing it", "version", path, "kvq")
+            f"{path}: kvq cache file of format version {version}; this kvquant reads versions "
+            f"{', '.join(map(str, VERSIONS))}: refusing it", "version", path, "kvq")
     if hlen > MAX_HEADER_BYTES or HEADER_OFFSET + hlen > size:
         raise _corrupt(path, f"header length {hlen} runs past the end of the file ({size} bytes)")
     raw = bytes(head[HEADER_OFFSET:HEADER_OFFSET + hlen])
@@ -191,20 +285,39 @@ def read_header(path, head, size):
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise _corrupt(path, "the header is not valid JSON") from None
-    problem = _header_problem(header)
+    problem = _header_problem(header, version)
     if problem:
         raise _corrupt(path, f"the header is not a valid kvq header: {problem}")
-    return header, hcrc, _align8(HEADER_OFFSET + hlen)
+    state_end = _align8(HEADER_OFFSET + hlen) + header.get("state_bytes", 0)
+    if state_end > size:
+        raise _corrupt(path, f"the stream state runs past the end of the file ({state_end} > "
+                       f"{size} bytes)", "state")
+    return header, hcrc, _align8(state_end)
 
 
 def _is_int(v, low, high):
     return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
 
 
-def _header_problem(h):
+def _stream_state_bytes(rows, dim, options):
+    return STATE_HEAD.size + 4 * rows * dim * (options.center + options.normalize + options.sinks)
+
+
+def _options_problem(opts):
+    """Why a header's stream options are not valid, or None."""
+    if not (isinstance(opts, dict) and set(opts) == {"center", "normalize", "sinks"}
+            and isinstance(opts["center"], bool) and isinstance(opts["normalize"], bool)
+            and _is_int(opts["sinks"], 0, MAX_SINKS)):
+        return "options"
+    if not (opts["center"] or opts["normalize"] or opts["sinks"]):
+        return "options (none set)"
+    return None
+
+
+def _header_problem(h, version):
     if not isinstance(h, dict):
         return "not an object"
-    if h.get("format") != FORMAT_NAME or h.get("version") != VERSION:
+    if h.get("format") != FORMAT_NAME or h.get("version") != version:
         return "format/version fields"
     if h.get("byteorder") != "little" or h.get("token") != "int32":
         return "byte order or token type"
@@ -217,7 +330,7 @@ def _header_problem(h):
     streams = h.get("streams")
     if not isinstance(streams, list) or not 1 <= len(streams) <= MAX_STREAMS:
         return "streams"
-    total, names = 4, set()
+    total, names, state = 4, set(), STATE_HEAD.size
     for s in streams:
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s["name"] in names:
             return "stream name"
@@ -230,8 +343,20 @@ def _header_problem(h):
         if side_size is None:
             return f"stream {s['name']!r} side_dtype {s.get('side_dtype')!r}"
         total += s["rows"] * (s["code_bytes"] + side_size * s["n_side"])
+        if "options" in s:
+            if version != STATE_VERSION:
+                return f"stream {s['name']!r} options in a version {version} header"
+            problem = _options_problem(s["options"])
+            if problem:
+                return f"stream {s['name']!r} {problem}"
+            state += _stream_state_bytes(s["rows"], s["dim"], StreamOptions(**s["options"]))
     if total != h["record_bytes"]:
         return f"record_bytes {h['record_bytes']} != {total} from the streams"
+    if version == STATE_VERSION and (state == STATE_HEAD.size
+                                     or h.get("state_bytes") != state):
+        return f"state_bytes {h.get('state_bytes')} != {state} from the streams' options"
+    if version == VERSION and "state_bytes" in h:
+        return "state_bytes in a version 1 header"
     return None
 
 

@@ -49,10 +49,10 @@ def cache_streams(cache):
 
 
 def check_stream_spec(spec, dim, stream):
-    """Validate a stream spec (codec spec + optional ``@center,sinks=N``,
-    :func:`kvquant.cache.parse_stream_spec`) for rows of width ``dim``; errors name the stream.
-    Returns the spec."""
-    from kvquant.cache import parse_stream_spec
+    """Validate a stream spec (codec spec + optional ``@center,sinks=N``, see
+    :func:`kvquant.stream_options.parse_stream_spec`) for rows of width ``dim``; errors name the
+    stream. Returns the spec."""
+    from kvquant.stream_options import parse_stream_spec
     try:
         codec_spec, _ = parse_stream_spec(spec)
         get_codec(codec_spec, dim)
