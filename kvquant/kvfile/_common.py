@@ -492,9 +492,10 @@ class CacheRecords:
         c = self._codecs[name]
         e = self._n_exact(name)
         n, rows = self._n - e, self._codes[name].shape[1]
-        enc = EncodedRows(np.ascontiguousarray(self._codes[name][e:self._n]).reshape(n * rows, -1),
-                          np.ascontiguousarray(self._side[name][e:self._n]).reshape(n * rows, -1),
-                          c.spec, c.dim)
+        enc = EncodedRows(
+            np.ascontiguousarray(self._codes[name][e:self._n]).reshape(n * rows, c.code_bytes),
+            np.ascontiguousarray(self._side[name][e:self._n]).reshape(n * rows, c.n_side),
+            c.spec, c.dim)
         coded = c.decode(enc, n_threads).reshape(n, rows, c.dim)
         if self._scale[name] is not None:
             coded *= self._scale[name]

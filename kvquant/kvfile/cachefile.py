@@ -700,9 +700,9 @@ class CacheFile:
         # the sink tokens' records hold a zero row's codes: valid for every codec, never read
         zero = codec.encode(np.zeros((1, s.dim), np.float32))
         codes = np.concatenate([np.broadcast_to(zero.codes, (take, s.rows, codec.code_bytes)),
-                                enc.codes.reshape(-1, s.rows, codec.code_bytes)])
+                                enc.codes.reshape(n - take, s.rows, codec.code_bytes)])
         side = np.concatenate([np.broadcast_to(zero.side, (take, s.rows, codec.n_side)),
-                               enc.side.reshape(-1, s.rows, codec.n_side)])
+                               enc.side.reshape(n - take, s.rows, codec.n_side)])
         check_side_values(side, side_kind(codec), s.name)
         state = (None if not opt.center else np.stack([p[0] for p in parts]),
                  None if not opt.normalize else np.stack([p[1] for p in parts]),
