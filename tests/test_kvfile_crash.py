@@ -368,6 +368,8 @@ FUZZ_CASES = {
     "v2": {"mode": "kv8"},
     "v3": {"mode": "tq4:compat=colibri"},
     "kvq": {"mode": "tq3", "block_records": 3},
+    # version 2: a stream-state area (offsets, scales, two float32 sink rows) before the data
+    "kvq-options": {"mode": "tq3@center,normalize,sinks=2", "block_records": 3},
 }
 FUZZ_RECORDS = 8
 EXTREMES = st.one_of(
@@ -393,13 +395,27 @@ def _valid_file(fuzz_dir, tier):
     """A valid file of the tier with 8 records in two appends (kvq: slots at counts 5 and 8)."""
     if tier not in _FUZZ_FILES:
         path = str(fuzz_dir / f"valid-{tier}")
-        cf = _write_owned(path, FUZZ_CASES[tier], 5, owner=11)
-        tokens, streams = batch(5, FUZZ_RECORDS, 11, cf)
-        cf.append(tokens, streams=streams)
-        assert cf.tier == tier and cf.committed == FUZZ_RECORDS
+        if tier == "kvq-options":   # float rows: the stream options transform them
+            g = np.random.default_rng(11)
+            cf = CacheFile.open(path, CSHAPE, **FUZZ_CASES[tier])
+            for a, b in ((0, 1), (1, 5), (5, FUZZ_RECORDS)):
+                n = b - a
+                cf.append(g.integers(0, CSHAPE.vocab, n),
+                          L=g.standard_normal((n, CSHAPE.n_layers, CSHAPE.kv_lora)) + 2.0,
+                          R=g.standard_normal((n, CSHAPE.n_layers, CSHAPE.qk_rope)),
+                          index=g.standard_normal((n, 1, CSHAPE.index_hd)))
+        else:
+            cf = _write_owned(path, FUZZ_CASES[tier], 5, owner=11)
+            tokens, streams = batch(5, FUZZ_RECORDS, 11, cf)
+            cf.append(tokens, streams=streams)
+        assert cf.tier == _file_tier(tier) and cf.committed == FUZZ_RECORDS
         _FUZZ_FILES[tier] = (open(path, "rb").read(), cf.records, cf._layout,
                              str(fuzz_dir / f"fuzz-{tier}"))
     return _FUZZ_FILES[tier]
+
+
+def _file_tier(case):
+    return "kvq" if case.startswith("kvq") else case
 
 
 def _mutate(data, tier, layout, mutations):
@@ -461,7 +477,7 @@ FUZZ_STATS = {}
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=4))
 def test_fuzz_corruption(fuzz_dir, tier, mutations):
     data, original, layout, path = _valid_file(fuzz_dir, tier)
-    mutated, touched = _mutate(data, tier, layout, mutations)
+    mutated, touched = _mutate(data, _file_tier(tier), layout, mutations)
     with open(path, "wb") as f:
         f.write(mutated)
     case = FUZZ_CASES[tier]
@@ -489,13 +505,19 @@ def test_fuzz_corruption(fuzz_dir, tier, mutations):
         assert n == 0
         return
     if status == "upgraded":  # a flipped magic byte turned v2/v3 into v1 (no checksum there)
-        assert tier != "kvq" and any(p < 8 for p in touched)
+        assert _file_tier(tier) != "kvq" and any(p < 8 for p in touched)
         stats["other"] += 1
         return
-    assert cf.report.file_tier == tier and n <= FUZZ_RECORDS
-    if tier == "kvq":
+    assert cf.report.file_tier == _file_tier(tier) and n <= FUZZ_RECORDS
+    if _file_tier(tier) == "kvq":
         # Checksums: never a garbled record, only an exact prefix.
         assert records_equal(cf.records, original, n)
+        for name in cf.records.stream_names:   # and the stream state of that prefix
+            got, want = cf.records, original
+            assert np.array_equal(got.sinks(name), want.sinks(name)[:n])
+            for read in (lambda r: r.offset(name), lambda r: r.channel_scale(name)):
+                assert (read(got) is None if n == 0 or read(want) is None
+                        else np.array_equal(read(got), read(want)))
     else:
         rec, start = layout.record_bytes, 40
         bad = {(p - start) // rec for p in touched if p >= start}
