@@ -157,3 +157,26 @@ def test_pareto_front_keeps_only_undominated_points():
     pts = [{"bits_per_value": b, "kld_mean": k}
            for b, k in [(4.0, 0.05), (4.5, 0.03), (4.5, 0.02), (5.0, 0.04), (8.5, 0.001)]]
     assert [pts[i]["kld_mean"] for i in pareto_front(pts)] == [0.05, 0.02, 0.001]
+
+
+# -- fixed polar widths --------------------------------------------------------------------------
+def test_polar_fixed_widths_sweep(tmp_path):
+    from kvquant_experiments import polar_widths
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((3000, 16))
+    angles, radius = polar_widths.polar_angles(X)
+    assert [a.shape[1] for a in angles] == [8, 4, 2, 1]
+    np.testing.assert_allclose(radius, np.linalg.norm(X, axis=1), rtol=1e-12)
+    budget = 8 * 4 + 7 * 3
+    splits = polar_widths.fixed_split_errors(X, budget)
+    assert all(budget - 8 <= bits <= budget for _, _, bits in splits)
+    assert [e for e, _, _ in splits] == sorted(e for e, _, _ in splits)
+    # more bits never hurt: the full budget's best beats the best split 8 bits below it
+    assert splits[0][0] <= min(e for e, _, bits in splits if bits <= budget - 6)
+    # the sweep's own fit of the engine's split agrees with the codec's fitted codebooks
+    result = polar_widths.main(["--dim", "16", "--bits", "4", "--rows", "3000",
+                                "--out", str(tmp_path)])
+    engine = next(s for s in result["splits"] if s["widths"] == (4, 3, 3, 3))
+    assert abs(engine["rel_l2"] - result["codecs"]["polar4:alloc=level"]) < 0.03 * engine["rel_l2"]
+    assert result["codecs"]["polar4"] < engine["rel_l2"]
+    assert (tmp_path / "polar-fixed-widths-d16-b4-rows3000.md").exists()
