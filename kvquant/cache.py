@@ -52,8 +52,7 @@ class RowStream:
     def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a Codec (use kvquant.get_codec), got {codec!r}")
-        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
-            raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}")
+        StreamOptions(center, normalize, sinks)   # validates sinks
         self.codec = codec
         self.center = bool(center)
         self.normalize = bool(normalize)
@@ -62,7 +61,7 @@ class RowStream:
         self.offset = None            # (dim,) float32 once a centered stream got its first rows
         self.channel_scale = None     # (dim,) float32 once a normalized stream got its first rows
         self._n_exact = 0             # rows held in float32 (the first min(n_rows, sinks))
-        self._exact = np.empty((self.sinks, codec.dim), np.float32)
+        self._exact = np.empty((0, codec.dim), np.float32)   # grows up to `sinks` rows
         self._codes = np.empty((0, codec.code_bytes), np.uint8)
         self._side = np.empty((0, codec.n_side), np.float32)
         self.reserve(capacity)
@@ -105,6 +104,7 @@ class RowStream:
         self.offset = None if offset is None else np.array(offset, np.float32)
         self.channel_scale = None if channel_scale is None else np.array(channel_scale,
                                                                          np.float32)
+        self._hold_exact(n_exact)
         self._exact[:n_exact] = exact
         self._n_exact = n_exact
         self.n_rows = n_exact
@@ -164,10 +164,19 @@ class RowStream:
         offset, scale, exact, enc = prepared
         self.offset, self.channel_scale = offset, scale
         if exact is not None and exact.shape[0]:
+            self._hold_exact(self._n_exact + exact.shape[0])
             self._exact[self._n_exact:self._n_exact + exact.shape[0]] = exact
             self._n_exact += exact.shape[0]
             self.n_rows += exact.shape[0]
         self._append_codes(enc)
+
+    def _hold_exact(self, n):
+        """Room for n float32 sink rows (grown geometrically, never past ``sinks``)."""
+        if n > self._exact.shape[0]:
+            grown = np.empty((min(self.sinks, max(n, 2 * self._exact.shape[0])), self.codec.dim),
+                             np.float32)
+            grown[:self._n_exact] = self._exact[:self._n_exact]
+            self._exact = grown
 
     def append(self, rows, n_threads=None):
         """Quantize rows of shape (n_new, dim) and store them."""

@@ -13,6 +13,7 @@ import numpy as np
 
 STREAM_OPTIONS = ("center", "normalize", "sinks")
 STREAM_FLAGS = ("center", "normalize")
+MAX_SINKS = 1 << 16   # float32 rows kept at the start of a stream, at most
 
 
 def parse_stream_spec(spec):
@@ -37,7 +38,10 @@ def parse_stream_spec(spec):
         once.
     ``sinks=N``
         Keep the first N rows of the sequence in float32, unquantized (attention sinks: the first
-        tokens draw much of the attention and their keys are outliers).
+        tokens draw much of the attention and their keys are outliers). N <= 65536.
+
+    Under ``nonfinite="inert"`` a NaN/inf row becomes the codec's inert zero row (a zero row
+    for a sink): in a centered stream it then reads as the offset, not as zero.
 
     Examples
     --------
@@ -69,9 +73,9 @@ def parse_stream_spec(spec):
                 n = int(value)
             except ValueError:
                 n = -1
-            if not eq or n < 0:
-                raise ValueError(f"stream spec {spec!r}: sinks must be 'sinks=N' with N >= 0, "
-                                 f"got {item!r}")
+            if not eq or not 0 <= n <= MAX_SINKS:
+                raise ValueError(f"stream spec {spec!r}: sinks must be 'sinks=N' with "
+                                 f"0 <= N <= {MAX_SINKS}, got {item!r}")
             options["sinks"] = n
     return codec_spec.strip(), options
 
@@ -112,9 +116,9 @@ class StreamOptions:
     sinks: int = 0
 
     def __post_init__(self):
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, (int, np.integer)) or (
-                self.sinks < 0):
-            raise ValueError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, (int, np.integer)) or not (
+                0 <= self.sinks <= MAX_SINKS):
+            raise ValueError(f"sinks must be an integer in 0..{MAX_SINKS}, got {self.sinks!r}")
 
     @property
     def plain(self):

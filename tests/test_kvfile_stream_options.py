@@ -122,7 +122,7 @@ def test_offset_and_scales_come_from_the_first_append(tmp_path, rng, spec):
         assert (rec.channel_scale("K")[:, 5] > 2.0).all()   # the outlier channel: ~sqrt(8)
     else:
         assert rec.channel_scale("K") is None
-    np.testing.assert_array_equal(rec.sinks("K"), X[:opts.sinks])
+    np.testing.assert_array_equal(rec.sink_rows("K"), X[:opts.sinks])
     np.testing.assert_allclose(rec.decode("K"), numpy_rows(spec, X, first=8),
                                rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(rec.decode("K"), cf.records.decode("K"))
@@ -213,7 +213,7 @@ def test_truncate_below_the_sinks_then_append(tmp_path, rng):
     cf.truncate(2)
     back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
     assert len(back.records) == 2
-    np.testing.assert_array_equal(back.records.sinks("K"), X[:2])
+    np.testing.assert_array_equal(back.records.sink_rows("K"), X[:2])
     back.append(np.arange(6), streams={"K": Y})      # row 2 is a sink again: a rewrite
     again = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
     expected = []
@@ -224,7 +224,7 @@ def test_truncate_below_the_sinks_then_append(tmp_path, rng):
         s.append(Y[:, j])
         expected.append(s.decode())
     np.testing.assert_array_equal(again.records.decode("K"), np.stack(expected, axis=1))
-    np.testing.assert_array_equal(again.records.sinks("K"), np.concatenate([X[:2], Y[:1]]))
+    np.testing.assert_array_equal(again.records.sink_rows("K"), np.concatenate([X[:2], Y[:1]]))
 
 
 def test_truncate_to_zero_forgets_the_offset(tmp_path, rng):
@@ -275,7 +275,7 @@ def test_a_failed_state_rewrite_keeps_the_old_file(tmp_path, rng, monkeypatch):
     monkeypatch.undo()
     assert cf.save() == 2                      # the retry rewrites, sinks and all
     back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
-    np.testing.assert_array_equal(back.records.sinks("K"), X[:2])
+    np.testing.assert_array_equal(back.records.sink_rows("K"), X[:2])
 
 
 def test_bad_rows_change_nothing(tmp_path, rng):
@@ -295,7 +295,7 @@ def test_bad_rows_change_nothing(tmp_path, rng):
     inert = CacheFile.open(tmp_path / "i.kvq", streams=[Stream("K", DIM, SLOTS, spec)],
                            nonfinite="inert")
     inert.append([0, 1, 2], streams={"K": X})
-    assert (inert.records.sinks("K")[0, 1] == 0).all()
+    assert (inert.records.sink_rows("K")[0, 1] == 0).all()
     assert np.isfinite(inert.records.decode("K")).all()
 
 
@@ -360,3 +360,98 @@ def test_inspect_shows_the_stream_spec_and_reopens_it(tmp_path, rng, capsys):
     assert cli.main(["inspect", os.fspath(tmp_path / "c.kvq")]) == 0
     out = capsys.readouterr().out
     assert spec in out and "stream state" in out
+
+
+@pytest.mark.parametrize("spec", ["tq4", "tq4@center,sinks=1"])
+def test_a_file_from_another_kvquant_version_resumes(tmp_path, rng, monkeypatch, spec):
+    """The header's writer field changes with the version: slots, state checksum and data
+    offset are the file's, so appends land where the file's reader looks."""
+    import kvquant
+    X = keys(rng, 9)
+    path = tmp_path / "c.kvq"
+    monkeypatch.setattr(kvquant, "__version__", "0.0.1")
+    write(path, {"K": spec}, {"K": X[:4]}, chunks=(4,))
+    monkeypatch.setattr(kvquant, "__version__", "0.0.1-a-longer-version-string")
+    cf = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
+    assert cf.report.status == "loaded" and len(cf.records) == 4
+    assert cf.append(np.arange(4, 9), streams={"K": X[4:]}) == 9
+    back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
+    assert back.report.kinds() == ["loaded"] and len(back.records) == 9
+    np.testing.assert_array_equal(back.records.decode("K"), cf.records.decode("K"))
+    assert inspect_file(path)["header"]["writer"] == "kvquant 0.0.1"   # never rewritten
+
+
+def test_truncate_while_the_state_is_unsaved_reaches_the_disk(tmp_path, rng):
+    spec = "tq4@sinks=8"
+    X = keys(rng, 6)
+    path = tmp_path / "c.kvq"
+    cf = write(path, {"K": spec}, {"K": X[:5]}, chunks=(5,))
+    assert cf.append([5], streams={"K": X[5:]}, save=False) == 5   # 5 still durable
+    assert cf.truncate(2) == 2 and cf.committed == 2
+    back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])   # as after a crash
+    assert len(back.records) == 2
+    np.testing.assert_array_equal(back.records.sink_rows("K"), X[:2])
+
+
+def test_sinks_beyond_the_limit_are_refused_up_front(tmp_path):
+    from kvquant.stream_options import MAX_SINKS
+    with pytest.raises(ValueError, match=f"0 <= N <= {MAX_SINKS}"):
+        CacheFile.open(tmp_path / "c.kvq",
+                       streams=[Stream("K", 4, 1, f"f32@sinks={MAX_SINKS + 1}")])
+    with pytest.raises(ValueError, match="sinks"):
+        RowStream(get_codec("f32", 4), sinks=MAX_SINKS + 1)
+
+
+def test_the_state_area_holds_only_the_sink_rows_held(tmp_path, rng):
+    path = tmp_path / "c.kvq"
+    cf = write(path, {"K": "tq4@sinks=1000"}, {"K": keys(rng, 3)}, chunks=(3,))
+    assert cf._layout.state_bytes == 8 + 8 + 3 * 4 * SLOTS * DIM
+    assert os.path.getsize(path) < cf._layout.data_offset + 3 * cf._layout.record_bytes + 64
+
+
+def _forge_header(path, edit):
+    """Rewrite a kvq file's header JSON through ``edit``, every checksum seeded with the header
+    made valid again (prefix, commit slots, stream state); state area and data follow at their
+    new offsets, unchanged."""
+    import json
+    data = read(path)
+    magic, version, hlen, _, _ = kvq.PREFIX.unpack_from(data)
+    old = json.loads(data[72:72 + hlen])
+    state_at = kvq._align8(72 + hlen)
+    rest = bytearray(data[state_at:])
+    edited = edit(old)
+    new = json.dumps(edited, sort_keys=True, separators=(",", ":")).encode()
+    crc = zlib.crc32(new)
+    version = edited["version"] if isinstance(edited["version"], int) else version
+    head = kvq.PREFIX.pack(magic, version, len(new), crc, 0)[:20]
+    slots = bytearray(data[24:72])
+    for at in (0, 24):
+        struct.pack_into("<I", slots, at + 20, zlib.crc32(bytes(slots[at:at + 20]), crc))
+    if "state_bytes" in old:
+        struct.pack_into("<I", rest, 0, zlib.crc32(bytes(rest[8:old["state_bytes"]]), crc))
+    body = head + struct.pack("<I", zlib.crc32(head)) + bytes(slots) + new
+    path.write_bytes(body + b"\0" * (kvq._align8(len(body)) - len(body)) + bytes(rest))
+
+
+@pytest.mark.parametrize("forge, reason", [
+    (float, "header"), (str, "header"), (lambda v: -8, "header"), (lambda v: 10**12, "header"),
+    (lambda v: v + 2, "header"), (lambda v: v - 4, "state"), (lambda v: v - 768, "state")])
+def test_a_malformed_state_size_is_refused(tmp_path, rng, forge, reason):
+    path = tmp_path / "c.kvq"
+    write(path, {"K": "tq4@center,sinks=1"}, {"K": keys(rng, 2)}, chunks=(2,))
+    _forge_header(path, lambda h: {**h, "state_bytes": forge(h["state_bytes"])})
+    with pytest.raises(CacheFileCorrupt) as exc:
+        CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, "tq4@center,sinks=1")])
+    assert exc.value.reason == reason
+    info = inspect_file(path)   # inspect describes it without raising
+    assert info["problem"] if reason == "header" else info["as_written"]["result"] == "refused"
+
+
+def test_options_in_a_version_1_header_are_refused(tmp_path, rng):
+    path = tmp_path / "c.kvq"
+    write(path, {"K": "tq4@center"}, {"K": keys(rng, 2)}, chunks=(2,))
+    _forge_header(path, lambda h: {k: v for k, v in h.items() if k != "state_bytes"}
+                  | {"version": 1})
+    assert struct.unpack_from("<I", read(path), 8)[0] == 1
+    with pytest.raises(CacheFileCorrupt, match="options in a version 1 header"):
+        CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, "tq4@center")])

@@ -26,9 +26,9 @@ class CacheFileRefused(ValueError):
     ----------
     reason : str
         Short machine-readable cause: ``"tier"``, ``"codec"``, ``"bits"``, ``"tag"``, ``"seed"``,
-        ``"rotation"``, ``"codebook"``, ``"side"`` (side-value kind or dtype), ``"context"``,
-        ``"version"``,
-        ``"not-a-cache"`` (mismatches) or ``"header"``, ``"commit"`` (corruption).
+        ``"rotation"``, ``"codebook"``, ``"side"`` (side-value kind or dtype), ``"options"``
+        (stream options), ``"context"``, ``"version"``, ``"not-a-cache"`` (mismatches) or
+        ``"header"``, ``"commit"``, ``"state"`` (the stream state of a kvq file) (corruption).
     path : str
     file_tier : str or None
         ``"v1"``, ``"v2"``, ``"v3"``, ``"kvq"`` or None when unknown.
@@ -370,14 +370,13 @@ class CacheRecords:
         self._side = {}
         self._offset = {}   # name -> (rows, dim) float32, once a centered stream has rows
         self._scale = {}    # name -> (rows, dim) float32, once a normalized stream has rows
-        self._exact = {}    # name -> (sinks, rows, dim) float32; the first min(n, sinks) are held
+        self._exact = {}    # name -> (m, rows, dim) float32, m <= sinks; min(n, sinks) are held
         for s in self._streams:
             c = self._codecs[s.name]
             self._codes[s.name] = np.zeros((0, s.rows, c.code_bytes), np.uint8)
             self._side[s.name] = np.zeros((0, s.rows, c.n_side), np.float32)
             self._offset[s.name] = self._scale[s.name] = None
-            self._exact[s.name] = np.zeros((self._options[s.name].sinks, s.rows, c.dim),
-                                           np.float32)
+            self._exact[s.name] = np.zeros((0, s.rows, c.dim), np.float32)
 
     def __len__(self):
         return self._n
@@ -402,11 +401,13 @@ class CacheRecords:
         return self._ro(self._tokens[:self._n])
 
     def codes(self, name):
-        """Codes of stream ``name``, shape (n, rows, code_bytes), uint8."""
+        """Codes of stream ``name``, shape (n, rows, code_bytes), uint8, as stored: for a stream
+        with stream options, codes of the centered and scaled rows, and a zero row's codes for
+        the sink tokens (see :meth:`decode`)."""
         return self._ro(self._codes[name][:self._n])
 
     def side(self, name):
-        """Side values of stream ``name``, shape (n, rows, n_side), float32."""
+        """Side values of stream ``name``, shape (n, rows, n_side), float32, as stored."""
         return self._ro(self._side[name][:self._n])
 
     def options(self, name):
@@ -421,7 +422,7 @@ class CacheRecords:
         """Channel scales of every row slot, (rows, dim) float32, or None."""
         return self._ro(self._scale[name])
 
-    def sinks(self, name):
+    def sink_rows(self, name):
         """The float32 rows of the first min(n, sinks) tokens, (n_exact, rows, dim)."""
         return self._ro(self._exact[name][:self._n_exact(name)])
 
@@ -533,6 +534,11 @@ class CacheRecords:
         for name, (offset, scale, exact) in (states or {}).items():
             self._offset[name], self._scale[name] = offset, scale
             e = min(a, self._options[name].sinks)
+            held = self._exact[name]
+            if e + len(exact) > len(held):   # grow (geometrically, at most to `sinks` rows)
+                m = min(self._options[name].sinks, max(e + len(exact), 2 * len(held)))
+                self._exact[name] = np.zeros((m,) + held.shape[1:], np.float32)
+                self._exact[name][:e] = held[:e]
             self._exact[name][e:e + len(exact)] = exact
         self._n = b
 

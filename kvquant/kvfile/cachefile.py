@@ -147,6 +147,7 @@ class CacheFile:
         self.records = CacheRecords(self.streams, self.codecs, self.options)
         self.report = LoadReport(self.path, tier=self.tier)
         self._needs_rewrite = True
+        self._state_dirty = False   # a stream's state changed since the file was written
         self._committed = 0
         self._disk_count = 0
         self._slot = (0, 1)
@@ -224,10 +225,11 @@ class CacheFile:
             self._engine_tag = None
             self._layout = self._kvq_layout(block_records)
 
-    def _kvq_layout(self, block_records, codecs=None):
+    def _kvq_layout(self, block_records, codecs=None, held=None):
         import kvquant
         return kvq.KvqLayout(self._model, self.streams, codecs or self.codecs, block_records,
-                             writer=f"kvquant {kvquant.__version__}", options=self.options)
+                             writer=f"kvquant {kvquant.__version__}", options=self.options,
+                             held=held)
 
     def _describe_running(self):
         spec = self.mode["L"] if self.shape is not None and "L" in self.mode else ", ".join(
@@ -448,7 +450,7 @@ class CacheFile:
     def _load_kvq(self, fd, size, head):
         rep, path = self.report, self.path
         rep.file_tier = "kvq"
-        header, header_crc, data_offset = kvq.read_header(path, head, size)
+        header, header_crc, data_offset, header_json = kvq.read_header(path, head, size)
         file_streams = [(s["name"], s["dim"], s["rows"]) for s in header["streams"]]
         running = [(s.name, s.dim, s.rows) for s in self.streams]
         if header["model"] != self._model or file_streams != running:
@@ -480,6 +482,7 @@ class CacheFile:
         layout = self._kvq_layout(header["block_records"])
         if layout.record_bytes != header["record_bytes"]:
             raise kvq._corrupt(path, "record size disagrees with the codecs", "header")
+        layout.adopt_file_header(header, header_json)
         valid, invalid = kvq.read_slots(head, header_crc)
         if not valid:
             raise kvq._corrupt(path, "both commit slots fail their checksum", "commit")
@@ -534,7 +537,7 @@ class CacheFile:
     @property
     def committed(self):
         """Records durable on disk under this cache's tier (0 until the first save after an
-        upgrade, an ignored or a refused file, or an append that changed a stream's state)."""
+        upgrade, an ignored or a refused file)."""
         return 0 if self._needs_rewrite else self._committed
 
     @property
@@ -616,7 +619,7 @@ class CacheFile:
         held = len(self.records)
         self.records._extend(tokens, codes, side, states)
         if n and any(self._changes_state(name, held) for name in states):
-            self._needs_rewrite = True   # the state lives before the records: rewrite the file
+            self._state_dirty = True   # the state lives before the records: a rewrite
         return self.save() if save else self.committed
 
     def _changes_state(self, name, held):
@@ -731,7 +734,7 @@ class CacheFile:
                     self._fd = os.open(self.path, os.O_RDWR)
                 except FileNotFoundError:
                     self._needs_rewrite = True
-            if self._needs_rewrite:
+            if self._needs_rewrite or self._state_dirty:
                 self._rewrite(n)
                 return self._committed
             if self._disk_count != self._committed:
@@ -779,14 +782,20 @@ class CacheFile:
 
     def _rewrite(self, n):
         if self.tier == "kvq":
-            data, tail_crc = self._layout.data_bytes(0, self._raw(0, n), 0)
-            chunks = (self._layout.file_head(n, tail_crc, self.records), data)
+            # a new file gets this kvquant's header, its state area sized by the sinks held
+            layout = self._kvq_layout(
+                self._layout.block_records,
+                held={s.name: len(self.records.sink_rows(s.name)) for s in self.streams})
+            data, tail_crc = layout.data_bytes(0, self._raw(0, n), 0)
+            chunks = (layout.file_head(n, tail_crc, self.records), data)
         else:
             chunks = (self._layout.header(n), self._raw(0, n))
         fd = write_new_file(self.path, chunks)
         self.close()
         self._fd = fd
-        self._needs_rewrite = False
+        if self.tier == "kvq":
+            self._layout = layout
+        self._needs_rewrite = self._state_dirty = False
         self._committed = self._disk_count = n
         self._slot = (0, 1)
 

@@ -114,7 +114,7 @@ def _inspect_kvq(path, head, size, info, mode):
     info["tier"] = "kvq"
     info["tier_name"] = engine.describe_tier("kvq")
     try:
-        header, header_crc, data_offset = kvq.read_header(path, head, size)
+        header, header_crc, data_offset, _ = kvq.read_header(path, head, size)
     except CacheFileRefused as exc:
         info["problem"] = str(exc)
         return

@@ -17,8 +17,8 @@ Layout (little-endian)::
     S       version 2 only, S = 72 + J rounded up to 8: the stream state, ``state_bytes`` long:
             u32 CRC32 of the rest (seeded with the header CRC), u32 0, then per stream with
             options, in header order: u32 flags (1: offset set, 2: scales set), u32 sink rows
-            held, f32 offset (rows x dim) if ``center``, f32 scales (rows x dim) if
-            ``normalize``, f32 sink rows (sinks x rows x dim; unheld ones zero)
+            held h (<= sinks), f32 offset (rows x dim) if ``center``, f32 scales (rows x dim)
+            if ``normalize``, f32 sink rows (h x rows x dim)
     D       data, D = 72 + J (version 2: S + state_bytes) rounded up to 8: blocks of
             ``block_records`` records; a full block is followed by the u32 CRC32 of its bytes
 
@@ -46,14 +46,13 @@ import numpy as np
 from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.kvfile._common import (
     SIDE_MAX, CacheFileCorrupt, CacheFileMismatch, codec_identity, side_bytes)
-from kvquant.stream_options import StreamOptions
+from kvquant.stream_options import MAX_SINKS, StreamOptions
 
 MAGIC = b"KVQCACHE"
 VERSION = 1            # files without stream options (unchanged since the first kvq files)
 STATE_VERSION = 2      # files with a stream-state area
 VERSIONS = (VERSION, STATE_VERSION)
 STATE_HEAD = struct.Struct("<II")
-MAX_SINKS = 1 << 16
 PREFIX = struct.Struct("<8sIIII")
 SLOT = struct.Struct("<QQII")
 SLOT_BODY = struct.Struct("<QQI")
@@ -74,17 +73,20 @@ def _align8(n):
 class KvqLayout:
     """Record and block layout of a kvq file for given streams and codecs."""
 
-    def __init__(self, model, streams, codecs, block_records=None, writer="", options=None):
+    def __init__(self, model, streams, codecs, block_records=None, writer="", options=None,
+                 held=None):
+        """``options``: StreamOptions by stream name; ``held``: sink rows held by stream name
+        (they size the state area of a file written with this layout)."""
         self.model = dict(model)
         self.streams = list(streams)
         self.codecs = dict(codecs)
-        options = options or {}
+        options, held = options or {}, held or {}
         self.options = {s.name: options.get(s.name, StreamOptions()) for s in self.streams}
         self.state_streams = [s for s in self.streams if not self.options[s.name].plain]
         self.version = STATE_VERSION if self.state_streams else VERSION
         self.state_bytes = (STATE_HEAD.size + sum(_stream_state_bytes(
-            s.rows, s.dim, self.options[s.name]) for s in self.state_streams)
-            if self.state_streams else 0)
+            s.rows, s.dim, self.options[s.name], held.get(s.name, 0))
+            for s in self.state_streams) if self.state_streams else 0)
         fields = [("token", "<i4")]
         for s in self.streams:
             c = self.codecs[s.name]
@@ -121,12 +123,26 @@ class KvqLayout:
         }
         if self.state_streams:
             self.header["state_bytes"] = self.state_bytes
-        self.header_json = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
-        if len(self.header_json) > MAX_HEADER_BYTES:
+        header_json = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
+        if len(header_json) > MAX_HEADER_BYTES:
             raise ValueError("the kvq header would exceed 1 MiB")
-        self.header_crc = zlib.crc32(self.header_json)
-        self.state_offset = _align8(HEADER_OFFSET + len(self.header_json))
+        self._set_header_json(header_json)
+
+    def _set_header_json(self, header_json):
+        self.header_json = header_json
+        self.header_crc = zlib.crc32(header_json)
+        self.state_offset = _align8(HEADER_OFFSET + len(header_json))
         self.data_offset = _align8(self.state_offset + self.state_bytes)
+
+    def adopt_file_header(self, header, header_json):
+        """Take the header of the file being resumed (already checked to describe these
+        streams and codecs): its bytes seed the commit-slot and state checksums and place the
+        data, and they differ from this layout's own whenever the file was written by another
+        kvquant version (the ``writer`` field) or before a header field existed."""
+        self.header = header
+        self.version = header["version"]
+        self.state_bytes = header.get("state_bytes", 0)
+        self._set_header_json(bytes(header_json))
 
     # -- fixed parts ---------------------------------------------------------------------------
     def prefix(self):
@@ -154,17 +170,18 @@ class KvqLayout:
         for s in self.state_streams:
             opt = self.options[s.name]
             offset, scale = records.offset(s.name), records.channel_scale(s.name)
-            sinks = np.zeros((opt.sinks, s.rows, s.dim), "<f4")
-            held = records.sinks(s.name)
-            sinks[:len(held)] = held
+            held = records.sink_rows(s.name)
             parts.append(STATE_HEAD.pack((offset is not None) | (scale is not None) << 1,
                                          len(held)))
             for asked, vec in ((opt.center, offset), (opt.normalize, scale)):
                 if asked:
                     parts.append((np.zeros((s.rows, s.dim), "<f4") if vec is None
                                   else np.asarray(vec, "<f4")).tobytes())
-            parts.append(sinks.tobytes())
+            parts.append(np.asarray(held, "<f4").tobytes())
         payload = b"".join(parts)
+        if STATE_HEAD.size + len(payload) != self.state_bytes:
+            raise ValueError("the stream state does not fit this layout (its sink rows held "
+                             "changed): build the layout from the records")
         return STATE_HEAD.pack(zlib.crc32(payload, self.header_crc), 0) + payload
 
     def parse_state(self, path, buf):
@@ -179,11 +196,15 @@ class KvqLayout:
         state, pos = {}, STATE_HEAD.size
         for s in self.state_streams:
             opt = self.options[s.name]
+            if pos + STATE_HEAD.size > len(buf):
+                raise _corrupt(path, "the stream state is shorter than its streams", "state")
             flags, held = STATE_HEAD.unpack_from(buf, pos)
             pos += STATE_HEAD.size
-            if flags & ~3 or held > opt.sinks:
+            size = 4 * s.rows * s.dim * (opt.center + opt.normalize + held)
+            if flags & ~3 or held > opt.sinks or pos + size > len(buf):
                 raise _corrupt(path, f"stream {s.name!r}: state flags {flags:#x} / {held} sink "
-                               f"rows do not fit its options {opt.as_dict()}", "state")
+                               f"rows do not fit its options {opt.as_dict()} or the state's "
+                               "size", "state")
             vecs = []
             for bit, asked in ((1, opt.center), (2, opt.normalize)):
                 vec = None
@@ -194,15 +215,18 @@ class KvqLayout:
                     raise _corrupt(path, f"stream {s.name!r}: state flags {flags:#x} set for an "
                                    "option the stream does not have", "state")
                 vecs.append(np.array(vec, np.float32) if flags & bit else None)
-            sinks = np.frombuffer(buf, "<f4", opt.sinks * s.rows * s.dim, pos).reshape(
-                opt.sinks, s.rows, s.dim)[:held]
-            pos += 4 * opt.sinks * s.rows * s.dim
+            sinks = np.frombuffer(buf, "<f4", held * s.rows * s.dim, pos).reshape(
+                held, s.rows, s.dim)
+            pos += 4 * held * s.rows * s.dim
             offset, scale = vecs
             if not (np.isfinite(sinks).all() and (offset is None or np.isfinite(offset).all())
                     and (scale is None or ((scale > 0) & (scale <= SIDE_MAX)).all())):
                 raise _corrupt(path, f"stream {s.name!r}: the stream state holds NaN, inf or "
                                "a scale <= 0", "state")
             state[s.name] = (offset, scale, np.array(sinks, np.float32))
+        if pos != len(buf):
+            raise _corrupt(path, f"the stream state holds {len(buf) - pos} byte(s) past its "
+                           "streams", "state")
         return state
 
     def record_offset(self, i):
@@ -266,7 +290,7 @@ def _corrupt(path, what, reason="header"):
 
 def read_header(path, head, size):
     """Validate the prefix and header of a kvq file. ``head`` holds at least the first
-    min(size, 72 + 1 MiB) bytes. Returns (header dict, header_crc, data_offset)."""
+    min(size, 72 + 1 MiB) bytes. Returns (header dict, header_crc, data_offset, header bytes)."""
     if size < HEADER_OFFSET:
         raise _corrupt(path, f"the file is {size} bytes, shorter than the 72-byte kvq prefix")
     magic, version, hlen, hcrc, pcrc = PREFIX.unpack_from(head)
@@ -292,15 +316,15 @@ def read_header(path, head, size):
     if state_end > size:
         raise _corrupt(path, f"the stream state runs past the end of the file ({state_end} > "
                        f"{size} bytes)", "state")
-    return header, hcrc, _align8(state_end)
+    return header, hcrc, _align8(state_end), raw
 
 
 def _is_int(v, low, high):
     return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
 
 
-def _stream_state_bytes(rows, dim, options):
-    return STATE_HEAD.size + 4 * rows * dim * (options.center + options.normalize + options.sinks)
+def _stream_state_bytes(rows, dim, options, held):
+    return STATE_HEAD.size + 4 * rows * dim * (options.center + options.normalize + held)
 
 
 def _options_problem(opts):
@@ -330,7 +354,7 @@ def _header_problem(h, version):
     streams = h.get("streams")
     if not isinstance(streams, list) or not 1 <= len(streams) <= MAX_STREAMS:
         return "streams"
-    total, names, state = 4, set(), STATE_HEAD.size
+    total, names, state, state_max = 4, set(), STATE_HEAD.size, 0
     for s in streams:
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s["name"] in names:
             return "stream name"
@@ -349,12 +373,15 @@ def _header_problem(h, version):
             problem = _options_problem(s["options"])
             if problem:
                 return f"stream {s['name']!r} {problem}"
-            state += _stream_state_bytes(s["rows"], s["dim"], StreamOptions(**s["options"]))
+            opts = StreamOptions(**s["options"])
+            state += _stream_state_bytes(s["rows"], s["dim"], opts, 0)
+            state_max += 4 * s["rows"] * s["dim"] * opts.sinks
     if total != h["record_bytes"]:
         return f"record_bytes {h['record_bytes']} != {total} from the streams"
-    if version == STATE_VERSION and (state == STATE_HEAD.size
-                                     or h.get("state_bytes") != state):
-        return f"state_bytes {h.get('state_bytes')} != {state} from the streams' options"
+    if version == STATE_VERSION and (state == STATE_HEAD.size or not _is_int(
+            h.get("state_bytes"), state, state + state_max) or h["state_bytes"] % 4):
+        return (f"state_bytes {h.get('state_bytes')!r} is not a multiple of 4 in "
+                f"{state}..{state + state_max}, the range of the streams' options")
     if version == VERSION and "state_bytes" in h:
         return "state_bytes in a version 1 header"
     return None
