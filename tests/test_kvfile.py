@@ -174,6 +174,12 @@ def test_kvq_header_without_side_dtype_means_f32(tmp_path, rng, monkeypatch):
     with pytest.raises(CacheFileMismatch) as exc:
         CacheFile.open(tmp_path / "old.kvq", SHAPE, mode="tq4:side_dtype=f16")
     assert exc.value.reason == "side" and "side-value dtype 'f32'" in str(exc.value)
+    # appends commit under the old file's own header bytes (its checksum seeds and offsets)
+    more = make_rows(rng, 3, mode="tq4")
+    back.append(more["tokens"], L=more["L"], R=more["R"], index=more["index"])
+    again = CacheFile.open(tmp_path / "old.kvq", SHAPE, mode="tq4")
+    assert again.report.kinds() == ["loaded"] and len(again.records) == 7
+    assert records_equal(again.records, back.records)
 
 
 def test_no_engine_tier_for_f16_side_values(tmp_path):
