@@ -359,7 +359,9 @@ def test_inspect_shows_the_stream_spec_and_reopens_it(tmp_path, rng, capsys):
     assert info["load"]["result"] == "refused" and info["load"]["reason"] == "options"
     assert cli.main(["inspect", os.fspath(tmp_path / "c.kvq")]) == 0
     out = capsys.readouterr().out
-    assert spec in out and "stream state" in out
+    assert spec in out and "(K: offset, scales, 1 sink row(s))" in out
+    assert inspect_file(tmp_path / "c.kvq")["state"] == {
+        "K": {"offset": True, "scales": True, "sink_rows": 1}}
 
 
 @pytest.mark.parametrize("spec", ["tq4", "tq4@center,sinks=1"])

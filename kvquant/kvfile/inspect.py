@@ -1,6 +1,7 @@
 """``kvquant inspect FILE [--mode SPEC]``: the header and a summary of any supported cache file."""
 import json
 import os
+import zlib
 
 from kvquant.kvfile import engine, kvq
 from kvquant.kvfile._common import (
@@ -110,11 +111,34 @@ def _stream_spec(entry):
         return entry["spec"]
 
 
+def _inspect_state(path, header, header_json, info):
+    """What the stream-state area holds, per stream with options (or why it cannot be read)."""
+    streams = [(s["name"], s["rows"], s["dim"], StreamOptions(**s["options"]))
+               for s in header["streams"] if "options" in s]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = pread_exact(fd, header["state_bytes"], kvq._align8(kvq.HEADER_OFFSET
+                                                                  + len(header_json)))
+    finally:
+        os.close(fd)
+    try:
+        if len(buf) != header["state_bytes"]:
+            raise kvq._corrupt(path, "the stream state is cut short", "state")
+        state = kvq.parse_state(path, buf, streams, zlib.crc32(header_json))
+    except CacheFileRefused as exc:
+        info["state"] = None
+        info["problem"] = str(exc)
+        return
+    info["state"] = {name: {"offset": offset is not None, "scales": scale is not None,
+                            "sink_rows": len(sinks)}
+                     for name, (offset, scale, sinks) in state.items()}
+
+
 def _inspect_kvq(path, head, size, info, mode):
     info["tier"] = "kvq"
     info["tier_name"] = engine.describe_tier("kvq")
     try:
-        header, header_crc, data_offset, _ = kvq.read_header(path, head, size)
+        header, header_crc, data_offset, header_json = kvq.read_header(path, head, size)
     except CacheFileRefused as exc:
         info["problem"] = str(exc)
         return
@@ -129,6 +153,9 @@ def _inspect_kvq(path, head, size, info, mode):
     info["count"] = max(valid, key=lambda v: v[2])[1] if valid else None
     info["codec"] = {s["name"]: _stream_spec(s) for s in header["streams"]}
     info["integrity"] = "CRC32 per block of records, per commit slot and over the header"
+    if header.get("state_bytes"):
+        info["integrity"] += ", and over the stream state"
+        _inspect_state(path, header, header_json, info)
     streams = header["streams"]
     if any(s["dim"] > _MAX_DIM or s["rows"] > _MAX_ROWS for s in streams):
         info["problem"] = "implausible stream sizes"
@@ -189,8 +216,13 @@ def format_inspection(info):
                    if info["damaged_slots"] else "")
         lines.append(f"commit     {slots or 'no valid slot'}{damaged}")
         if h.get("state_bytes"):
-            lines.append(f"state      {h['state_bytes']} bytes of stream state (offsets, scales, "
-                         "float32 sink rows) before the data")
+            held = "; ".join(
+                f"{name}: " + ", ".join([w for w, on in (("offset", st["offset"]),
+                                                        ("scales", st["scales"])) if on]
+                                       + [f"{st['sink_rows']} sink row(s)"])
+                for name, st in (info.get("state") or {}).items())
+            lines.append(f"state      {h['state_bytes']} bytes of stream state before the data"
+                         + (f" ({held})" if held else " (unreadable)"))
         lines.append(f"blocks     {info['block_records']} records per block + CRC32, data from "
                      f"byte {info['data_offset']}")
     if "record_bytes" in info:

@@ -185,49 +185,12 @@ class KvqLayout:
         return STATE_HEAD.pack(zlib.crc32(payload, self.header_crc), 0) + payload
 
     def parse_state(self, path, buf):
-        """The stream state in ``buf`` (the state area as read): ``{name: (offset or None,
-        scales or None, sink rows (held, rows, dim))}``; a damaged area raises."""
+        """The stream state in ``buf`` (the state area as read), see :func:`parse_state`."""
         if len(buf) != self.state_bytes:
             raise _corrupt(path, f"the stream state is cut short ({len(buf)} of "
                            f"{self.state_bytes} bytes)", "state")
-        crc, _ = STATE_HEAD.unpack_from(buf)
-        if zlib.crc32(memoryview(buf)[STATE_HEAD.size:], self.header_crc) != crc:
-            raise _corrupt(path, "the stream state fails its checksum", "state")
-        state, pos = {}, STATE_HEAD.size
-        for s in self.state_streams:
-            opt = self.options[s.name]
-            if pos + STATE_HEAD.size > len(buf):
-                raise _corrupt(path, "the stream state is shorter than its streams", "state")
-            flags, held = STATE_HEAD.unpack_from(buf, pos)
-            pos += STATE_HEAD.size
-            size = 4 * s.rows * s.dim * (opt.center + opt.normalize + held)
-            if flags & ~3 or held > opt.sinks or pos + size > len(buf):
-                raise _corrupt(path, f"stream {s.name!r}: state flags {flags:#x} / {held} sink "
-                               f"rows do not fit its options {opt.as_dict()} or the state's "
-                               "size", "state")
-            vecs = []
-            for bit, asked in ((1, opt.center), (2, opt.normalize)):
-                vec = None
-                if asked:
-                    vec = np.frombuffer(buf, "<f4", s.rows * s.dim, pos).reshape(s.rows, s.dim)
-                    pos += 4 * s.rows * s.dim
-                if flags & bit and not asked:
-                    raise _corrupt(path, f"stream {s.name!r}: state flags {flags:#x} set for an "
-                                   "option the stream does not have", "state")
-                vecs.append(np.array(vec, np.float32) if flags & bit else None)
-            sinks = np.frombuffer(buf, "<f4", held * s.rows * s.dim, pos).reshape(
-                held, s.rows, s.dim)
-            pos += 4 * held * s.rows * s.dim
-            offset, scale = vecs
-            if not (np.isfinite(sinks).all() and (offset is None or np.isfinite(offset).all())
-                    and (scale is None or ((scale > 0) & (scale <= SIDE_MAX)).all())):
-                raise _corrupt(path, f"stream {s.name!r}: the stream state holds NaN, inf or "
-                               "a scale <= 0", "state")
-            state[s.name] = (offset, scale, np.array(sinks, np.float32))
-        if pos != len(buf):
-            raise _corrupt(path, f"the stream state holds {len(buf) - pos} byte(s) past its "
-                           "streams", "state")
-        return state
+        return parse_state(path, buf, [(s.name, s.rows, s.dim, self.options[s.name])
+                                       for s in self.state_streams], self.header_crc)
 
     def record_offset(self, i):
         b, r = divmod(i, self.block_records)
@@ -278,6 +241,51 @@ class KvqLayout:
                 crc = 0
             i = stop
         return b"".join(out), crc
+
+
+def parse_state(path, buf, streams, header_crc):
+    """The stream state in ``buf`` (a kvq file's state area as read) of ``streams``, a list of
+    (name, rows, dim, StreamOptions) in header order: ``{name: (offset or None, scales or None,
+    sink rows (held, rows, dim))}``. A damaged area raises CacheFileCorrupt (reason "state")."""
+    if len(buf) < STATE_HEAD.size:
+        raise _corrupt(path, f"the stream state is cut short ({len(buf)} bytes)", "state")
+    crc, _ = STATE_HEAD.unpack_from(buf)
+    if zlib.crc32(memoryview(buf)[STATE_HEAD.size:], header_crc) != crc:
+        raise _corrupt(path, "the stream state fails its checksum", "state")
+    state, pos = {}, STATE_HEAD.size
+    for name, rows, dim, opt in streams:
+        if pos + STATE_HEAD.size > len(buf):
+            raise _corrupt(path, "the stream state is shorter than its streams", "state")
+        flags, held = STATE_HEAD.unpack_from(buf, pos)
+        pos += STATE_HEAD.size
+        size = 4 * rows * dim * (opt.center + opt.normalize + held)
+        if flags & ~3 or held > opt.sinks or pos + size > len(buf):
+            raise _corrupt(path, f"stream {name!r}: state flags {flags:#x} / {held} sink "
+                           f"rows do not fit its options {opt.as_dict()} or the state's "
+                           "size", "state")
+        vecs = []
+        for bit, asked in ((1, opt.center), (2, opt.normalize)):
+            vec = None
+            if asked:
+                vec = np.frombuffer(buf, "<f4", rows * dim, pos).reshape(rows, dim)
+                pos += 4 * rows * dim
+            if flags & bit and not asked:
+                raise _corrupt(path, f"stream {name!r}: state flags {flags:#x} set for an "
+                               "option the stream does not have", "state")
+            vecs.append(np.array(vec, np.float32) if flags & bit else None)
+        sinks = np.frombuffer(buf, "<f4", held * rows * dim, pos).reshape(
+            held, rows, dim)
+        pos += 4 * held * rows * dim
+        offset, scale = vecs
+        if not (np.isfinite(sinks).all() and (offset is None or np.isfinite(offset).all())
+                and (scale is None or ((scale > 0) & (scale <= SIDE_MAX)).all())):
+            raise _corrupt(path, f"stream {name!r}: the stream state holds NaN, inf or "
+                           "a scale <= 0", "state")
+        state[name] = (offset, scale, np.array(sinks, np.float32))
+    if pos != len(buf):
+        raise _corrupt(path, f"the stream state holds {len(buf) - pos} byte(s) past its "
+                       "streams", "state")
+    return state
 
 
 # -- reading -----------------------------------------------------------------------------------
