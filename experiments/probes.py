@@ -43,8 +43,12 @@ Run::
     PYTHONPATH=. python -m experiments.probes             # pydoc prose, ~8 min on 2 cores
     PYTHONPATH=. python -m experiments.probes --text code
     PYTHONPATH=. python -m experiments.probes --list      # configurations and their bits only
+    # the window at a longer context, with the reference rows (~4 min)
+    PYTHONPATH=. python -m experiments.probes --ideas reference,window --positions 4096 \
+        --chunk-tokens 2048
 
-Writes ``data/results/probes-smollm2[-code]-N<positions>-c<chunk>.{json,csv,md}``.
+Writes ``data/results/probes-smollm2[-code]-N<positions>-c<chunk>[-<ideas>].{json,csv,md}``
+(the ideas are named when a run covers only some of them).
 """
 import argparse
 import functools
@@ -774,6 +778,7 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
         "text": {"name": text, "source": source, "text_tokens": int(tokens.size),
                  "positions": positions, "chunk_tokens": chunk_tokens,
                  "chunk_starts": [int(s) for s, _ in chunks]},
+        "ideas": sorted({p.idea for p in probes if p.name != "f32"} or {"reference"}),
         "protocol": "text metrics only (the engine's greedy protocol is not run)",
         "bits_per_value": ("(K + V bytes) * 8 / (2 * head_dim * C) at the context C = "
                            "chunk_tokens: side values, stream-option vectors and sinks, "
@@ -792,10 +797,14 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
 # Output
 # --------------------------------------------------------------------------------------------
 def result_stem(result):
+    """``probes-smollm2[-<text>]-N<positions>-c<chunk>[-<ideas>]``: the ideas are named when
+    the run covered only some of them."""
     t = result["meta"]["text"]
     name = t.get("name", "pydoc")
+    ideas = sorted(result["meta"].get("ideas", IDEA_TITLES))
+    subset = "" if set(ideas) >= set(IDEA_TITLES) else "-" + "-".join(ideas)
     return (f"probes-smollm2{'' if name == 'pydoc' else '-' + name}-N{t['positions']}"
-            f"-c{t['chunk_tokens']}")
+            f"-c{t['chunk_tokens']}{subset}")
 
 
 CSV_COLUMNS = ["probe", "idea", "k", "v", "window", "simulated", "bits_per_value", "bits_limit",
