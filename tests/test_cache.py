@@ -301,7 +301,7 @@ def test_normalize_with_one_first_row_keeps_unit_scales(rng):
         QuantizedKVCache(1, {"k": ("tq4@normalize=1", 64)})
 
 
-# -- stream factories: streams of one's own ---------------------------------------------------------
+# -- stream factories: streams of one's own --------------------------------------------------------
 def test_stream_factory_gives_each_layer_and_head_its_own_stream(rng):
     calls = []
 

@@ -20,7 +20,7 @@ from kvquant_experiments.probes import (FP8SimCodec, OutlierSplitCodec, Probe,  
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the test extra (ml_dtypes) is not installed")
 
 
-# -- 1. fp8 -----------------------------------------------------------------------------------------
+# -- 1. fp8 ----------------------------------------------------------------------------------------
 def fp8_grid(exp_bits, man_bits, bias, has_inf):
     """Every finite non-negative value of a binary8 format from its definition, with its code's
     mantissa parity (for ties to even): (values, even), sorted."""
@@ -106,7 +106,7 @@ def test_fp8_errors():
         FP8SimCodec(8).encode(np.full((1, 8), np.nan))
 
 
-# -- 2. QJL residual --------------------------------------------------------------------------------
+# -- 2. QJL residual -------------------------------------------------------------------------------
 def test_qjl_constants_match_closed_forms():
     # E|o_1| for a uniform unit vector: 2/pi on the circle, 1/2 on the 2-sphere
     assert math.isclose(qjl_scale(2, "orth"), 1 / (2 * math.sqrt(2) * (2 / math.pi)))
@@ -186,7 +186,7 @@ def test_qjl_bits_equal_the_next_tq():
     assert make_codec("tq2h+qjl-gauss", 64).spec.endswith("+qjl-gauss")
 
 
-# -- 3. outlier channels ----------------------------------------------------------------------------
+# -- 3. outlier channels ---------------------------------------------------------------------------
 def test_outlier_split_with_f32_parts_is_exact_and_picks_the_loud_channels(rng):
     loud = rng.choice(64, 32, replace=False)
     X = rng.standard_normal((100, 64)).astype(np.float32)
@@ -254,7 +254,7 @@ def test_a_refused_first_append_chooses_no_channels(rng):
     assert codec.channels is None
 
 
-# -- 4. recent window -------------------------------------------------------------------------------
+# -- 4. recent window ------------------------------------------------------------------------------
 def _filled(cache, K, V):
     for layer in range(cache.n_layers):
         cache.append(layer, k=K[:7], v=V[:7])
@@ -341,7 +341,7 @@ def test_window_truncate_and_errors(rng):
         RecentWindowCache(1, {"k": ("tq3", 32), "v": ("tq3", 32)}, window=-1)
 
 
-# -- the probes on a model ----------------------------------------------------------------------------
+# -- the probes on a model -------------------------------------------------------------------------
 def test_probe_caches_give_each_stream_its_own_state(rng):
     from types import SimpleNamespace
     cfg = SimpleNamespace(n_layers=2, n_kv_heads=2, head_dim=64)
