@@ -321,6 +321,9 @@ class QuantizedKVCache:
         ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA), or with stream options
         ``{"k": ("polar5@center,sinks=1", 64), "v": ("polar4@sinks=1", 64)}``
         (:func:`parse_stream_spec`). A Codec object may stand for a spec (no stream options).
+        So may a stream factory, ``make_stream(capacity) -> RowStream`` (any callable that is
+        not a Codec), called once per layer and KV head: streams of one's own, e.g. a codec
+        under study that keeps per-stream state or carries stream options (research code).
     n_kv_heads : int, default 1
         Row sequences per stream and layer.
     capacity : int, default 0
@@ -361,10 +364,15 @@ class QuantizedKVCache:
             specs[name] = per_layer
             self.dims[name] = int(dim)
         codecs = {}   # codecs are immutable: one object per distinct (spec, dim)
+        made = set()  # ids of the streams factories returned: each must be a new one
         for layer in range(self.n_layers):
             entry = {}
             for name in self.stream_names:
                 spec, stream_options = specs[name][layer], {}
+                if callable(spec) and not isinstance(spec, Codec):
+                    entry[name] = [self._own_stream(name, spec, capacity, made)
+                                   for _ in range(self.n_kv_heads)]
+                    continue
                 if isinstance(spec, Codec):
                     codec = spec
                 else:
@@ -378,6 +386,24 @@ class QuantizedKVCache:
                 entry[name] = [RowStream(codec, capacity, **stream_options)
                                for _ in range(self.n_kv_heads)]
             self._layers.append(entry)
+
+    def _own_stream(self, name, make_stream, capacity, made):
+        """A stream from a factory, checked: a new, empty RowStream of the stream's width."""
+        stream = make_stream(capacity)
+        if not isinstance(stream, RowStream):
+            raise TypeError(f"stream {name!r}: a stream factory must return a RowStream, got "
+                            f"{type(stream).__name__}")
+        if stream.codec.dim != self.dims[name]:
+            raise ValueError(f"stream {name!r}: the factory's codec width {stream.codec.dim} != "
+                             f"{self.dims[name]}")
+        if len(stream):
+            raise ValueError(f"stream {name!r}: the factory returned a stream holding "
+                             f"{len(stream)} rows; a new cache starts empty")
+        if id(stream) in made:
+            raise ValueError(f"stream {name!r}: the factory returned the same RowStream twice; "
+                             "each layer and KV head needs its own")
+        made.add(id(stream))
+        return stream
 
     def __repr__(self):
         streams = ", ".join(f"{n}: {self.stream(0, n).spec} x{self.dims[n]}"

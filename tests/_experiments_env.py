@@ -21,7 +21,8 @@ def ensure_importable():
     needs for ``kvquant`` and ``kvquant_experiments`` (empty when both are installed)."""
     global _SHIM
     extra = []
-    if importlib.util.find_spec("kvquant_experiments") is None:
+    # Another tree's installed copy (an editable install elsewhere) is not this tree's code.
+    if not _under_root(importlib.util.find_spec("kvquant_experiments")):
         if _SHIM is None:
             _SHIM = Path(tempfile.mkdtemp(prefix="kvquant-experiments-"))
             (_SHIM / "kvquant_experiments").symlink_to(ROOT / "experiments",

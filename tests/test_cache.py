@@ -299,3 +299,46 @@ def test_normalize_with_one_first_row_keeps_unit_scales(rng):
     assert stream.spec == "tq4@normalize"
     with pytest.raises(ValueError, match="no value"):
         QuantizedKVCache(1, {"k": ("tq4@normalize=1", 64)})
+
+
+# -- stream factories: streams of one's own --------------------------------------------------------
+def test_stream_factory_gives_each_layer_and_head_its_own_stream(rng):
+    calls = []
+
+    def make_stream(capacity):
+        calls.append(capacity)
+        return RowStream(get_codec("tq4", 64), capacity, center=True, sinks=1)
+
+    own = QuantizedKVCache(2, {"k": (make_stream, 64), "v": ("kv8", 64)}, n_kv_heads=3,
+                           capacity=40)
+    assert calls == [40] * 6
+    streams = {id(own.stream(layer, "k", h)) for layer in range(2) for h in range(3)}
+    assert len(streams) == 6
+    # the same rows as the spec that names those options
+    named = QuantizedKVCache(2, {"k": ("tq4@center,sinks=1", 64), "v": ("kv8", 64)},
+                             n_kv_heads=3)
+    K = rng.standard_normal((2, 30, 3, 64)).astype(np.float32)
+    V = rng.standard_normal((2, 30, 3, 64)).astype(np.float32)
+    for cache in (own, named):
+        for layer in range(2):
+            cache.append(layer, k=K[layer, :12], v=V[layer, :12])
+            cache.append(layer, k=K[layer, 12:], v=V[layer, 12:])
+    Q = rng.standard_normal((30, 9, 64)).astype(np.float32)
+    for layer in range(2):
+        assert np.array_equal(own.attend_prefill(layer, Q), named.attend_prefill(layer, Q))
+    assert own.bytes_per_token == named.bytes_per_token
+    assert own.stream(0, "k", 2).spec == "tq4@center,sinks=1"
+
+
+def test_stream_factory_errors():
+    with pytest.raises(TypeError, match="RowStream"):
+        QuantizedKVCache(1, {"k": (lambda cap: get_codec("tq4", 64), 64)})
+    with pytest.raises(ValueError, match="width 32"):
+        QuantizedKVCache(1, {"k": (lambda cap: RowStream(get_codec("tq4", 32)), 64)})
+    shared = RowStream(get_codec("tq4", 64))
+    with pytest.raises(ValueError, match="same RowStream twice"):
+        QuantizedKVCache(1, {"k": (lambda cap: shared, 64)}, n_kv_heads=2)
+    full = RowStream(get_codec("tq4", 64))
+    full.append(np.ones((2, 64), np.float32))
+    with pytest.raises(ValueError, match="holding 2 rows"):
+        QuantizedKVCache(1, {"k": (lambda cap: full, 64)})

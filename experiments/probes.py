@@ -1,0 +1,932 @@
+"""Four ideas measured on the SmolLM2 quality-per-byte frontier by simulation (issue 8).
+
+Each idea is measured as :mod:`experiments.frontier` measures codecs: mean KL divergence of the
+next-token distribution from the f32 cache, same top-1, perplexity ratio, over 2048 positions of
+a real text in 512-token prefill chunks, against bits per value stored (K and V averaged, side
+values included), with real codecs as reference rows in the same run.
+
+1. **fp8 e5m2 against e4m3** (``fp8-e4m3``, ``fp8-e5m2``, ``-g32``): one f32 scale per row (or
+   per 32 values) mapping the largest magnitude to the format's maximum (448 for e4m3fn, 57344
+   for e5m2), rounding by ``ml_dtypes`` casts. The simulated e4m3 is the real ``kv8`` codec bit
+   for bit (same f32 arithmetic: x * (448 / amax), scale amax / 448), which validates the layer.
+2. **QJL residual** (TurboQuant_prod, arXiv 2504.19874): the real ``tq<b-1>`` codec (fp16 side
+   value) plus a 1-bit QJL sketch of the residual r = x - x_mse and its norm in fp16
+   (``tq<b-1>h+qjl``). The row is rebuilt as x_mse + |r| c S^T sign(S r), so that q . x^ is the
+   paper's inner-product estimator: scores and contexts read from those rows are exactly what a
+   decoder of the sketch would compute. S is sqrt(d) times a random orthogonal matrix (default)
+   or Gaussian (``-gauss``), one fixed seed. c = sqrt(pi/2) / d for a Gaussian S (the paper); for
+   an orthogonal S, whose rows are uniform on a sphere rather than Gaussian, the unbiased constant
+   is 1 / (d sqrt(d) E|o_1|) (:func:`qjl_scale`), 0.39% below the Gaussian one at d = 64.
+   At d = 64 this costs (b-1) x 64 + 16 + 64 + 16 bits per row: exactly tq<b>'s 64 b + 32.
+3. **Outlier channels at b+1 bits** (fractional budgets, TurboQuant paper):
+   ``split32:tq4h+tq3h`` quantizes the 32 channels of largest mean square (taken from the
+   stream's first append) with tq4 on 32 dims and the other 32 with tq3, each with its own
+   rotation and fp16 norm: 3.5 code bits + two fp16 norms = 4.0 bits per value, as tq4/tq3 (K
+   tq4, V tq3, f32 norms). The channel assignment is a fixed per-stream cost (one bit per
+   channel, spread over the context as the stream options' offset). ``split16`` puts 16 channels
+   at b+1 bits; 48 is not a power of two (no Hadamard rotation), so the rest is coded as 32 + 16
+   channels with a third norm. ``split32low`` is a control: the 32 channels of *smallest* mean
+   square get the extra bit.
+4. **Most recent window in f32** (``recent=W``): the last W rows are read exactly and older ones
+   through the codec: the query at position t reads rows t-W+1..t from f32 and earlier rows
+   quantized (:class:`RecentWindowCache`). Bits at context C: ((C - W) bits_codec + 32 W) / C
+   (fixed costs of the codec's stream included); the long-context limit is bits_codec.
+
+What is simulated: the codecs of ideas 1-3 store float32 rows after a numpy quantize-dequantize
+(:class:`SimulatedCodec`; scores and contexts through the f32 codec's kernels) and count nominal
+bytes per row; idea 4 keeps an f32 copy of every row beside the codec's. What is real: the
+reference rows, the tq codecs inside ideas 2 and 3 (their own encode/decode), the stream options
+(kvquant's RowStream) and the model. The engine's greedy protocol is not run (text metrics only).
+
+Run::
+
+    PYTHONPATH=. python -m experiments.probes             # pydoc prose, ~8 min on 2 cores
+    PYTHONPATH=. python -m experiments.probes --text code
+    PYTHONPATH=. python -m experiments.probes --list      # configurations and their bits only
+    # the window at a longer context, with the reference rows (~4 min)
+    PYTHONPATH=. python -m experiments.probes --ideas reference,window --positions 4096 \
+        --chunk-tokens 2048
+
+Writes ``data/results/probes-smollm2[-code]-N<positions>-c<chunk>[-<ideas>].{json,csv,md}``
+(the ideas are named when a run covers only some of them).
+"""
+import argparse
+import functools
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvquant.cache import QuantizedKVCache, RowStream, softmax
+from kvquant.codecs import Codec, get_codec
+from kvquant.codecs.identity import F32Codec
+from kvquant.stream_options import parse_stream_spec
+
+from .common import environment, write_csv, write_json
+
+__all__ = [
+    "FP8_FORMATS",
+    "FP8SimCodec",
+    "OutlierSplitCodec",
+    "PROBES",
+    "Probe",
+    "QJLResidualCodec",
+    "RecentWindowCache",
+    "SimulatedCodec",
+    "format_markdown",
+    "fp8_roundtrip",
+    "main",
+    "make_codec",
+    "new_probe_cache",
+    "probe_bits",
+    "qjl_scale",
+    "qjl_sketch",
+    "run_probes",
+    "write_probes",
+]
+
+MODEL = "smollm2"
+DEFAULTS = {"positions": 2048, "chunk_tokens": 512}
+QJL_SEED = 20250425                 # the sketch matrix's seed (any fixed value)
+RESIDUAL_NORM_BYTES = 2             # |r| of the QJL residual, stored as fp16
+FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
+INERT_AMAX = 1e-35                  # kv8's rule: a group whose max is not above it is stored as 0
+
+
+# --------------------------------------------------------------------------------------------
+# Simulated codecs
+# --------------------------------------------------------------------------------------------
+class SimulatedCodec(F32Codec):
+    """A codec simulated by its quantize-dequantize: rows are stored as float32 after
+    :meth:`quantize`, scores and contexts go through the f32 codec's kernels, and sizes count
+    ``nominal_bytes_per_row`` (what the real format would store, side values included).
+
+    Subclasses set ``spec`` and implement ``quantize(X) -> X_hat``: X of shape (n, dim), float32,
+    finite rows; X_hat of the same shape.
+
+    Parameters
+    ----------
+    dim : int
+    nominal_bytes_per_row : int
+    fixed_bytes : int
+        Bytes stored once per stream (not per row), e.g. a channel assignment.
+    """
+
+    family = "simulated"
+    engine_tag = None
+
+    def __init__(self, dim, nominal_bytes_per_row, fixed_bytes=0):
+        super().__init__(dim)
+        self.nominal_bytes_per_row = int(nominal_bytes_per_row)
+        self.fixed_bytes = int(fixed_bytes)
+
+    @property
+    def bytes_per_row(self):
+        return self.nominal_bytes_per_row
+
+    def quantize(self, X):
+        raise NotImplementedError
+
+    def _encode(self, X, n_threads):
+        bad = ~np.isfinite(X).all(axis=1)
+        # the quantizer sees finite rows only; bad rows are refused (or stored as zeros)
+        clean = np.where(bad[:, None], np.float32(0), X) if bad.any() else X
+        X_hat = np.ascontiguousarray(self.quantize(clean), dtype=np.float32)
+        if X_hat.shape != X.shape:
+            raise AssertionError(f"{self.spec}: quantize returned {X_hat.shape} for {X.shape}")
+        codes = X_hat.view(np.uint8).copy()
+        codes[bad] = 0
+        return codes, np.zeros((X.shape[0], 0), np.float32), bad.astype(np.uint8)
+
+
+def fp8_roundtrip(X, fmt="e4m3", group=None):
+    """Rows through fp8 with one f32 scale per ``group`` values (per row when None).
+
+    The scale maps the group's largest magnitude to the format's maximum; the arithmetic is
+    kv8's (REFERENCE.md §1.1): y = x * (max / amax) in float32, rounded to fp8 (nearest, ties to
+    even, by ``ml_dtypes``), decoded as y * (amax / max); a group whose amax is not above 1e-35
+    decodes to zeros.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, d), float32, finite
+    fmt : {"e4m3", "e5m2"}
+    group : int or None
+        Values per scale; must divide d.
+
+    Returns
+    -------
+    ndarray of shape (n, d), float32
+    """
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ImportError("the fp8 simulation rounds with ml_dtypes: pip install ml_dtypes "
+                          "(in kvquant's 'test' extra)") from None
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"fp8 format {fmt!r} is not one of {sorted(FP8_FORMATS)}")
+    X = np.asarray(X, dtype=np.float32)
+    n, d = X.shape
+    group = d if group is None else int(group)
+    if group < 1 or d % group:
+        raise ValueError(f"group {group} must be a positive divisor of the width {d}")
+    dtype_name, fmax = FP8_FORMATS[fmt]
+    G = X.reshape(n, d // group, group)
+    amax = np.abs(G).max(axis=2)
+    live = amax > np.float32(INERT_AMAX)
+    amax = np.where(live, amax, np.float32(1))
+    inv = np.float32(fmax) / amax                       # float32, as the kernel
+    y = (G * inv[..., None]).astype(getattr(ml_dtypes, dtype_name)).astype(np.float32)
+    out = y * (amax / np.float32(fmax))[..., None]
+    out[~live] = 0.0
+    return out.reshape(n, d)
+
+
+class FP8SimCodec(SimulatedCodec):
+    """fp8 (e4m3fn or e5m2) with f32 scales per row or per group: :func:`fp8_roundtrip`.
+
+    Bytes per row: d codes + 4 per scale (kv8's layout)."""
+
+    def __init__(self, dim, fmt="e4m3", group=None):
+        if fmt not in FP8_FORMATS:
+            raise ValueError(f"fp8 format {fmt!r} is not one of {sorted(FP8_FORMATS)}")
+        group = int(dim) if group is None else int(group)
+        if group < 1 or dim % group:
+            raise ValueError(f"group {group} must be a positive divisor of the width {dim}")
+        super().__init__(dim, dim + 4 * (dim // group))
+        self.fmt, self.group = fmt, group
+        self.spec = f"fp8-{fmt}" + ("" if group == dim else f"-g{group}")
+
+    def quantize(self, X):
+        return fp8_roundtrip(X, self.fmt, self.group)
+
+
+def qjl_scale(d, sketch):
+    """The constant c of the QJL estimator x_r = |r| c S^T sign(S r), which makes
+    E_S[x_r] = r (arXiv 2504.19874).
+
+    For S with i.i.d. N(0, 1) entries each row s gives E[s sign(s . u)] = sqrt(2/pi) u (u a unit
+    vector), so c = sqrt(pi/2) / d (d rows). For S = sqrt(d) O, O uniformly random orthogonal,
+    each row is sqrt(d) times a uniform unit vector o with E[o sign(o . u)] = E|o_1| u,
+    E|o_1| = Gamma(d/2) / (sqrt(pi) Gamma((d+1)/2)); so c = 1 / (d sqrt(d) E|o_1|).
+    """
+    if sketch == "gauss":
+        return math.sqrt(math.pi / 2) / d
+    if sketch == "orth":
+        mean_abs = math.exp(math.lgamma(d / 2) - math.lgamma((d + 1) / 2)) / math.sqrt(math.pi)
+        return 1.0 / (d * math.sqrt(d) * mean_abs)
+    raise ValueError(f"sketch {sketch!r} is not 'orth' or 'gauss'")
+
+
+def qjl_sketch(d, sketch, seed=QJL_SEED):
+    """The d x d sketch matrix S, float64: sqrt(d) times a uniformly random orthogonal matrix
+    (QR of a Gaussian matrix, signs fixed by R's diagonal) or i.i.d. N(0, 1) entries."""
+    rng = np.random.default_rng(seed)
+    G = rng.standard_normal((d, d))
+    if sketch == "gauss":
+        return G
+    if sketch != "orth":
+        raise ValueError(f"sketch {sketch!r} is not 'orth' or 'gauss'")
+    Q, R = np.linalg.qr(G)
+    return math.sqrt(d) * Q * np.sign(np.diag(R))[None, :]
+
+
+class QJLResidualCodec(SimulatedCodec):
+    """An MSE codec plus a 1-bit QJL sketch of its residual (TurboQuant_prod).
+
+    x^ = x_mse + |r| c S^T sign(S r), r = x - x_mse, |r| rounded to fp16 (stored in 2 bytes).
+
+    Parameters
+    ----------
+    dim : int
+    mse : str or Codec
+        The MSE codec (a real codec: its own encode and decode).
+    sketch : {"orth", "gauss"}
+    seed : int
+        Seed of S.
+    spec : str, optional
+        The codec's name (default: the MSE codec's spec + ``+qjl`` or ``+qjl-gauss``).
+    """
+
+    def __init__(self, dim, mse, sketch="orth", seed=QJL_SEED, spec=None):
+        mse = mse if isinstance(mse, Codec) else get_codec(mse, dim)
+        if mse.dim != dim:
+            raise ValueError(f"the MSE codec has width {mse.dim}, not {dim}")
+        super().__init__(dim, mse.bytes_per_row + (dim + 7) // 8 + RESIDUAL_NORM_BYTES)
+        self.mse = mse
+        self.sketch = sketch
+        self.S = qjl_sketch(dim, sketch, seed)
+        self.c = qjl_scale(dim, sketch)
+        self.spec = spec or f"{mse.spec}+qjl" + ("-gauss" if sketch == "gauss" else "")
+
+    def residual_norm(self, r):
+        """|r| per row, rounded to fp16 as stored; float64 (n,)."""
+        norm = np.sqrt(np.einsum("ij,ij->i", r, r))
+        with np.errstate(over="ignore"):
+            stored = norm.astype(np.float16)
+        if not np.isfinite(stored).all():
+            raise ValueError(f"{self.spec}: a residual norm exceeds the fp16 maximum 65504")
+        return stored.astype(np.float64)
+
+    def quantize(self, X):
+        x_mse = self.mse.decode(self.mse.encode(X)).astype(np.float64)
+        r = X.astype(np.float64) - x_mse
+        signs = np.where(r @ self.S.T >= 0.0, 1.0, -1.0)
+        return x_mse + (self.residual_norm(r) * self.c)[:, None] * (signs @ self.S)
+
+
+def _pow2_parts(n):
+    """``n`` as a sum of powers of two, largest first (48 -> [32, 16])."""
+    return [1 << k for k in range(n.bit_length() - 1, -1, -1) if n >> k & 1]
+
+
+class OutlierSplitCodec(SimulatedCodec):
+    """Channels split by mean square, each set under its own codec (outliers at more bits).
+
+    The first encode chooses the channels (per stream: one object per stream, not shareable):
+    sorted by mean square over that call's rows, largest first (``select="smallest"``: smallest
+    first), the first ``parts[0][0]`` go to the first codec, the next to the second, ...
+
+    Parameters
+    ----------
+    dim : int
+    parts : sequence of (width, codec spec)
+        Widths add up to ``dim``; each codec is built for its width.
+    select : {"largest", "smallest"}
+    spec : str, optional
+        The codec's name (default: its parts and selection, spelled out).
+
+    Notes
+    -----
+    Bytes per row: the parts' bytes (codes and side values). Fixed bytes: the channel
+    assignment, ceil(log2(n_parts)) bits per channel.
+    """
+
+    def __init__(self, dim, parts, select="largest", spec=None):
+        widths = [int(w) for w, _ in parts]
+        if sum(widths) != dim or min(widths) < 1:
+            raise ValueError(f"part widths {widths} must be positive and add up to {dim}")
+        if select not in ("largest", "smallest"):
+            raise ValueError(f"select={select!r} is not 'largest' or 'smallest'")
+        codecs = [spec if isinstance(spec, Codec) else get_codec(spec, w) for w, spec in parts]
+        if [c.dim for c in codecs] != widths:
+            raise ValueError(f"codec widths {[c.dim for c in codecs]} != part widths {widths}")
+        label_bits = math.ceil(math.log2(len(parts))) if len(parts) > 1 else 0
+        super().__init__(dim, sum(c.bytes_per_row for c in codecs),
+                         fixed_bytes=(dim * label_bits + 7) // 8)
+        self.widths, self.codecs, self.select = widths, codecs, select
+        self.channels = None      # list of index arrays, one per part, after the first encode
+        self.spec = spec or ("split:" + "+".join(f"{w}@{c.spec}" for w, c in zip(widths, codecs))
+                     + ("" if select == "largest" else ":smallest"))
+
+    def choose_channels(self, X):
+        """Channel index arrays per part from rows X (n, dim): by mean square."""
+        ms = np.einsum("ij,ij->j", X, X, dtype=np.float64) / max(X.shape[0], 1)
+        order = np.argsort(-ms if self.select == "largest" else ms, kind="stable")
+        edges = np.cumsum([0] + self.widths)
+        return [np.sort(order[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+
+    def quantize(self, X):
+        if X.shape[0] == 0:
+            return X.copy()
+        channels = self.channels if self.channels is not None else self.choose_channels(X)
+        out = np.empty_like(X)
+        for idx, codec in zip(channels, self.codecs):
+            out[:, idx] = codec.decode(codec.encode(X[:, idx]))
+        self.channels = channels
+        return out
+
+    def encode(self, X, n_threads=None):
+        before = self.channels
+        try:
+            return super().encode(X, n_threads)
+        except ValueError:
+            self.channels = before       # a refused append chooses nothing
+            raise
+
+
+_FP8_SPEC = re.compile(r"fp8-(e4m3|e5m2)(?:-g(\d+))?")
+_QJL_SPEC = re.compile(r"tq(\d)h\+qjl(?:-(gauss))?")
+_SPLIT_SPEC = re.compile(r"split(\d+)(low)?:tq(\d)h\+tq(\d)h")
+
+
+def is_simulated(codec_spec):
+    """True when ``codec_spec`` names one of this module's simulated codecs."""
+    return any(p.fullmatch(codec_spec) for p in (_FP8_SPEC, _QJL_SPEC, _SPLIT_SPEC))
+
+
+@functools.lru_cache(maxsize=None)
+def _stateless_codec(codec_spec, dim):
+    m = _FP8_SPEC.fullmatch(codec_spec)
+    if m:
+        return FP8SimCodec(dim, m.group(1), int(m.group(2)) if m.group(2) else None)
+    m = _QJL_SPEC.fullmatch(codec_spec)
+    if m:
+        return QJLResidualCodec(dim, f"tq{m.group(1)}:side_dtype=f16",
+                                sketch="gauss" if m.group(2) else "orth", spec=codec_spec)
+    return get_codec(codec_spec, dim)
+
+
+def make_codec(codec_spec, dim):
+    """The codec of a spec: a simulated one of this module or a real one (:func:`get_codec`).
+
+    ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-<fmt>-g<N>``: :class:`FP8SimCodec`.
+    ``tq<b>h+qjl``, ``tq<b>h+qjl-gauss``: :class:`QJLResidualCodec` on ``tq<b>:side_dtype=f16``
+    with an orthogonal (default) or Gaussian sketch.
+    ``split<n>:tq<hi>h+tq<lo>h``: :class:`OutlierSplitCodec`, the n channels of largest mean
+    square under tq<hi> and the rest under tq<lo> (fp16 norms; widths that are no power of two
+    are cut into powers of two, each with its own codec); ``split<n>low:...`` gives the extra bits
+    to the n channels of smallest mean square. A new object per call (per-stream state).
+    Stateless codecs are shared.
+    """
+    m = _SPLIT_SPEC.fullmatch(codec_spec)
+    if m:
+        n_out, low, hi, lo = int(m.group(1)), bool(m.group(2)), m.group(3), m.group(4)
+        if not 0 < n_out < dim:
+            raise ValueError(f"{codec_spec!r}: {n_out} outlier channels out of {dim}")
+        parts = ([(w, f"tq{hi}:side_dtype=f16") for w in _pow2_parts(n_out)]
+                 + [(w, f"tq{lo}:side_dtype=f16") for w in _pow2_parts(dim - n_out)])
+        return OutlierSplitCodec(dim, parts, select="smallest" if low else "largest",
+                                 spec=codec_spec)
+    return _stateless_codec(codec_spec, dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Streams and caches
+# --------------------------------------------------------------------------------------------
+def _make_stream(codec_spec, options, dim, capacity):
+    return RowStream(make_codec(codec_spec, dim), capacity, **options)
+
+
+def stream_entry(stream_spec, dim):
+    """What a QuantizedKVCache takes for one stream: the spec itself for a real codec, else a
+    stream factory building the simulated codec (with its stream options) per layer and head."""
+    codec_spec, options = parse_stream_spec(stream_spec)
+    if not is_simulated(codec_spec):
+        return stream_spec
+    make_codec(codec_spec, dim)          # a bad spec fails here, not in a worker
+    return functools.partial(_make_stream, codec_spec, options, dim)
+
+
+class RecentWindowCache(QuantizedKVCache):
+    """A cache whose last ``window`` rows are read exactly (float32) and older rows through the
+    codecs: the query at position t reads rows t-W+1..t exact, rows before quantized.
+
+    A simulation: every row is kept twice (an f32 copy beside the codec's); the bits a real
+    cache would hold are ((T - W) bits_codec + 32 W) / T (:func:`probe_bits`).
+
+    Parameters
+    ----------
+    n_layers, streams, n_kv_heads, capacity
+        As :class:`~kvquant.cache.QuantizedKVCache`.
+    window : int
+        Rows W read exactly (0: the codec alone; >= the context: f32 attention).
+    """
+
+    def __init__(self, n_layers, streams, n_kv_heads=1, capacity=0, window=0):
+        super().__init__(n_layers, streams, n_kv_heads, capacity)
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+            raise ValueError(f"window must be an integer >= 0, got {window!r}")
+        self.window = int(window)
+        self.exact = QuantizedKVCache(n_layers, {n: ("f32", d) for n, d in self.dims.items()},
+                                      n_kv_heads, capacity)
+
+    def append(self, layer, n_threads=None, **rows):
+        before = self.length(layer)
+        super().append(layer, n_threads, **rows)
+        try:
+            self.exact.append(layer, n_threads, **rows)
+        except Exception:
+            self._truncate_layer(layer, before)
+            raise
+
+    def _truncate_layer(self, layer, length):
+        for name in self.stream_names:
+            for h in range(self.n_kv_heads):
+                self.stream(layer, name, h).truncate(length)
+
+    def reserve(self, capacity):
+        super().reserve(capacity)
+        self.exact.reserve(capacity)
+
+    def truncate(self, length):
+        super().truncate(length)
+        self.exact.truncate(length)
+
+    def attend(self, layer, q, scale=None, keys="k", values="v", n_threads=None, length=None):
+        """One query per head at position ``length - 1`` (default: the last row); see
+        :meth:`QuantizedKVCache.attend`. Returns (n_heads, d_values) float32."""
+        q = np.asarray(q)
+        if q.ndim != 2 or q.shape[1] != self.dims[keys]:
+            raise ValueError(f"q must have shape (n_heads, {self.dims[keys]}), got {q.shape}")
+        group = self._heads(layer, keys, values, q.shape[0])
+        n = self.length(layer) if length is None else int(length)
+        recent = max(n - self.window, 0)              # rows recent.. are read exactly
+        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
+        out = np.empty((q.shape[0], self.dims[values]), np.float32)
+        for h in range(self.n_kv_heads):
+            rows = slice(h * group, (h + 1) * group)
+            s = self.stream(layer, keys, h).scores(q[rows], n_threads, n)
+            s[:, recent:] = self.exact.stream(layer, keys, h).scores(q[rows], n_threads, n)[
+                :, recent:]
+            s *= scale
+            w = softmax(s)
+            w_old, w_new = w.copy(), w
+            w_old[:, recent:] = 0.0
+            w_new[:, :recent] = 0.0
+            out[rows] = (self.stream(layer, values, h).context(w_old, n_threads)
+                         + self.exact.stream(layer, values, h).context(w_new, n_threads))
+        return out
+
+    def attend_prefill(self, layer, Q, scale=None, keys="k", values="v", n_threads=None,
+                       block=256):
+        """Causal attention of the last ``n_q`` stored tokens' queries, the window exact; see
+        :meth:`QuantizedKVCache.attend_prefill`.
+
+        Parameters
+        ----------
+        Q : array-like of shape (n_q, n_heads, d_keys)
+
+        Returns
+        -------
+        ndarray of shape (n_q, n_heads, d_values), dtype float32
+        """
+        Q = np.asarray(Q, dtype=np.float32)
+        if Q.ndim != 3 or Q.shape[2] != self.dims[keys]:
+            raise ValueError(f"Q must have shape (n_q, n_heads, {self.dims[keys]}), got {Q.shape}")
+        n_q, n_heads = Q.shape[:2]
+        group = self._heads(layer, keys, values, n_heads)
+        T = self.length(layer)
+        if n_q > T:
+            raise ValueError(f"{n_q} queries but only {T} rows stored: append the rows first")
+        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
+        out = np.empty((n_q, n_heads, self.dims[values]), np.float32)
+        first = T - n_q
+        for h in range(self.n_kv_heads):
+            Kq = self.stream(layer, keys, h).decode(n_threads=n_threads)
+            Vq = self.stream(layer, values, h).decode(n_threads=n_threads)
+            Kf = self.exact.stream(layer, keys, h).decode(n_threads=n_threads)
+            Vf = self.exact.stream(layer, values, h).decode(n_threads=n_threads)
+            Qh = Q[:, h * group:(h + 1) * group, :]
+            for b0 in range(0, n_q, block):
+                b1 = min(b0 + block, n_q)
+                visible = first + b1
+                Qb = Qh[b0:b1].reshape(-1, Q.shape[2])
+                shape = (b1 - b0, group, visible)
+                Sq = np.matmul(Qb, Kq[:visible].T).reshape(shape)
+                Sf = np.matmul(Qb, Kf[:visible].T).reshape(shape)
+                age = (first + np.arange(b0, b1))[:, None] - np.arange(visible)[None, :]
+                exact = ((age >= 0) & (age < self.window))[:, None, :]
+                S = np.where(exact, Sf, Sq)
+                S *= scale
+                np.copyto(S, np.float32(-np.inf), where=(age < 0)[:, None, :])
+                P = softmax(S)
+                out[b0:b1, h * group:(h + 1) * group] = (
+                    np.where(exact, P, np.float32(0)) @ Vf[:visible]
+                    + np.where(exact, np.float32(0), P) @ Vq[:visible])
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# The probes
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Probe:
+    """One row of the table: K and V stream specs (real or simulated codecs, with stream
+    options), a recent window, the idea it measures and the row it is compared with."""
+
+    idea: str
+    k: str
+    v: str
+    window: int = 0
+    counterpart: str = ""
+
+    @property
+    def name(self):
+        pair = self.k if self.k == self.v else f"{self.k}/{self.v}"
+        return pair + (f" recent={self.window}" if self.window else "")
+
+    @property
+    def simulated(self):
+        return bool(self.window) or any(is_simulated(parse_stream_spec(s)[0])
+                                        for s in (self.k, self.v))
+
+
+_H = ":side_dtype=f16"
+_K = "@center,normalize,sinks=1"      # the frontier's best key options
+_V = "@center,sinks=1"                # and value options
+
+
+def _probe(idea, k, v=None, window=0, counterpart=""):
+    return Probe(idea, k, k if v is None else v, window, counterpart)
+
+
+def _default_probes():
+    best = _probe("reference", f"polar5{_H}{_K}", f"polar4{_H}{_V}")
+    probes = [_probe("reference", s) for s in
+              ("f32", "kv8", "kv8-g32", "tq2", "tq3", "tq4", "tq5", "q4_0+rot", "q8_0")]
+    probes.append(best)
+    # Real codecs at exactly the bits of a probe (d = 64: tq<b> is b + 0.5 bits per value).
+    probes += [_probe("counterpart", "tq4", "tq3"), _probe("counterpart", "tq3", "tq2"),
+               _probe("counterpart", f"tq4{_K}", f"tq3{_V}"),
+               _probe("counterpart", f"tq3{_K}", f"tq2{_V}")]
+    probes += [_probe("counterpart", f"tq{b}{_K}", f"tq{b}{_V}") for b in (3, 4, 5)]
+    probes.append(_probe("counterpart", "tq4:side=unbiased"))
+    # 1. fp8 formats (the simulated e4m3 must match kv8)
+    probes += [_probe("fp8", "fp8-e4m3", counterpart="kv8"),
+               _probe("fp8", "fp8-e4m3-g32", counterpart="kv8-g32"),
+               _probe("fp8", "fp8-e5m2", counterpart="kv8"),
+               _probe("fp8", "fp8-e5m2-g32", counterpart="kv8-g32")]
+    # 2. QJL residual at b bits against tq<b> (plain) or tq<b> with the stream options
+    for b in (3, 4, 5):
+        prod = f"tq{b - 1}h+qjl"
+        opts = _probe("counterpart", f"tq{b}{_K}", f"tq{b}{_V}").name
+        probes += [_probe("qjl", prod, counterpart=f"tq{b}"),
+                   _probe("qjl", prod + "-gauss", counterpart=f"tq{b}"),
+                   _probe("qjl", prod, f"tq{b}", counterpart=f"tq{b}"),
+                   _probe("qjl", prod + _K, prod + _V, counterpart=opts),
+                   _probe("qjl", prod + _K, f"tq{b}{_V}", counterpart=opts)]
+    # 3. outlier channels at b+1 bits
+    probes += [
+        _probe("outliers", "split32:tq3h+tq2h", counterpart="tq3/tq2"),
+        _probe("outliers", "split32:tq4h+tq3h", counterpart="tq4/tq3"),
+        _probe("outliers", "split32:tq3h+tq2h" + _K, "split32:tq3h+tq2h" + _V,
+               counterpart=f"tq3{_K}/tq2{_V}"),
+        _probe("outliers", "split32:tq4h+tq3h" + _K, "split32:tq4h+tq3h" + _V,
+               counterpart=f"tq4{_K}/tq3{_V}"),
+        _probe("outliers", "split16:tq4h+tq3h", counterpart="split32:tq4h+tq3h"),
+        _probe("outliers", "split32low:tq4h+tq3h", counterpart="split32:tq4h+tq3h"),
+    ]
+    # 4. the most recent rows in f32
+    probes += [_probe("window", "tq4", window=16, counterpart="tq4"),
+               _probe("window", "tq4", window=64, counterpart="tq4"),
+               _probe("window", "tq3", window=64, counterpart="tq3"),
+               _probe("window", best.k, best.v, window=16, counterpart=best.name),
+               _probe("window", best.k, best.v, window=64, counterpart=best.name)]
+    return probes
+
+
+PROBES = _default_probes()
+PROBES_BY_NAME = {p.name: p for p in PROBES}
+assert len(PROBES_BY_NAME) == len(PROBES), "probe names must be unique"
+
+
+def new_probe_cache(cfg, probe, capacity=256):
+    """The cache of one probe for a Llama config (``cfg.n_layers``, ``n_kv_heads``,
+    ``head_dim``)."""
+    d = cfg.head_dim
+    streams = {"k": (stream_entry(probe.k, d), d), "v": (stream_entry(probe.v, d), d)}
+    if probe.window:
+        return RecentWindowCache(cfg.n_layers, streams, cfg.n_kv_heads, capacity,
+                                 window=probe.window)
+    return QuantizedKVCache(cfg.n_layers, streams, n_kv_heads=cfg.n_kv_heads, capacity=capacity)
+
+
+def probe_bits(probe, head_dim=64, tokens=None):
+    """Bits per value (K and V averaged) that a probe's cache holds.
+
+    With ``tokens`` (the context C): every stored byte over C rows: the codec's rows, the stream
+    options' f32 vectors and sink rows, a simulated codec's fixed bytes (channel assignment), and
+    for a recent window of W rows, C - W rows under the codec plus W float32 rows. Without: the
+    bytes each further token adds in a long context (the codecs' bytes per row).
+    """
+    nbytes = 0.0
+    for spec in (probe.k, probe.v):
+        codec_spec, options = parse_stream_spec(spec)
+        codec = make_codec(codec_spec, head_dim)
+        if tokens is None:
+            nbytes += codec.bytes_per_row
+            continue
+        coded = max(tokens - probe.window, 0)
+        stream = RowStream(codec, **options)
+        fixed = getattr(codec, "fixed_bytes", 0) if coded > stream.sinks else 0
+        nbytes += (stream.bytes_for(coded) + fixed
+                   + 4 * head_dim * min(probe.window, tokens)) / tokens
+    return 8.0 * nbytes / (2 * head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Run: kvquant.flips' chunk statistics, with a model whose caches are the probes'
+# --------------------------------------------------------------------------------------------
+class ProbeModel:
+    """A model whose ``new_cache(name)`` also builds probes' caches (by probe name), for
+    :func:`kvquant.flips.chunk_stats`."""
+
+    def __init__(self, model, probes):
+        self.model = model
+        self.probes = {p.name: p for p in probes}
+
+    def new_cache(self, name):
+        if name in self.probes:
+            return new_probe_cache(self.model.config, self.probes[name])
+        return self.model.new_cache(name)
+
+    def forward(self, tokens, cache, last_only=False):
+        return self.model.forward(tokens, cache, last_only=last_only)
+
+
+_WORKER = {}
+
+
+def _init_worker(parent_pid):
+    import threading
+    from threadpoolctl import threadpool_limits
+    from kvquant.models import load_model
+
+    def watch_parent():
+        # a worker outlives a parent killed by a signal: leave when it is gone
+        while True:
+            time.sleep(2.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    _WORKER["blas"] = threadpool_limits(limits=1, user_api="blas")
+    _WORKER["model"] = ProbeModel(load_model(MODEL), PROBES)
+
+
+def _chunk_task(task):
+    from kvquant.flips import chunk_stats
+    chunk, names, ids = task
+    return chunk, chunk_stats(_WORKER["model"], names, ids)
+
+
+def run_probes(probes=None, positions=DEFAULTS["positions"],
+               chunk_tokens=DEFAULTS["chunk_tokens"], workers=None, progress=None,
+               text="pydoc"):
+    """Text metrics of every probe against the f32 cache on SmolLM2 (no greedy protocol).
+
+    Each chunk's probes run in two groups (tasks for ``workers`` processes, each with the model
+    and one BLAS thread); results as :func:`kvquant.flips.combine_chunks`, plus bits per value
+    at the chunk's context and in the long-context limit, and the comparison with the probe's
+    counterpart.
+
+    Returns
+    -------
+    dict with ``meta`` and ``rows`` (one per probe, in the order given).
+    """
+    import multiprocessing
+    from kvquant.flips import combine_chunks, text_chunks, text_tokens
+    from kvquant.models import load_model
+    t0 = time.perf_counter()
+    probes = list(probes or PROBES)
+    if probes[0].name != "f32":
+        probes = [p for p in PROBES if p.name == "f32"] + [p for p in probes if p.name != "f32"]
+    for p in probes:
+        if p.name not in PROBES_BY_NAME:
+            raise ValueError(f"unknown probe {p.name!r}")
+    names = [p.name for p in probes]
+    model = load_model(MODEL)
+    cfg = model.config
+    d = cfg.head_dim
+    rows_per_token = 2 * cfg.n_layers * cfg.n_kv_heads
+    check = ProbeModel(model, probes)
+    per_token = {}
+    for p in probes:                      # a bad probe fails before the long run
+        cache = check.new_cache(p.name)
+        per_token[p.name] = cache.bytes_per_token
+        from_codecs = probe_bits(p, d)
+        from_cache = 8.0 * cache.bytes_per_token / (rows_per_token * d)
+        if abs(from_codecs - from_cache) > 1e-9:
+            raise AssertionError(f"{p.name}: {from_codecs} bits from the codecs, {from_cache} "
+                                 "from the cache")
+    tokens, source = text_tokens(model, text)
+    chunks = text_chunks(tokens, positions, chunk_tokens)
+    described = model.describe()
+    del check, model
+    workers = min(2, os.cpu_count() or 1) if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    groups = [names[i::2] for i in range(2)]
+    tasks = [(ci, g, ids) for ci, (_, ids) in enumerate(chunks) for g in groups]
+    parts = [[] for _ in chunks]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(os.getpid(),)) as pool:
+        for done, (ci, stats) in enumerate(pool.imap_unordered(_chunk_task, tasks), 1):
+            parts[ci].append(stats)
+            if progress:
+                progress(f"task {done}/{len(tasks)} (chunk {ci + 1}, {len(stats['specs'])} "
+                         f"probes) done")
+    stats = []
+    for ci, chunk_parts in enumerate(parts):
+        merged = {"n": chunk_parts[0]["n"], "nll_f32": chunk_parts[0]["nll_f32"], "specs": {}}
+        for st in chunk_parts:
+            merged["specs"].update(st["specs"])
+        stats.append(merged)
+    rows = combine_chunks(names, stats)
+    by_name = {}
+    for p, row in zip(probes, rows):
+        row.update({
+            "probe": p.name, "idea": p.idea, "k": p.k, "v": p.v, "window": p.window,
+            "simulated": p.simulated, "counterpart": p.counterpart,
+            "bits_per_value": probe_bits(p, d, tokens=chunk_tokens),
+            "bits_limit": probe_bits(p, d), "bytes_per_token": per_token[p.name],
+        })
+        by_name[p.name] = row
+    for row in rows:
+        cp = by_name.get(row["counterpart"])
+        row["counterpart_kld"] = cp["kld_mean"] if cp else None
+        row["counterpart_bits"] = cp["bits_per_value"] if cp else None
+        row["kld_ratio"] = row["kld_mean"] / cp["kld_mean"] if cp and cp["kld_mean"] else None
+    import kvquant
+    meta = {
+        "model": described,
+        "text": {"name": text, "source": source, "text_tokens": int(tokens.size),
+                 "positions": positions, "chunk_tokens": chunk_tokens,
+                 "chunk_starts": [int(s) for s, _ in chunks]},
+        "ideas": sorted({p.idea for p in probes if p.name != "f32"} or {"reference"}),
+        "protocol": "text metrics only (the engine's greedy protocol is not run)",
+        "bits_per_value": ("(K + V bytes) * 8 / (2 * head_dim * C) at the context C = "
+                           "chunk_tokens: side values, stream-option vectors and sinks, "
+                           "channel assignments, window rows in f32 included; bits_limit: "
+                           "bytes per further token"),
+        "qjl": {"residual_norm": "fp16 (16 bits per row)", "sketch_seed": QJL_SEED,
+                "mse_side": "fp16 (tq<b-1>:side_dtype=f16)"},
+        "kvquant": kvquant.__version__,
+        "workers": workers,
+        "wall_s": time.perf_counter() - t0,
+    }
+    return {"meta": meta, "rows": rows}
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+def result_stem(result):
+    """``probes-smollm2[-<text>]-N<positions>-c<chunk>[-<ideas>]``: the ideas are named when
+    the run covered only some of them."""
+    t = result["meta"]["text"]
+    name = t.get("name", "pydoc")
+    ideas = sorted(result["meta"].get("ideas", IDEA_TITLES))
+    subset = "" if set(ideas) >= set(IDEA_TITLES) else "-" + "-".join(ideas)
+    return (f"probes-smollm2{'' if name == 'pydoc' else '-' + name}-N{t['positions']}"
+            f"-c{t['chunk_tokens']}{subset}")
+
+
+CSV_COLUMNS = ["probe", "idea", "k", "v", "window", "simulated", "bits_per_value", "bits_limit",
+               "bytes_per_token", "kld_mean", "kld_p99", "kld_max", "same_top_k", "same_top_n",
+               "same_top", "same_top_lo", "same_top_hi", "ppl", "ppl_f32", "ppl_ratio",
+               "counterpart", "counterpart_bits", "counterpart_kld", "kld_ratio", "text_s"]
+
+
+def _flat(row):
+    flat = dict(row)
+    for part in ("k", "n", "p", "lo", "hi"):
+        flat["same_top" if part == "p" else f"same_top_{part}"] = row["same_top"][part]
+    return flat
+
+
+IDEA_TITLES = {
+    "reference": "Reference rows (real codecs)",
+    "counterpart": "Real codecs at the bits of a probe",
+    "fp8": "1. fp8 e4m3 vs e5m2 (simulated)",
+    "qjl": "2. QJL residual, TurboQuant_prod (simulated)",
+    "outliers": "3. Outlier channels at b+1 bits (simulated)",
+    "window": "4. Most recent rows in f32 (simulated)",
+}
+
+
+def _bits(row):
+    at_c, limit = row["bits_per_value"], row["bits_limit"]
+    return f"{at_c:.2f}" if abs(at_c - limit) < 0.005 else f"{at_c:.2f} ({limit:.2f})"
+
+
+def format_markdown(result):
+    """One table, grouped by idea; the last column compares each probe with its counterpart."""
+    meta = result["meta"]
+    t = meta["text"]
+    rows = result["rows"]
+    lines = [
+        f"SmolLM2-135M, {t['positions']} positions of {t['source']} in chunks of "
+        f"{t['chunk_tokens']} tokens; against the f32 cache, PPL(f32) = {rows[0]['ppl_f32']:.3f}. "
+        f"Bits/value: K and V averaged, side values included, every fixed cost (stream options' "
+        f"f32 vectors and sink, channel assignment, f32 window rows) spread over the context "
+        f"C = {t['chunk_tokens']}; in brackets the long-context limit where it differs. "
+        "Spec names: `h` = fp16 side values; `@center,normalize,sinks=1` / `@center,sinks=1` = "
+        "the frontier's stream options on K / V; `tq<b>h+qjl` = tq<b> plus a 1-bit QJL sketch "
+        "of the residual and its fp16 norm (orthogonal sketch; `-gauss`: Gaussian); "
+        "`split32:tq4h+tq3h` = the 32 channels of largest mean square at tq4, the rest at tq3 "
+        "(`split16`: 16 outliers, the other 48 as 32 + 16; `split32low`: the 32 smallest at "
+        "tq4); `recent=W` = the last W rows read in f32. Last column: mean KLD of the row over "
+        "that of its counterpart (the counterpart's bits in brackets).",
+        "",
+        "| idea | K / V | sim | bits/value | mean KLD | same top-1 % | PPL ratio | "
+        "KLD vs counterpart |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for idea, title in IDEA_TITLES.items():
+        for r in (r for r in rows if r["idea"] == idea):
+            vs = ""
+            if r["kld_ratio"] is not None:
+                vs = f"x{r['kld_ratio']:.2f} vs `{r['counterpart']}` ({r['counterpart_bits']:.2f})"
+            lines.append(
+                f"| {title.split(' (')[0]} | `{r['probe']}` | {'sim' if r['simulated'] else ''} | "
+                f"{_bits(r)} | {r['kld_mean']:.3g} | {100 * r['same_top']['p']:.2f} | "
+                f"{r['ppl_ratio']:.4f} | {vs} |")
+    return "\n".join(lines)
+
+
+def write_probes(result, out_dir):
+    """``<stem>.json`` (the result and the environment), ``<stem>.csv``, ``<stem>.md``."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, result_stem(result))
+    result.setdefault("environment", environment())
+    write_json(stem + ".json", result)
+    write_csv(stem + ".csv", [_flat(r) for r in result["rows"]], CSV_COLUMNS)
+    with open(stem + ".md", "w") as f:
+        f.write(format_markdown(result) + "\n")
+    return [stem + ".json", stem + ".csv", stem + ".md"]
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.probes",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--text", choices=("pydoc", "code"), default="pydoc",
+                   help="real text: pydoc_data.topics prose or stdlib Python source")
+    p.add_argument("--positions", type=int, default=DEFAULTS["positions"])
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"])
+    p.add_argument("--ideas", default=None,
+                   help="comma-separated ideas to run (reference, counterpart, fp8, qjl, "
+                        "outliers, window); default all; f32 always runs")
+    p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
+    p.add_argument("--out", default=os.path.join("data", "results"))
+    p.add_argument("--list", action="store_true", help="print the probes and bits, run nothing")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    probes = PROBES
+    if args.ideas:
+        ideas = {s.strip() for s in args.ideas.split(",") if s.strip()}
+        unknown = ideas - set(IDEA_TITLES)
+        if unknown:
+            p.error(f"unknown ideas {sorted(unknown)}; known: {', '.join(IDEA_TITLES)}")
+        probes = [x for x in PROBES if x.idea in ideas or x.name == "f32"]
+    if args.list:
+        for x in probes:
+            print(f"{probe_bits(x, tokens=args.chunk_tokens):6.3f} {probe_bits(x):6.3f}  "
+                  f"{x.idea:11s} {x.name}")
+        return 0
+
+    def progress(msg):
+        if not args.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result = run_probes(probes, positions=args.positions, chunk_tokens=args.chunk_tokens,
+                        workers=args.workers, progress=progress, text=args.text)
+    paths = write_probes(result, args.out)
+    print(format_markdown(result))
+    print(f"wall time {result['meta']['wall_s']:.0f} s")
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
