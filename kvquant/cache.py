@@ -40,23 +40,31 @@ class RowStream:
         Divide each channel by a scale taken from the first append's rows (same place).
     sinks : int
         Keep the first ``sinks`` rows in float32, unquantized.
+    recent : int
+        Read the ``recent`` rows before a query's position in float32 (a moving window).
 
     Notes
     -----
     Rows 0 .. min(n_rows, sinks) are held as float32; the codes hold the rows after them, as
     ``(x - offset) / channel_scale`` (offset 0 and scale 1 where not asked for). Reading
     (``scores``, ``context``, ``decode``) gives the stored rows as the model sees them: the sinks
-    exactly, the other rows decoded, scaled back and offset.
+    exactly, the other rows decoded, scaled back and offset; with ``recent=W``, a read of the
+    first ``length`` rows (a query at position length - 1) reads rows length - W .. length - 1
+    from their float32 copies, which the stream holds for its last W rows and, until the next
+    append, for the rows of the last append (:meth:`window_start`).
     """
 
-    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False):
+    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False, recent=0):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a Codec (use kvquant.get_codec), got {codec!r}")
-        StreamOptions(center, normalize, sinks)   # validates sinks
+        StreamOptions(center, normalize, sinks, recent)   # validates the counts
         self.codec = codec
         self.center = bool(center)
         self.normalize = bool(normalize)
         self.sinks = int(sinks)
+        self.recent = int(recent)
+        self._recent_rows = np.empty((0, codec.dim), np.float32)   # rows [_recent_start, n_rows)
+        self._recent_start = 0
         self.n_rows = 0
         self.offset = None            # (dim,) float32 once a centered stream got its first rows
         self.channel_scale = None     # (dim,) float32 once a normalized stream got its first rows
@@ -83,6 +91,9 @@ class RowStream:
         exact : ndarray of shape (n_exact, dim), float32, or None
             The float32 sink rows; ``n_exact == options.sinks`` when there are coded rows.
         """
+        if options.recent:
+            raise ValueError(f"options {options.as_dict()}: a recent window's float32 rows are "
+                             "not part of this state; build the stream by appending rows")
         codes, side = codec.check_encoded(EncodedRows(codes, side, codec.spec, codec.dim))
         exact = np.zeros((0, codec.dim), np.float32) if exact is None else np.asarray(exact)
         n_coded, n_exact = codes.shape[0], exact.shape[0]
@@ -109,11 +120,12 @@ class RowStream:
         self._n_exact = n_exact
         self.n_rows = n_exact
         self._append_codes(EncodedRows(codes, side, codec.spec, codec.dim))
+        self._recent_start = self.n_rows
         return self
 
     @property
     def options(self):
-        return StreamOptions(self.center, self.normalize, self.sinks)
+        return StreamOptions(self.center, self.normalize, self.sinks, self.recent)
 
     @property
     def spec(self):
@@ -122,7 +134,7 @@ class RowStream:
 
     @property
     def _plain(self):
-        return not (self.center or self.normalize or self.sinks)
+        return self.options.plain
 
     def __len__(self):
         return self.n_rows
@@ -153,22 +165,40 @@ class RowStream:
         so that a bad row in one stream leaves all of them untouched.
         """
         if self._plain:
-            return (None, None, None, self.codec.encode(rows, n_threads))
+            return (None, None, None, self.codec.encode(rows, n_threads), None)
         X = self.codec.as_rows(rows)
         offset, scale, exact, rest = split_rows(
             X, self.options, self.offset, self.channel_scale, self.n_rows, self.codec.nonfinite)
-        return (offset, scale, exact, self.codec.encode(rest, n_threads))
+        enc = self.codec.encode(rest, n_threads)
+        window = None
+        if self.recent:   # float32 copies of the coded rows, as given (NaN/inf rows: inert zero)
+            window = X[exact.shape[0]:]
+            bad = ~np.isfinite(window).all(axis=1)
+            if bad.any():
+                window = np.where(bad[:, None], np.float32(0), window)
+        return (offset, scale, exact, enc, window)
 
     def store(self, prepared):
         """Store what :meth:`prepare` returned."""
-        offset, scale, exact, enc = prepared
+        offset, scale, exact, enc, window = prepared
         self.offset, self.channel_scale = offset, scale
         if exact is not None and exact.shape[0]:
             self._hold_exact(self._n_exact + exact.shape[0])
             self._exact[self._n_exact:self._n_exact + exact.shape[0]] = exact
             self._n_exact += exact.shape[0]
             self.n_rows += exact.shape[0]
+        before = self.n_rows
         self._append_codes(enc)
+        if self.recent:
+            self._keep_recent(before, window)
+
+    def _keep_recent(self, before, window):
+        """After appending ``window`` (float32 copies of rows [before, n_rows)): hold the copies
+        of the last ``recent`` rows before this append and of all rows of this append."""
+        start = max(self._recent_start, before - self.recent, self._n_exact)
+        held = self._recent_rows[start - self._recent_start:before - self._recent_start]
+        self._recent_rows = np.concatenate([held, np.asarray(window, np.float32)])
+        self._recent_start = self.n_rows - len(self._recent_rows)
 
     def _hold_exact(self, n):
         """Room for n float32 sink rows (grown geometrically, never past ``sinks``)."""
@@ -207,8 +237,12 @@ class RowStream:
             raise ValueError(f"cannot truncate {self.n_rows} rows to {n_rows}")
         self.n_rows = int(n_rows)
         self._n_exact = min(self._n_exact, self.n_rows)
+        # float32 copies are kept for the rows left; a row already read from its codes stays so
+        self._recent_rows = self._recent_rows[:max(0, self.n_rows - self._recent_start)]
+        self._recent_start = min(self._recent_start, self.n_rows)
         if self.n_rows == 0:
             self.offset = self.channel_scale = None
+            self._recent_start = 0
 
     def encoded(self, length=None):
         """The coded rows among the first ``length`` (all by default) as EncodedRows: a view.
@@ -228,60 +262,96 @@ class RowStream:
             raise ValueError(f"length {length} is outside 0..{self.n_rows} (rows stored)")
         return int(length)
 
+    def window_start(self, length=None):
+        """First row that a read of the first ``length`` rows (a query at position
+        length - 1) takes from its float32 copy: ``length`` when the stream has no window."""
+        n = self._length(length)
+        if not self.recent:
+            return n
+        return min(n, max(n - self.recent, self._recent_start, self._n_exact))
+
+    def window_starts(self, lengths):
+        """:meth:`window_start` of every length in ``lengths`` (an int array), vectorized."""
+        lengths = np.asarray(lengths, np.int64)
+        if not self.recent:
+            return lengths
+        return np.minimum(lengths, np.maximum(lengths - self.recent,
+                                              max(self._recent_start, self._n_exact)))
+
+    def recent_rows(self, start, stop):
+        """The float32 copies of rows [start, stop), which must lie in the rows held
+        (``window_start(length)`` .. ``length`` for any length from the last append on)."""
+        if not self._recent_start <= start <= stop <= self.n_rows:
+            raise ValueError(f"rows [{start}, {stop}) are not all held in float32 (held: "
+                             f"[{self._recent_start}, {self.n_rows}))")
+        return self._recent_rows[start - self._recent_start:stop - self._recent_start]
+
     def scores(self, q, n_threads=None, length=None):
         """``q . x^_t`` for the stored rows t < length; q of shape (dim,) or (m, dim)."""
         n = self._length(length)
         if self._plain:
             return self.codec.scores_checked(*self._coded(n), q, n_threads)
-        e = min(n, self._n_exact)
+        e, ws = min(n, self._n_exact), self.window_start(n)
         q32 = np.asarray(q, dtype=np.float32)
         q_coded = q32 if self.channel_scale is None else q32 * self.channel_scale
-        coded = self.codec.scores_checked(*self._coded(n), q_coded, n_threads)
+        coded = self.codec.scores_checked(*self._coded(ws), q_coded, n_threads)
         if self.offset is not None and coded.shape[-1]:
             coded += (q32 @ self.offset)[..., None]
-        if e == 0:
-            return coded
-        return np.concatenate([q32 @ self._exact[:e].T, coded], axis=-1)
+        parts = ([q32 @ self._exact[:e].T] if e else []) + [coded]
+        if ws < n:
+            parts.append(q32 @ self.recent_rows(ws, n).T)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
     def context(self, w, n_threads=None):
         """``sum_t w_t x^_t`` over the first ``len(w)`` rows; w of shape (T,) or (m, T)."""
         n = self._length(np.shape(w)[-1])
         if self._plain:
             return self.codec.context_checked(*self._coded(n), w, n_threads)
-        e = min(n, self._n_exact)
+        e, ws = min(n, self._n_exact), self.window_start(n)
         w32 = np.asarray(w, dtype=np.float32)
-        out = self.codec.context_checked(*self._coded(n), w32[..., e:], n_threads)
+        out = self.codec.context_checked(*self._coded(ws), w32[..., e:ws], n_threads)
         if self.channel_scale is not None:
             out *= self.channel_scale
-        if self.offset is not None and n > e:
-            out += w32[..., e:].sum(axis=-1, dtype=np.float32)[..., None] * self.offset
+        if self.offset is not None and ws > e:
+            out += w32[..., e:ws].sum(axis=-1, dtype=np.float32)[..., None] * self.offset
         if e:
             out += w32[..., :e] @ self._exact[:e]
+        if ws < n:
+            out += w32[..., ws:n] @ self.recent_rows(ws, n)
         return out
 
-    def decode(self, start=0, stop=None, n_threads=None):
-        """Rows [start, stop) as float32 (a block for the prefill path)."""
+    def decode(self, start=0, stop=None, n_threads=None, window=True):
+        """Rows [start, stop) as float32 (a block for the prefill path), as a read of all rows
+        sees them; ``window=False``: every row after the sinks from its codes."""
         stop = self.n_rows if stop is None else stop
         if self._plain:
             return self.codec.decode(self.encoded()[start:stop], n_threads)
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"rows [{start}, {stop}) are outside 0..{self.n_rows}")
         e = self._n_exact
-        coded = self.codec.decode(self.encoded()[max(start - e, 0):max(stop - e, 0)], n_threads)
+        ws = self.window_start() if window else self.n_rows
+        coded_stop = max(min(stop, ws), start)
+        coded = self.codec.decode(self.encoded()[max(start - e, 0):max(coded_stop - e, 0)],
+                                  n_threads)
         if self.channel_scale is not None:
             coded *= self.channel_scale
         if self.offset is not None:
             coded += self.offset
-        if start >= e:
-            return coded
-        return np.concatenate([self._exact[start:min(stop, e)], coded])
+        parts = ([self._exact[start:min(stop, e)]] if start < e else []) + [coded]
+        if stop > ws:
+            parts.append(self.recent_rows(max(start, ws), stop))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def bytes_for(self, n_rows):
         """Bytes this stream holds once it has ``n_rows`` rows: codes and side values of the
-        coded rows, float32 sinks, and the offset and scales from the first append on."""
+        coded rows, float32 sinks, the float32 copies of the last ``recent`` rows (besides their
+        codes), and the offset and scales from the first append on. (The copies of a long
+        append's older rows, held until the next append for its own queries, are not counted.)"""
         exact = min(n_rows, self.sinks)
+        window = min(n_rows - exact, self.recent)
         vectors = (self.center + self.normalize) if n_rows else 0
-        return (n_rows - exact) * self.codec.bytes_per_row + 4 * self.codec.dim * (exact + vectors)
+        return ((n_rows - exact) * self.codec.bytes_per_row
+                + 4 * self.codec.dim * (exact + window + vectors))
 
     @property
     def nbytes(self):
@@ -290,15 +360,17 @@ class RowStream:
 
     @property
     def fixed_bytes(self):
-        """What the stream options add to ``n_rows * bytes_per_row`` once the sinks are filled:
-        float32 sink rows in place of their codes, the offset and the channel scales."""
-        n = max(self.sinks, 1)
+        """What the stream options add to ``n_rows * bytes_per_row`` once the sinks and the
+        window are filled: float32 sink rows in place of their codes, the window's float32
+        copies, the offset and the channel scales."""
+        n = max(self.sinks + self.recent, 1)
         return self.bytes_for(n) - n * self.codec.bytes_per_row
 
     @property
     def capacity_bytes(self):
         """Bytes allocated."""
-        return self._codes.nbytes + self._side.nbytes + self._exact.nbytes
+        return (self._codes.nbytes + self._side.nbytes + self._exact.nbytes
+                + self._recent_rows.nbytes)
 
 
 def softmax(scores):
@@ -547,7 +619,10 @@ class QuantizedKVCache:
 
         The rows of each KV head are decoded once and the queries go through BLAS in blocks: much
         faster than one consumer call per query, and it agrees with :meth:`attend` at every
-        position to rounding. Query j sits at position ``T - n_q + j`` and sees rows 0..that.
+        position to rounding. Query j sits at position ``T - n_q + j`` and sees rows 0..that;
+        with a recent window (``recent=W``) it reads rows p-W+1 .. p from their float32 copies,
+        as :meth:`attend` with ``length=p + 1`` does (the queries must be those of the rows of
+        the last append, whose copies the streams hold).
 
         Parameters
         ----------
@@ -571,20 +646,42 @@ class QuantizedKVCache:
         first = T - n_q
         with _blas_threads(n_threads):
             for h in range(self.n_kv_heads):
-                K = self.stream(layer, keys, h).decode(n_threads=n_threads)
-                V = self.stream(layer, values, h).decode(n_threads=n_threads)
+                sk, sv = self.stream(layer, keys, h), self.stream(layer, values, h)
+                # with a window, rows come from their codes and each query's own window of
+                # float32 copies is put in below
+                K = sk.decode(n_threads=n_threads, window=False)
+                V = sv.decode(n_threads=n_threads, window=False)
                 Qh = Q[:, h * group:(h + 1) * group, :]            # (n_q, group, d)
                 for b0 in range(0, n_q, block):
                     b1 = min(b0 + block, n_q)
                     visible = first + b1                           # rows the block's last query sees
-                    S = np.matmul(Qh[b0:b1].reshape(-1, Q.shape[2]), K[:visible].T)
+                    Qb = Qh[b0:b1].reshape(-1, Q.shape[2])
+                    S = np.matmul(Qb, K[:visible].T)
                     S *= scale
                     S = S.reshape(b1 - b0, group, visible)
                     pos = first + np.arange(b0, b1)
+                    if sk.recent:
+                        lo, band = _window_band(sk, pos, visible)
+                        Sx = np.matmul(Qb, sk.recent_rows(lo, visible).T)
+                        Sx *= scale
+                        Sx = Sx.reshape(b1 - b0, group, visible - lo)
+                        np.copyto(S[:, :, lo:], Sx, where=band[:, None, :])
                     future = np.arange(visible)[None, :] > pos[:, None]
                     np.copyto(S, np.float32(-np.inf), where=future[:, None, :])
-                    out[b0:b1, h * group:(h + 1) * group] = softmax(S) @ V[:visible]
+                    P = softmax(S)
+                    ctx = P @ V[:visible]
+                    if sv.recent:
+                        lo, band = _window_band(sv, pos, visible)
+                        ctx += (P[:, :, lo:] * band[:, None, :]) @ (
+                            sv.recent_rows(lo, visible) - V[lo:visible])
+                    out[b0:b1, h * group:(h + 1) * group] = ctx
         return out
+
+    @property
+    def recent(self):
+        """The widest recent window of any stream (0: none)."""
+        return max(self.stream(0, name, h).recent for name in self.stream_names
+                   for h in range(self.n_kv_heads))
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -612,6 +709,15 @@ class QuantizedKVCache:
         tokens holds ``T * bytes_per_token + fixed_bytes``."""
         return sum(s.fixed_bytes for entry in self._layers for heads in entry.values()
                    for s in heads)
+
+
+def _window_band(stream, pos, visible):
+    """For queries at positions ``pos`` reading rows < visible: the first row any of them reads
+    from a float32 copy, and the (n_q, visible - lo) mask of the rows each one does."""
+    starts = stream.window_starts(pos + 1)
+    lo = int(starts.min())
+    rows = np.arange(lo, visible)[None, :]
+    return lo, (rows >= starts[:, None]) & (rows <= pos[:, None])
 
 
 class _blas_threads:

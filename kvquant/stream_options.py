@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-STREAM_OPTIONS = ("center", "normalize", "sinks")
+STREAM_OPTIONS = ("center", "normalize", "sinks", "recent")
 STREAM_FLAGS = ("center", "normalize")
+STREAM_COUNTS = ("sinks", "recent")
 MAX_SINKS = 1 << 16   # float32 rows kept at the start of a stream, at most
+MAX_RECENT = 1 << 16  # float32 rows kept at its end, at most
 
 
 def parse_stream_spec(spec):
@@ -40,13 +42,23 @@ def parse_stream_spec(spec):
         Keep the first N rows of the sequence in float32, unquantized (attention sinks: the first
         tokens draw much of the attention and their keys are outliers). N <= 65536.
 
+    ``recent=W``
+        Read the W most recent rows in float32: a query at position p reads rows p-W+1 .. p
+        exactly and older rows through the codec (the rows next to a query draw much of its
+        attention). Every row is encoded when it is appended (a row that leaves the window is
+        read from its codes), and the stream holds float32 copies of the last W rows, plus,
+        until the next append, those of the rows of the last append, so that each query of a
+        prefill reads its own window. W <= 65536.
+
     Under ``nonfinite="inert"`` a NaN/inf row becomes the codec's inert zero row (a zero row
-    for a sink): in a centered stream it then reads as the offset, not as zero.
+    for a sink or in the window): in a centered stream it then reads as the offset, not as zero.
 
     Examples
     --------
     >>> parse_stream_spec("polar5@center,normalize,sinks=1")
     ('polar5', {'center': True, 'normalize': True, 'sinks': 1})
+    >>> parse_stream_spec("tq4@recent=16")
+    ('tq4', {'recent': 16})
     >>> parse_stream_spec("tq4:side=unbiased")
     ('tq4:side=unbiased', {})
     """
@@ -56,15 +68,15 @@ def parse_stream_spec(spec):
     options = {}
     if at and not opt_text.strip():
         raise ValueError(f"stream spec {spec!r}: nothing after '@' (options: center, normalize, "
-                         "sinks=N)")
+                         "sinks=N, recent=W)")
     for item in filter(None, (part.strip() for part in opt_text.split(","))):
         key, eq, value = item.partition("=")
         if key not in STREAM_OPTIONS:
             raise ValueError(f"stream spec {spec!r}: unknown stream option {key!r}; the options "
-                             "are 'center', 'normalize' and 'sinks=N'")
+                             "are 'center', 'normalize', 'sinks=N' and 'recent=W'")
         if key in options:
             raise ValueError(f"stream spec {spec!r}: option {key!r} given twice")
-        if key in STREAM_FLAGS:
+        if key in STREAM_FLAGS:  # flags; the others (STREAM_COUNTS) take a count
             if eq:
                 raise ValueError(f"stream spec {spec!r}: {key!r} takes no value")
             options[key] = True
@@ -73,17 +85,18 @@ def parse_stream_spec(spec):
                 n = int(value)
             except ValueError:
                 n = -1
-            if not eq or not 0 <= n <= MAX_SINKS:
-                raise ValueError(f"stream spec {spec!r}: sinks must be 'sinks=N' with "
-                                 f"0 <= N <= {MAX_SINKS}, got {item!r}")
-            options["sinks"] = n
+            limit = MAX_SINKS if key == "sinks" else MAX_RECENT
+            if not eq or not 0 <= n <= limit:
+                raise ValueError(f"stream spec {spec!r}: {key} must be '{key}=N' with "
+                                 f"0 <= N <= {limit}, got {item!r}")
+            options[key] = n
     return codec_spec.strip(), options
 
 
-def format_stream_spec(codec_spec, center=False, normalize=False, sinks=0):
+def format_stream_spec(codec_spec, center=False, normalize=False, sinks=0, recent=0):
     """The canonical stream spec (inverse of :func:`parse_stream_spec`)."""
     opts = ((["center"] if center else []) + (["normalize"] if normalize else [])
-            + ([f"sinks={sinks}"] if sinks else []))
+            + ([f"sinks={sinks}"] if sinks else []) + ([f"recent={recent}"] if recent else []))
     return codec_spec + ("@" + ",".join(opts) if opts else "")
 
 
@@ -114,23 +127,32 @@ class StreamOptions:
     center: bool = False
     normalize: bool = False
     sinks: int = 0
+    recent: int = 0
 
     def __post_init__(self):
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, (int, np.integer)) or not (
-                0 <= self.sinks <= MAX_SINKS):
-            raise ValueError(f"sinks must be an integer in 0..{MAX_SINKS}, got {self.sinks!r}")
+        for name, limit in (("sinks", MAX_SINKS), ("recent", MAX_RECENT)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+                    0 <= value <= limit):
+                raise ValueError(f"{name} must be an integer in 0..{limit}, got {value!r}")
 
     @property
     def plain(self):
-        """True when the stream only encodes its rows (no offset, scales or sinks)."""
-        return not (self.center or self.normalize or self.sinks)
+        """True when the stream only encodes its rows (no offset, scales, sinks or window)."""
+        return not (self.center or self.normalize or self.sinks or self.recent)
 
     def as_dict(self):
-        return {"center": bool(self.center), "normalize": bool(self.normalize),
-                "sinks": int(self.sinks)}
+        """The options as keyword arguments (``recent`` only when set: files written before it
+        existed hold the other three)."""
+        out = {"center": bool(self.center), "normalize": bool(self.normalize),
+               "sinks": int(self.sinks)}
+        if self.recent:
+            out["recent"] = int(self.recent)
+        return out
 
     def stream_spec(self, codec_spec):
-        return format_stream_spec(codec_spec, self.center, self.normalize, self.sinks)
+        return format_stream_spec(codec_spec, self.center, self.normalize, self.sinks,
+                                  self.recent)
 
 
 def split_stream_spec(spec):

@@ -180,6 +180,25 @@ def test_prefill_paths_and_decode_agree(tiny_llama, spec):
     np.testing.assert_allclose(batch, block[[10, 16]], rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("spec, without", [
+    ("tq3@recent=5", "tq3"), ("tq2@sinks=1,recent=3/tq3@recent=8", "tq2@sinks=1/tq3")])
+def test_a_recent_window_prefill_equals_token_by_token_decode(tiny_llama, spec, without):
+    """Each query of a prefill reads its own window of float32 rows, as a decode step does."""
+    model, _, cfg = tiny_llama
+    tokens = np.random.default_rng(3).integers(0, cfg["V"], 24)
+    block = model.forward(tokens, model.new_cache(spec))
+    cache = model.new_cache(spec)   # (no centering here: its offset is the first append's)
+    steps = np.concatenate([model.forward([t], cache) for t in tokens])
+    np.testing.assert_allclose(steps, block, rtol=0, atol=1e-4 * np.abs(block).max())
+    assert np.abs(model.forward(tokens, model.new_cache(without)) - block).max() > 1e-3
+    model.prefill = "consumer"
+    try:
+        with pytest.raises(ValueError, match="prefill='block'"):
+            model.forward(tokens, model.new_cache(spec))
+    finally:
+        model.prefill = "block"
+
+
 def test_rows_are_quantized_before_attention_reads_them(tiny_llama):
     model, _, cfg = tiny_llama
     tokens = [5, 9, 77]

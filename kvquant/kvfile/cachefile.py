@@ -186,6 +186,11 @@ class CacheFile:
                 codec_spec, self.options[s.name] = split_stream_spec(s.spec)
             except ValueError as exc:
                 raise ValueError(f"stream {s.name!r}: {exc}") from None
+            if self.options[s.name].recent:
+                raise ValueError(
+                    f"stream {s.name!r}: {s.spec!r}: cache files do not store a recent window "
+                    "(its float32 copies change with every append); store the stream without "
+                    "recent=W (the codes of every row are the same)")
             self.codecs[s.name] = build_codec(codec_spec, s.dim, self._nonfinite)
         self.mode = {s.name: self.options[s.name].stream_spec(self.codecs[s.name].spec)
                      for s in self.streams}

@@ -295,6 +295,11 @@ class LlamaGGUF:
         cfg = self.config
         S, hd = q.shape[0], cfg.head_dim
         group = cfg.n_heads // cfg.n_kv_heads
+        if S > 1 and cache.recent:
+            raise ValueError(
+                f"a stream of this cache reads its last {cache.recent} rows from float32 copies "
+                "(recent=W), each query its own: prefill='consumer' reads all the queries of a "
+                "prefill in one call; use prefill='block'")
         # Query rows of one KV group are (position, head in group).
         hidden = causal_mask(np.repeat(pos, group), len(cache.stream(layer, "k")))
         out = np.empty((S, cfg.n_heads, hd), np.float32)

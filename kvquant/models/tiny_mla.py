@@ -209,6 +209,11 @@ class TinyMLA:
             raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
         S, H = tokens.size, cfg.n_heads
         nope, kvl = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if S > 1 and cache.recent:
+            raise ValueError(
+                f"a stream of this cache reads its last {cache.recent} rows from float32 copies "
+                "(recent=W), each query its own; tiny-mla scores all the queries of a prefill in "
+                "one call: feed the tokens one at a time, or drop recent=")
         start = len(cache)
         pos = start + np.arange(S)
         # Query rows are (position, head) in that order; row t is hidden when t > position.
