@@ -12,7 +12,7 @@ under q8_0's (measured in the same run).
 
 Run::
 
-    PYTHONPATH=. python -m experiments.frontier            # default grid (31 pairs), ~4.5 min on 2 cores
+    PYTHONPATH=. python -m experiments.frontier            # default grid (55 pairs), ~12 min on 2 cores
     PYTHONPATH=. python -m experiments.frontier --list     # configurations and their bits only
     PYTHONPATH=. python -m experiments.frontier --plot-only data/results/frontier-....json
 
@@ -80,7 +80,17 @@ STREAM_OPTION_CONFIGS = [
     "polar5@center/polar4", "polar5@sinks=1/polar4@sinks=1", "polar5@center,sinks=1/polar4@sinks=1",
     "polar5@center,normalize,sinks=1/polar4@sinks=1",
 ]
-DEFAULT_CONFIGS = UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
+# A recent window (kvquant.stream_options: each query reads the 16 rows before it in f32).
+# Its f32 rows are a fixed cost per stream: ~1 bit per value at the 512-token chunks measured
+# here, 0.25 at 2048, nothing at long contexts (``bits_per_value(pair)`` without tokens).
+_W = ",recent=16"
+WINDOW_CONFIGS = [
+    f"polar5{_H}{_K}{_W}/polar4{_H}{_V}{_W}", f"polar4{_H}{_K}{_W}/polar3{_H}{_V}{_W}",
+    "tq4@recent=16/tq4@recent=16", "q4_0+rot@recent=16/q4_0+rot@recent=16",
+    f"polar5{_H}{_K},recent=64/polar4{_H}{_V},recent=64",
+]
+DEFAULT_CONFIGS = (UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
+                   + WINDOW_CONFIGS)
 
 BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
 
@@ -128,6 +138,8 @@ def pair_family(pair_spec):
     """Family of a pair: ``"stream options"`` when a stream centers or keeps sinks, else the
     codec's family when K and V share it, else ``"K/V split"``."""
     from kvquant.models import split_pair_spec
+    if "recent=" in pair_spec:
+        return "recent window"
     if "@" in pair_spec:
         return "stream options"
     k_spec, v_spec = split_pair_spec(pair_spec)
@@ -283,6 +295,7 @@ FAMILY_STYLE = {
     "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
+    "recent window": ("#ff1493", "p", "+ recent window of 16 f32 rows (w16; w64: 64)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -311,12 +324,14 @@ def _spread(ys, gap):
 
 
 SHORT = [(":codebook=gaussian", ":gauss"), (":side=unbiased", ":unb"), (":side_dtype=f16", "h"),
+         (",recent=16", "w16"), (",recent=64", "w64"), ("@recent=16", "@w16"),
          ("@center,normalize,sinks=1", "@cns"), ("@center,sinks=1", "@cs"),
          ("@center", "@c"), ("@sinks=1", "@s")]
 
 
 def short_label(pair_spec):
-    """Figure label: ``h`` = fp16 side values, ``@c`` center, ``n`` normalize, ``s`` one sink."""
+    """Figure label: ``h`` = fp16 side values, ``@c`` center, ``n`` normalize, ``s`` one sink,
+    ``w16`` a recent window of 16 rows."""
     for long, short in SHORT:
         pair_spec = pair_spec.replace(long, short)
     return pair_spec
@@ -392,7 +407,8 @@ def plot_frontier(result, out):
                  f"chunks of {t['chunk_tokens']})", fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
               title="named: the front and llama.cpp\nh = fp16 side values\n"
-                    "@c = center, @cs = + 1 f32 sink,\n@cns = + normalize", title_fontsize=7)
+                    "@c = center, @cs = + 1 f32 sink,\n@cns = + normalize, w16 = + recent=16",
+              title_fontsize=7)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
