@@ -76,7 +76,7 @@ class RowStream:
 
     @classmethod
     def from_state(cls, codec, options, codes, side, offset=None, channel_scale=None,
-                   exact=None):
+                   exact=None, recent_rows=None):
         """A stream holding rows stored elsewhere (a cache file's records), ready for attention.
 
         Parameters
@@ -90,11 +90,17 @@ class RowStream:
             stream holds rows.
         exact : ndarray of shape (n_exact, dim), float32, or None
             The float32 sink rows; ``n_exact == options.sinks`` when there are coded rows.
+        recent_rows : ndarray of shape (m, dim), float32, or None
+            With ``options.recent``: the float32 copies of the last m coded rows.
         """
-        if options.recent:
-            raise ValueError(f"options {options.as_dict()}: a recent window's float32 rows are "
-                             "not part of this state; build the stream by appending rows")
         codes, side = codec.check_encoded(EncodedRows(codes, side, codec.spec, codec.dim))
+        if (recent_rows is not None) != bool(options.recent) or (
+                recent_rows is not None and (np.ndim(recent_rows) != 2
+                                             or np.shape(recent_rows)[1] != codec.dim
+                                             or len(recent_rows) > codes.shape[0])):
+            raise ValueError(f"recent_rows must be given exactly with a recent window (options "
+                             f"{options.as_dict()}), as copies of at most the {codes.shape[0]} "
+                             f"coded rows of width {codec.dim}, got {np.shape(recent_rows)}")
         exact = np.zeros((0, codec.dim), np.float32) if exact is None else np.asarray(exact)
         n_coded, n_exact = codes.shape[0], exact.shape[0]
         dim = codec.dim
@@ -120,7 +126,9 @@ class RowStream:
         self._n_exact = n_exact
         self.n_rows = n_exact
         self._append_codes(EncodedRows(codes, side, codec.spec, codec.dim))
-        self._recent_start = self.n_rows
+        if recent_rows is not None:
+            self._recent_rows = np.array(recent_rows, np.float32)
+        self._recent_start = self.n_rows - len(self._recent_rows)
         return self
 
     @property
@@ -235,9 +243,14 @@ class RowStream:
         """Keep the first ``n_rows`` rows (truncating to 0 also forgets offset and scales)."""
         if not 0 <= n_rows <= self.n_rows:
             raise ValueError(f"cannot truncate {self.n_rows} rows to {n_rows}")
+        # the copies kept: those of the last `recent` rows (the window of a query after the
+        # last row; the last append's older copies served its prefill), for the rows left; a
+        # row already read from its codes stays so
+        ws = self.window_start()
+        self._recent_rows = self._recent_rows[ws - self._recent_start:]
+        self._recent_start = ws
         self.n_rows = int(n_rows)
         self._n_exact = min(self._n_exact, self.n_rows)
-        # float32 copies are kept for the rows left; a row already read from its codes stays so
         self._recent_rows = self._recent_rows[:max(0, self.n_rows - self._recent_start)]
         self._recent_start = min(self._recent_start, self.n_rows)
         if self.n_rows == 0:

@@ -371,12 +371,16 @@ class CacheRecords:
         self._offset = {}   # name -> (rows, dim) float32, once a centered stream has rows
         self._scale = {}    # name -> (rows, dim) float32, once a normalized stream has rows
         self._exact = {}    # name -> (m, rows, dim) float32, m <= sinks; min(n, sinks) are held
+        self._recent_start = {}   # name -> first row with a float32 copy (recent=W streams)
+        self._recent_rows = {}    # name -> (n - start, rows, dim) float32 copies
         for s in self._streams:
             c = self._codecs[s.name]
             self._codes[s.name] = np.zeros((0, s.rows, c.code_bytes), np.uint8)
             self._side[s.name] = np.zeros((0, s.rows, c.n_side), np.float32)
             self._offset[s.name] = self._scale[s.name] = None
             self._exact[s.name] = np.zeros((0, s.rows, c.dim), np.float32)
+            self._recent_start[s.name] = 0
+            self._recent_rows[s.name] = np.zeros((0, s.rows, c.dim), np.float32)
 
     def __len__(self):
         return self._n
@@ -426,8 +430,26 @@ class CacheRecords:
         """The float32 rows of the first min(n, sinks) tokens, (n_exact, rows, dim)."""
         return self._ro(self._exact[name][:self._n_exact(name)])
 
-    def _n_exact(self, name):
-        return min(self._n, self._options[name].sinks)
+    def _n_exact(self, name, n=None):
+        return min(self._n if n is None else n, self._options[name].sinks)
+
+    def window_start(self, name, length=None):
+        """First row that a query reading the first ``length`` rows (default all) reads from a
+        float32 copy (``recent=W`` streams; ``length`` for others), as RowStream.window_start."""
+        n = self._n if length is None else length
+        W = self._options[name].recent
+        if not W:
+            return n
+        return min(n, max(n - W, self._recent_start[name], self._n_exact(name, n)))
+
+    def window_rows(self, name, length=None):
+        """The float32 copies a query reading the first ``length`` rows takes from its window,
+        (length - window_start, rows, dim)."""
+        n = self._n if length is None else length
+        start, ws = self._recent_start[name], self.window_start(name, n)
+        if ws >= n:
+            return self._ro(self._recent_rows[name][:0])
+        return self._ro(self._recent_rows[name][ws - start:n - start])
 
     def _check_plain(self, name, what):
         if not self._options[name].plain:
@@ -462,7 +484,8 @@ class CacheRecords:
             self._side[name][e:self._n, row],
             offset=None if off is None else off[row],
             channel_scale=None if scale is None else scale[row],
-            exact=self._exact[name][:e, row])
+            exact=self._exact[name][:e, row],
+            recent_rows=self._recent_rows[name][:, row] if self._options[name].recent else None)
 
     def floats(self, name):
         """Rows of an f32 stream as float32 of shape (n, rows, dim)."""
@@ -502,6 +525,9 @@ class CacheRecords:
             coded *= self._scale[name]
         if self._offset[name] is not None:
             coded += self._offset[name]
+        if self._options[name].recent:   # the window of a query after the last row
+            ws = self.window_start(name)
+            coded[ws - e:] = self.window_rows(name)
         return np.concatenate([self._exact[name][:e], coded]) if e else coded
 
     # -- mutation (the CacheFile's business) ------------------------------------------------
@@ -523,7 +549,8 @@ class CacheRecords:
 
     def _extend(self, tokens, codes, side, states=None):
         """Append records; ``states`` maps a stream with options to (offset, scales, new sink
-        rows) after these records (see :func:`kvquant.stream_options.split_rows`)."""
+        rows, float32 copies of the new coded rows or None) after these records (see
+        :func:`kvquant.stream_options.split_rows`)."""
         k = len(tokens)
         self._reserve(k)
         a, b = self._n, self._n + k
@@ -531,7 +558,7 @@ class CacheRecords:
         for name in self._codes:
             self._codes[name][a:b] = codes[name]
             self._side[name][a:b] = side[name]
-        for name, (offset, scale, exact) in (states or {}).items():
+        for name, (offset, scale, exact, window) in (states or {}).items():
             self._offset[name], self._scale[name] = offset, scale
             e = min(a, self._options[name].sinks)
             held = self._exact[name]
@@ -540,10 +567,34 @@ class CacheRecords:
                 self._exact[name] = np.zeros((m,) + held.shape[1:], np.float32)
                 self._exact[name][:e] = held[:e]
             self._exact[name][e:e + len(exact)] = exact
+            if window is not None:
+                self._keep_recent(name, a + len(exact), min(b, self._options[name].sinks),
+                                  window)
         self._n = b
 
+    def _keep_recent(self, name, before, n_exact, window):
+        """As RowStream: keep the copies of the last ``recent`` rows before this append (rows
+        < ``before``) and of every coded row of it."""
+        start0 = self._recent_start[name]
+        start = max(start0, before - self._options[name].recent, n_exact)
+        kept = self._recent_rows[name][start - start0:before - start0]
+        self._recent_rows[name] = np.concatenate([kept, np.asarray(window, np.float32)])
+        self._recent_start[name] = start
+
+    def _set_window(self, name, rows):
+        """Copies of the last ``len(rows)`` records' rows (a loaded window)."""
+        self._recent_rows[name] = np.array(rows, np.float32)
+        self._recent_start[name] = self._n - len(rows)
+
     def _truncate(self, n):
+        for name in self._recent_start:   # as RowStream.truncate: the last window's copies
+            ws = self.window_start(name)
+            self._recent_rows[name] = self._recent_rows[name][ws - self._recent_start[name]:]
+            self._recent_start[name] = ws
         self._n = min(self._n, n)
+        for name, start in self._recent_start.items():   # ... for the rows left
+            self._recent_rows[name] = self._recent_rows[name][:max(0, self._n - start)]
+            self._recent_start[name] = min(start, self._n)
         if self._n == 0:   # a stream with no rows has no offset or scales (as RowStream)
             for name in self._offset:
                 self._offset[name] = self._scale[name] = None

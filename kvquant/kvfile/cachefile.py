@@ -148,6 +148,7 @@ class CacheFile:
         self.report = LoadReport(self.path, tier=self.tier)
         self._needs_rewrite = True
         self._state_dirty = False   # a stream's state changed since the file was written
+        self._window_slot = 0       # the window slot of the commit (recent=W streams)
         self._committed = 0
         self._disk_count = 0
         self._slot = (0, 1)
@@ -186,11 +187,6 @@ class CacheFile:
                 codec_spec, self.options[s.name] = split_stream_spec(s.spec)
             except ValueError as exc:
                 raise ValueError(f"stream {s.name!r}: {exc}") from None
-            if self.options[s.name].recent:
-                raise ValueError(
-                    f"stream {s.name!r}: {s.spec!r}: cache files do not store a recent window "
-                    "(its float32 copies change with every append); store the stream without "
-                    "recent=W (the codes of every row are the same)")
             self.codecs[s.name] = build_codec(codec_spec, s.dim, self._nonfinite)
         self.mode = {s.name: self.options[s.name].stream_spec(self.codecs[s.name].spec)
                      for s in self.streams}
@@ -379,8 +375,27 @@ class CacheFile:
             if k and ((offset is None) == opt.center or (scale is None) == opt.normalize):
                 raise kvq._corrupt(self.path, f"stream {name!r}: {k} record(s) but no offset or "
                                    "scales in the stream state", "state")
-            states[name] = (offset, scale, sinks[:k]) if k else (None, None, sinks[:0])
+            states[name] = (offset, scale, sinks[:k], None) if k else (None, None, sinks[:0], None)
         return states
+
+    def _load_windows(self, fd, layout, count, k):
+        """The window copies of the commit (``count`` records) for the ``k`` records kept; sets
+        which window slot the commit uses."""
+        found = None
+        for index in (0, 1):
+            got = layout.parse_window_slot(pread_exact(
+                fd, layout.window_slot_bytes, layout.window_slot_offset(index)))
+            if got is not None and got[0] == count:
+                found = index, got[1]
+        if found is None:
+            if count:
+                raise kvq._corrupt(self.path, f"no window slot holds the recent window of the "
+                                   f"committed {count} record(s)", "window")
+            found = 0, {s.name: np.zeros((0, s.rows, s.dim), np.float32)
+                        for s in layout.window_streams}
+        self._window_slot = found[0]
+        for name, rows in found[1].items():   # rows count - h .. count - 1; keep those < k
+            self.records._set_window(name, rows[:max(0, len(rows) - (count - k))])
 
     def _upgrade(self, tokens, codes, side, k):
         new_codes, new_side, states, inert = {}, {}, {}, 0
@@ -524,6 +539,8 @@ class CacheFile:
                 path, pread_exact(fd, layout.state_bytes, layout.state_offset))
             states = self._loaded_states(state, k)
         self.records._extend(tokens[:k], *self._cut(codes, side, k), states)
+        if layout.window_streams:
+            self._load_windows(fd, layout, count, k)
         self.tier = "kvq"
         self._engine_tag = None
         self._layout = layout
@@ -704,6 +721,10 @@ class CacheFile:
                  for j in range(s.rows)]
         rest = np.stack([p[3] for p in parts], axis=1)
         take = n - rest.shape[0]
+        window = None
+        if opt.recent:   # float32 copies of the coded rows as given (NaN/inf: inert zero rows)
+            window = np.asarray(X[take:], np.float32)
+            window = np.where(np.isfinite(window).all(axis=2, keepdims=True), window, 0)
         enc = codec.encode(rest.reshape(-1, s.dim), self._n_threads)
         # the sink tokens' records hold a zero row's codes: valid for every codec, never read
         zero = codec.encode(np.zeros((1, s.dim), np.float32))
@@ -714,7 +735,7 @@ class CacheFile:
         check_side_values(side, side_kind(codec), s.name)
         state = (None if not opt.center else np.stack([p[0] for p in parts]),
                  None if not opt.normalize else np.stack([p[1] for p in parts]),
-                 np.stack([p[2] for p in parts], axis=1))
+                 np.stack([p[2] for p in parts], axis=1), window)
         return codes, side, state
 
     # -- writing -----------------------------------------------------------------------------
@@ -801,6 +822,7 @@ class CacheFile:
         if self.tier == "kvq":
             self._layout = layout
         self._needs_rewrite = self._state_dirty = False
+        self._window_slot = 0
         self._committed = self._disk_count = n
         self._slot = (0, 1)
 
@@ -814,6 +836,13 @@ class CacheFile:
         os.fsync(self._fd)
 
     def _write_count(self, count):
+        if self.tier == "kvq" and self._layout.window_streams:
+            # the window of the new count first, in the slot the current commit does not use
+            spare = 1 - self._window_slot
+            pwrite_all(self._fd, self._layout.window_slot(count, self.records),
+                       self._layout.window_slot_offset(spare))
+            os.fsync(self._fd)
+            self._window_slot = spare
         if self.tier == "kvq":
             idx, seq = self._slot
             new = (1 - idx, seq + 1)

@@ -19,7 +19,12 @@ Layout (little-endian)::
             options, in header order: u32 flags (1: offset set, 2: scales set), u32 sink rows
             held h (<= sinks), f32 offset (rows x dim) if ``center``, f32 scales (rows x dim)
             if ``normalize``, f32 sink rows (h x rows x dim)
-    D       data, D = 72 + J (version 2: S + state_bytes) rounded up to 8: blocks of
+    R       version 2 with a ``recent`` window only, R = S + state_bytes rounded up to 8: two
+            window slots A and B, ``window_slot_bytes`` each: u64 count, u32 CRC32 of the
+            count and the rest (seeded with the header CRC), u32 0, then per stream with a
+            window, in header order: u32 rows held h (<= recent), u32 0, f32 copies of the
+            last h rows (recent x rows x dim; unheld ones zero)
+    D       data, D = 72 + J (version 2: the end of S, or of R) rounded up to 8: blocks of
             ``block_records`` records; a full block is followed by the u32 CRC32 of its bytes
 
 A record is: i32 token, then per stream in header order its codes (rows x code_bytes) and
@@ -36,6 +41,12 @@ append, float32 rows of the first ``sinks`` tokens, whose records hold a zero ro
 written only by a whole-file rewrite, which the cache does whenever an append changes it (the
 first append, and appends while fewer than ``sinks`` tokens are held). A commit count below the
 sink rows held means the first ``count`` of them; a count of 0 means no offset or scales.
+
+A ``recent=W`` window's float32 copies of the last rows change with every append: before each
+commit slot is written, the window slot that the current commit does not use is written with
+the window of the new count and fsynced; the loader takes the window slot whose count is the
+commit's (a commit slot is never valid without it: a crash before the commit leaves the old
+commit and its window slot).
 """
 import json
 import struct
@@ -46,13 +57,15 @@ import numpy as np
 from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.kvfile._common import (
     SIDE_MAX, CacheFileCorrupt, CacheFileMismatch, codec_identity, side_bytes)
-from kvquant.stream_options import MAX_SINKS, StreamOptions
+from kvquant.stream_options import MAX_RECENT, MAX_SINKS, StreamOptions
 
 MAGIC = b"KVQCACHE"
 VERSION = 1            # files without stream options (unchanged since the first kvq files)
 STATE_VERSION = 2      # files with a stream-state area
 VERSIONS = (VERSION, STATE_VERSION)
 STATE_HEAD = struct.Struct("<II")
+WINDOW_HEAD = struct.Struct("<QII")
+NO_COUNT = (1 << 64) - 1   # the count of a window slot that holds no window
 PREFIX = struct.Struct("<8sIIII")
 SLOT = struct.Struct("<QQII")
 SLOT_BODY = struct.Struct("<QQI")
@@ -87,6 +100,10 @@ class KvqLayout:
         self.state_bytes = (STATE_HEAD.size + sum(_stream_state_bytes(
             s.rows, s.dim, self.options[s.name], held.get(s.name, 0))
             for s in self.state_streams) if self.state_streams else 0)
+        self.window_streams = [s for s in self.state_streams if self.options[s.name].recent]
+        self.window_slot_bytes = (WINDOW_HEAD.size + sum(_window_bytes(
+            s.rows, s.dim, self.options[s.name]) for s in self.window_streams)
+            if self.window_streams else 0)
         fields = [("token", "<i4")]
         for s in self.streams:
             c = self.codecs[s.name]
@@ -123,6 +140,8 @@ class KvqLayout:
         }
         if self.state_streams:
             self.header["state_bytes"] = self.state_bytes
+        if self.window_streams:
+            self.header["window_slot_bytes"] = self.window_slot_bytes
         header_json = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
         if len(header_json) > MAX_HEADER_BYTES:
             raise ValueError("the kvq header would exceed 1 MiB")
@@ -132,7 +151,8 @@ class KvqLayout:
         self.header_json = header_json
         self.header_crc = zlib.crc32(header_json)
         self.state_offset = _align8(HEADER_OFFSET + len(header_json))
-        self.data_offset = _align8(self.state_offset + self.state_bytes)
+        self.window_offset = _align8(self.state_offset + self.state_bytes)
+        self.data_offset = _align8(self.window_offset + 2 * self.window_slot_bytes)
 
     def adopt_file_header(self, header, header_json):
         """Take the header of the file being resumed (already checked to describe these
@@ -142,6 +162,7 @@ class KvqLayout:
         self.header = header
         self.version = header["version"]
         self.state_bytes = header.get("state_bytes", 0)
+        self.window_slot_bytes = header.get("window_slot_bytes", 0)
         self._set_header_json(bytes(header_json))
 
     # -- fixed parts ---------------------------------------------------------------------------
@@ -161,7 +182,49 @@ class KvqLayout:
         head += b"\0" * (self.state_offset - len(head))
         if self.state_streams:
             head += self.state_area(records)
+        if self.window_streams:
+            head += b"\0" * (self.window_offset - len(head))
+            head += self.window_slot(count, records) + self.window_slot(NO_COUNT, None)
         return head + b"\0" * (self.data_offset - len(head))
+
+    # -- recent windows ------------------------------------------------------------------------
+    def window_slot_offset(self, index):
+        return self.window_offset + index * self.window_slot_bytes
+
+    def window_slot(self, count, records):
+        """A window slot holding the window of the first ``count`` records (``records`` a
+        CacheRecords; None with NO_COUNT: an empty slot)."""
+        parts = []
+        for s in self.window_streams:
+            W = self.options[s.name].recent
+            rows = np.zeros((W, s.rows, s.dim), "<f4")
+            held = records.window_rows(s.name, count) if records is not None else rows[:0]
+            rows[:len(held)] = held
+            parts.append(STATE_HEAD.pack(len(held), 0) + rows.tobytes())
+        payload = b"".join(parts)
+        crc = zlib.crc32(struct.pack("<Q", count) + payload, self.header_crc)
+        return WINDOW_HEAD.pack(count, crc, 0) + payload
+
+    def parse_window_slot(self, buf):
+        """(count, {name: copies of the last rows held (h, rows, dim)}) of a window slot, or
+        None when its checksum fails (a slot being written, or never written)."""
+        if len(buf) != self.window_slot_bytes:
+            return None
+        count, crc, _ = WINDOW_HEAD.unpack_from(buf)
+        if zlib.crc32(struct.pack("<Q", count) + bytes(buf[WINDOW_HEAD.size:]),
+                      self.header_crc) != crc or count == NO_COUNT:
+            return None
+        out, pos = {}, WINDOW_HEAD.size
+        for s in self.window_streams:
+            W = self.options[s.name].recent
+            held, _ = STATE_HEAD.unpack_from(buf, pos)
+            pos += STATE_HEAD.size
+            rows = np.frombuffer(buf, "<f4", W * s.rows * s.dim, pos).reshape(W, s.rows, s.dim)
+            pos += 4 * W * s.rows * s.dim
+            if held > W or not np.isfinite(rows[:held]).all():
+                return None
+            out[s.name] = np.array(rows[:held], np.float32)
+        return count, out
 
     # -- stream state --------------------------------------------------------------------------
     def state_area(self, records):
@@ -321,6 +384,7 @@ def read_header(path, head, size):
     if problem:
         raise _corrupt(path, f"the header is not a valid kvq header: {problem}")
     state_end = _align8(HEADER_OFFSET + hlen) + header.get("state_bytes", 0)
+    state_end = _align8(state_end) + 2 * header.get("window_slot_bytes", 0)
     if state_end > size:
         raise _corrupt(path, f"the stream state runs past the end of the file ({state_end} > "
                        f"{size} bytes)", "state")
@@ -335,13 +399,19 @@ def _stream_state_bytes(rows, dim, options, held):
     return STATE_HEAD.size + 4 * rows * dim * (options.center + options.normalize + held)
 
 
+def _window_bytes(rows, dim, options):
+    return STATE_HEAD.size + 4 * options.recent * rows * dim
+
+
 def _options_problem(opts):
     """Why a header's stream options are not valid, or None."""
-    if not (isinstance(opts, dict) and set(opts) == {"center", "normalize", "sinks"}
+    if not (isinstance(opts, dict) and {"center", "normalize", "sinks"} <= set(opts)
+            <= {"center", "normalize", "sinks", "recent"}
             and isinstance(opts["center"], bool) and isinstance(opts["normalize"], bool)
-            and _is_int(opts["sinks"], 0, MAX_SINKS)):
+            and _is_int(opts["sinks"], 0, MAX_SINKS)
+            and _is_int(opts.get("recent", 1), 1, MAX_RECENT)):
         return "options"
-    if not (opts["center"] or opts["normalize"] or opts["sinks"]):
+    if not (opts["center"] or opts["normalize"] or opts["sinks"] or opts.get("recent")):
         return "options (none set)"
     return None
 
@@ -362,7 +432,7 @@ def _header_problem(h, version):
     streams = h.get("streams")
     if not isinstance(streams, list) or not 1 <= len(streams) <= MAX_STREAMS:
         return "streams"
-    total, names, state, state_max = 4, set(), STATE_HEAD.size, 0
+    total, names, state, state_max, window = 4, set(), STATE_HEAD.size, 0, WINDOW_HEAD.size
     for s in streams:
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s["name"] in names:
             return "stream name"
@@ -384,6 +454,8 @@ def _header_problem(h, version):
             opts = StreamOptions(**s["options"])
             state += _stream_state_bytes(s["rows"], s["dim"], opts, 0)
             state_max += 4 * s["rows"] * s["dim"] * opts.sinks
+            if opts.recent:
+                window += _window_bytes(s["rows"], s["dim"], opts)
     if total != h["record_bytes"]:
         return f"record_bytes {h['record_bytes']} != {total} from the streams"
     if version == STATE_VERSION and (state == STATE_HEAD.size or not _is_int(
@@ -392,6 +464,9 @@ def _header_problem(h, version):
                 f"{state}..{state + state_max}, the range of the streams' options")
     if version == VERSION and "state_bytes" in h:
         return "state_bytes in a version 1 header"
+    expected = window if window > WINDOW_HEAD.size else 0
+    if not _is_int(h.get("window_slot_bytes", 0), expected, expected):
+        return f"window_slot_bytes {h.get('window_slot_bytes')!r} != {expected} from the options"
     return None
 
 
