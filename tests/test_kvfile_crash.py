@@ -370,6 +370,8 @@ FUZZ_CASES = {
     "kvq": {"mode": "tq3", "block_records": 3},
     # version 2: a stream-state area (offsets, scales, two float32 sink rows) before the data
     "kvq-options": {"mode": "tq3@center,normalize,sinks=2", "block_records": 3},
+    # and two window slots (float32 copies of the last 3 rows)
+    "kvq-window": {"mode": "tq3@center,sinks=1,recent=3", "block_records": 3},
 }
 FUZZ_RECORDS = 8
 EXTREMES = st.one_of(
@@ -395,7 +397,7 @@ def _valid_file(fuzz_dir, tier):
     """A valid file of the tier with 8 records in two appends (kvq: slots at counts 5 and 8)."""
     if tier not in _FUZZ_FILES:
         path = str(fuzz_dir / f"valid-{tier}")
-        if tier == "kvq-options":   # float rows: the stream options transform them
+        if tier.startswith("kvq-"):   # float rows: the stream options transform them
             g = np.random.default_rng(11)
             cf = CacheFile.open(path, CSHAPE, **FUZZ_CASES[tier])
             for a, b in ((0, 1), (1, 5), (5, FUZZ_RECORDS)):
@@ -518,6 +520,8 @@ def test_fuzz_corruption(fuzz_dir, tier, mutations):
             for read in (lambda r: r.offset(name), lambda r: r.channel_scale(name)):
                 assert (read(got) is None if n == 0 or read(want) is None
                         else np.array_equal(read(got), read(want)))
+            if n == FUZZ_RECORDS:   # the window too
+                assert np.array_equal(got.decode(name), want.decode(name))
     else:
         rec, start = layout.record_bytes, 40
         bad = {(p - start) // rec for p in touched if p >= start}

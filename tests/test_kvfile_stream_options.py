@@ -457,3 +457,96 @@ def test_options_in_a_version_1_header_are_refused(tmp_path, rng):
     assert struct.unpack_from("<I", read(path), 8)[0] == 1
     with pytest.raises(CacheFileCorrupt, match="options in a version 1 header"):
         CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, "tq4@center")])
+
+
+# -- recent windows ------------------------------------------------------------------------------
+WINDOW_SPECS = ["tq3@recent=4", "polar4@center,sinks=1,recent=3", "kv8@normalize,recent=16"]
+WINDOW_CHUNKS = (9, 1, 1, 6, 1)
+
+
+@pytest.mark.parametrize("spec", WINDOW_SPECS)
+def test_a_recent_window_survives_the_file(tmp_path, rng, spec):
+    X = keys(rng, sum(WINDOW_CHUNKS))
+    path = tmp_path / "c.kvq"
+    cf = write(path, {"K": spec}, {"K": X}, chunks=WINDOW_CHUNKS)
+    streams = row_streams(spec, X, WINDOW_CHUNKS)
+    want = np.stack([s.decode() for s in streams], axis=1)
+    np.testing.assert_array_equal(cf.records.decode("K"), want)
+    back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
+    assert back.report.kinds() == ["loaded"]
+    np.testing.assert_array_equal(back.records.decode("K"), want)
+    q = rng.standard_normal(DIM).astype(np.float32)
+    w = rng.random(len(X)).astype(np.float32)
+    for j, stream in enumerate(streams):
+        loaded = back.records.row_stream("K", j)
+        np.testing.assert_array_equal(loaded.scores(q), stream.scores(q))
+        np.testing.assert_array_equal(loaded.context(w), stream.context(w))
+        loaded.append(X[-1:, j])                  # and it goes on as the original does
+        stream.append(X[-1:, j])
+        np.testing.assert_array_equal(loaded.decode(), stream.decode())
+    # truncation (the count, then the window of that count) and a reload
+    streams = row_streams(spec, X, WINDOW_CHUNKS)
+    for stream in streams:
+        stream.truncate(len(X) - 3)
+    back.truncate(len(X) - 3)
+    again = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
+    np.testing.assert_array_equal(again.records.decode("K"),
+                                  np.stack([s.decode() for s in streams], axis=1))
+
+
+def test_a_failed_commit_keeps_the_last_window(tmp_path, rng, monkeypatch):
+    """Fail each write of an append in turn: the file reopens at the old commit with its old
+    window, or at the new one with the new window, never a mix."""
+    spec = "tq3@recent=4"
+    X = keys(rng, 12)
+    path = tmp_path / "c.kvq"
+    write(path, {"K": spec}, {"K": X[:8]}, chunks=(8,))
+    old = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)]).records.decode("K")
+    new = np.stack([s.decode() for s in row_streams(spec, X, (8, 4))], axis=1)
+    original = read(path)
+    real = cachefile_module.pwrite_all
+    outcomes = set()
+    for fail_at in range(4):   # records, window slot, commit slot, then nothing fails
+        path.write_bytes(original)
+        calls = []
+
+        def flaky(fd, data, offset):
+            calls.append(offset)
+            if len(calls) == fail_at + 1:
+                raise OSError(5, "Input/output error")
+            return real(fd, data, offset)
+        monkeypatch.setattr(cachefile_module, "pwrite_all", flaky)
+        cf = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
+        try:
+            cf.append(np.arange(8, 12), streams={"K": X[8:]})
+        except CacheFileSaveError:
+            pass
+        monkeypatch.setattr(cachefile_module, "pwrite_all", real)
+        back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
+        got = back.records.decode("K")
+        if len(got) == 8:
+            np.testing.assert_array_equal(got, old)
+            outcomes.add("old")
+        else:
+            np.testing.assert_array_equal(got, new)
+            outcomes.add("new")
+    assert outcomes == {"old", "new"}
+
+
+def test_a_damaged_window_slot(tmp_path, rng):
+    spec = "tq3@recent=4"
+    path = tmp_path / "c.kvq"
+    cf = write(path, {"K": spec}, {"K": keys(rng, 10)}, chunks=(8, 2))
+    layout, used = cf._layout, cf._window_slot
+    for index, refused in ((1 - used, False), (used, True)):
+        b = bytearray(read(path))
+        b[layout.window_slot_offset(index) + 40] ^= 0x10
+        bad = tmp_path / f"bad{index}.kvq"
+        bad.write_bytes(bytes(b))
+        if refused:
+            with pytest.raises(CacheFileCorrupt) as exc:
+                CacheFile.open(bad, streams=[Stream("K", DIM, SLOTS, spec)])
+            assert exc.value.reason == "window"
+        else:   # the spare slot is not read
+            back = CacheFile.open(bad, streams=[Stream("K", DIM, SLOTS, spec)])
+            np.testing.assert_array_equal(back.records.decode("K"), cf.records.decode("K"))
