@@ -550,3 +550,5 @@ def test_a_damaged_window_slot(tmp_path, rng):
         else:   # the spare slot is not read
             back = CacheFile.open(bad, streams=[Stream("K", DIM, SLOTS, spec)])
             np.testing.assert_array_equal(back.records.decode("K"), cf.records.decode("K"))
+        slots = inspect_file(bad)["window_slots"]
+        assert slots[index] is None and slots[1 - index] in (8, 10)

@@ -132,6 +132,21 @@ def _inspect_state(path, header, header_json, info):
     info["state"] = {name: {"offset": offset is not None, "scales": scale is not None,
                             "sink_rows": len(sinks)}
                      for name, (offset, scale, sinks) in state.items()}
+    if header.get("window_slot_bytes"):
+        info["window_slots"] = _window_slots(path, header, header_json)
+
+
+def _window_slots(path, header, header_json):
+    """The count each window slot holds (None: empty or damaged)."""
+    size = header["window_slot_bytes"]
+    start = kvq._align8(kvq._align8(kvq.HEADER_OFFSET + len(header_json))
+                       + header["state_bytes"])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        slots = [pread_exact(fd, size, start + i * size) for i in (0, 1)]
+    finally:
+        os.close(fd)
+    return [kvq.window_slot_count(buf, size, zlib.crc32(header_json)) for buf in slots]
 
 
 def _inspect_kvq(path, head, size, info, mode):
@@ -223,6 +238,10 @@ def format_inspection(info):
                 for name, st in (info.get("state") or {}).items())
             lines.append(f"state      {h['state_bytes']} bytes of stream state before the data"
                          + (f" ({held})" if held else " (unreadable)"))
+        if info.get("window_slots"):
+            a, b = info["window_slots"]
+            lines.append(f"windows    two slots of {h['window_slot_bytes']} bytes: A holds the "
+                         f"window of count {a}, B of count {b}")
         lines.append(f"blocks     {info['block_records']} records per block + CRC32, data from "
                      f"byte {info['data_offset']}")
     if "record_bytes" in info:

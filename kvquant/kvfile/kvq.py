@@ -208,11 +208,8 @@ class KvqLayout:
     def parse_window_slot(self, buf):
         """(count, {name: copies of the last rows held (h, rows, dim)}) of a window slot, or
         None when its checksum fails (a slot being written, or never written)."""
-        if len(buf) != self.window_slot_bytes:
-            return None
-        count, crc, _ = WINDOW_HEAD.unpack_from(buf)
-        if zlib.crc32(struct.pack("<Q", count) + bytes(buf[WINDOW_HEAD.size:]),
-                      self.header_crc) != crc or count == NO_COUNT:
+        count = window_slot_count(buf, self.window_slot_bytes, self.header_crc)
+        if count is None:
             return None
         out, pos = {}, WINDOW_HEAD.size
         for s in self.window_streams:
@@ -304,6 +301,16 @@ class KvqLayout:
                 crc = 0
             i = stop
         return b"".join(out), crc
+
+
+def window_slot_count(buf, slot_bytes, header_crc):
+    """The count whose window a window slot holds, or None (empty, torn or damaged)."""
+    if len(buf) != slot_bytes:
+        return None
+    count, crc, _ = WINDOW_HEAD.unpack_from(buf)
+    if zlib.crc32(struct.pack("<Q", count) + bytes(buf[WINDOW_HEAD.size:]), header_crc) != crc:
+        return None
+    return None if count == NO_COUNT else count
 
 
 def parse_state(path, buf, streams, header_crc):
