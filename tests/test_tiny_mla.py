@@ -113,6 +113,18 @@ def test_prefill_reads_quantized_rows(model):
     assert len(cache) == len(toks)
 
 
+def test_a_recent_window_prefill_equals_decoding(model):
+    # each query of a prefill reads its own window of float32 rows, as a decode step does
+    toks = list(ORACLE_PROMPT) * 2
+    spec = "tq2@recent=3/kv8@recent=5"
+    pre = model.forward(toks, model.new_cache(spec))
+    cache = model.new_cache(spec)
+    steps = np.stack([model.forward([t], cache)[0] for t in toks])
+    np.testing.assert_allclose(pre, steps, rtol=0, atol=2e-5 * np.abs(steps).max())
+    plain = model.forward(toks, model.new_cache("tq2/kv8"))
+    assert np.abs(plain - pre).max() > 1e-3
+
+
 class CountingCodec(Codec):
     """f32 rows whose decode is forbidden: attention must go through scores/context."""
 

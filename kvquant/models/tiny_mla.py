@@ -209,11 +209,6 @@ class TinyMLA:
             raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
         S, H = tokens.size, cfg.n_heads
         nope, kvl = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        if S > 1 and cache.recent:
-            raise ValueError(
-                f"a stream of this cache reads its last {cache.recent} rows from float32 copies "
-                "(recent=W), each query its own; tiny-mla scores all the queries of a prefill in "
-                "one call: feed the tokens one at a time, or drop recent=")
         start = len(cache)
         pos = start + np.arange(S)
         # Query rows are (position, head) in that order; row t is hidden when t > position.
@@ -233,14 +228,34 @@ class TinyMLA:
             cache.append(li, n_threads=1, L=L, R=R)
             # Absorbed attention on the codes: the consumers score L and R, then sum over L.
             q_abs = np.einsum("shd,hdc->shc", q_nope, lw["w_kb"]).reshape(S * H, kvl)
-            scores = cache.scores(li, "L", q_abs, n_threads=1)
-            scores += cache.scores(li, "R", q_rope.reshape(S * H, -1), n_threads=1)
-            scores *= scale
-            weights = masked_softmax(scores, hidden)
-            latent_ctx = cache.context(li, "L", weights, n_threads=1).reshape(S, H, kvl)
+            if S > 1 and cache.recent:
+                latent_ctx = self._windowed_prefill(cache, li, q_abs, q_rope, start, scale)
+            else:
+                scores = cache.scores(li, "L", q_abs, n_threads=1)
+                scores += cache.scores(li, "R", q_rope.reshape(S * H, -1), n_threads=1)
+                scores *= scale
+                weights = masked_softmax(scores, hidden)
+                latent_ctx = cache.context(li, "L", weights, n_threads=1).reshape(S, H, kvl)
             ctx = np.einsum("shc,hvc->shv", latent_ctx, lw["w_vb"]).reshape(S, -1)
             x = x + ctx @ lw["o_t"]
             h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
             x = x + (silu(h @ lw["gate_t"]) * (h @ lw["up_t"])) @ lw["down_t"]
         x = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return x @ self.lm_head_t
+
+    @staticmethod
+    def _windowed_prefill(cache, layer, q_abs, q_rope, start, scale):
+        """Latent contexts (S, H, kv_lora) of a prefill whose cache keeps a recent window:
+        each position reads its own window (the rows before it, as a decode step would), so
+        one consumer call per position."""
+        S, H = q_rope.shape[:2]
+        q_abs = q_abs.reshape(S, H, -1)
+        out = np.empty_like(q_abs)
+        for j in range(S):
+            n = start + j + 1
+            scores = cache.scores(layer, "L", q_abs[j], n_threads=1, length=n)
+            scores += cache.scores(layer, "R", q_rope[j], n_threads=1, length=n)
+            scores *= scale
+            out[j] = cache.context(layer, "L", masked_softmax(scores, np.zeros_like(
+                scores, dtype=bool)), n_threads=1)
+        return out
