@@ -36,7 +36,10 @@ REPORT_CODECS = {
                 # (keys centered and normalized, values centered, the first row in f32) and fp16
                 # side values; the same stream options on llama.cpp's rotated q4_0 beside it
                 "polar5:side_dtype=f16@center,normalize,sinks=1/polar4:side_dtype=f16@center,sinks=1",
-                "q4_0+rot@center,normalize,sinks=1/q4_0+rot@center,sinks=1"],
+                "q4_0+rot@center,normalize,sinks=1/q4_0+rot@center,sinks=1",
+                # and with a recent window of 16 f32 rows (each query reads them exactly)
+                "polar5:side_dtype=f16@center,normalize,sinks=1,recent=16"
+                "/polar4:side_dtype=f16@center,sinks=1,recent=16"],
 }
 TINY_EXTRAS = ["polar3", "polar4", "polar6", "polar6:compat=colibri", "q8_0/kv8", "q4_0/kv8",
                "q4_0+rot/kv8"]
