@@ -495,17 +495,9 @@ class RecentWindowCache(QuantizedKVCache):
         -------
         ndarray of shape (n_q, n_heads, d_values), dtype float32
         """
-        Q = np.asarray(Q, dtype=np.float32)
-        if Q.ndim != 3 or Q.shape[2] != self.dims[keys]:
-            raise ValueError(f"Q must have shape (n_q, n_heads, {self.dims[keys]}), got {Q.shape}")
+        Q, group, first, scale = self._prefill_queries(layer, Q, scale, keys, values)
         n_q, n_heads = Q.shape[:2]
-        group = self._heads(layer, keys, values, n_heads)
-        T = self.length(layer)
-        if n_q > T:
-            raise ValueError(f"{n_q} queries but only {T} rows stored: append the rows first")
-        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
         out = np.empty((n_q, n_heads, self.dims[values]), np.float32)
-        first = T - n_q
         for h in range(self.n_kv_heads):
             Kq = self.stream(layer, keys, h).decode(n_threads=n_threads)
             Vq = self.stream(layer, values, h).decode(n_threads=n_threads)
@@ -673,19 +665,9 @@ _WORKER = {}
 
 
 def _init_worker(parent_pid):
-    import threading
-    from threadpoolctl import threadpool_limits
+    from kvquant.flips import worker_setup
     from kvquant.models import load_model
-
-    def watch_parent():
-        # a worker outlives a parent killed by a signal: leave when it is gone
-        while True:
-            time.sleep(2.0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
-    _WORKER["blas"] = threadpool_limits(limits=1, user_api="blas")
+    worker_setup(parent_pid)
     _WORKER["model"] = ProbeModel(load_model(MODEL), PROBES)
 
 

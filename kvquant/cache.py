@@ -645,18 +645,10 @@ class QuantizedKVCache:
         -------
         ndarray of shape (n_q, n_heads, d_values), dtype float32
         """
-        Q = np.asarray(Q, dtype=np.float32)
-        if Q.ndim != 3 or Q.shape[2] != self.dims[keys]:
-            raise ValueError(f"Q must have shape (n_q, n_heads, {self.dims[keys]}), got {Q.shape}")
+        Q, group, first, scale = self._prefill_queries(layer, Q, scale, keys, values)
         n_q, n_heads = Q.shape[:2]
-        group = self._heads(layer, keys, values, n_heads)
-        T = self.length(layer)
-        if n_q > T:
-            raise ValueError(f"{n_q} queries but only {T} rows stored: append the rows first")
-        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
         n_threads = resolve_n_threads(n_threads)
         out = np.empty((n_q, n_heads, self.dims[values]), np.float32)
-        first = T - n_q
         with _blas_threads(n_threads):
             for h in range(self.n_kv_heads):
                 sk, sv = self.stream(layer, keys, h), self.stream(layer, values, h)
@@ -689,6 +681,20 @@ class QuantizedKVCache:
                             sv.recent_rows(lo, visible) - V[lo:visible])
                     out[b0:b1, h * group:(h + 1) * group] = ctx
         return out
+
+    def _prefill_queries(self, layer, Q, scale, keys, values):
+        """Checked prefill queries: (Q as float32 (n_q, n_heads, d), heads per KV head, position
+        of the first query, score scale)."""
+        Q = np.asarray(Q, dtype=np.float32)
+        if Q.ndim != 3 or Q.shape[2] != self.dims[keys]:
+            raise ValueError(f"Q must have shape (n_q, n_heads, {self.dims[keys]}), got {Q.shape}")
+        group = self._heads(layer, keys, values, Q.shape[1])
+        T = self.length(layer)
+        if Q.shape[0] > T:
+            raise ValueError(f"{Q.shape[0]} queries but only {T} rows stored: append the rows "
+                             "first")
+        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
+        return Q, group, T - Q.shape[0], scale
 
     @property
     def recent(self):

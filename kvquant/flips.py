@@ -330,13 +330,14 @@ def text_metrics(model, pair_specs, chunks, progress=None):
 _WORKER = {}
 
 
-def _init_worker(model_name, parent_pid):
+def worker_setup(parent_pid):
+    """What a pool worker running a model does first: leave when its parent is gone (a worker
+    outlives a parent killed by a signal) and hold BLAS to one thread (the pool is the
+    parallelism)."""
     import threading
     from threadpoolctl import threadpool_limits
-    from kvquant.models import load_model
 
     def watch_parent():
-        # A worker outlives a parent killed by a signal: leave when the parent is gone.
         while True:
             time.sleep(2.0)
             if os.getppid() != parent_pid:
@@ -344,6 +345,11 @@ def _init_worker(model_name, parent_pid):
 
     threading.Thread(target=watch_parent, daemon=True).start()
     _WORKER["blas"] = threadpool_limits(limits=1, user_api="blas")
+
+
+def _init_worker(model_name, parent_pid):
+    from kvquant.models import load_model
+    worker_setup(parent_pid)
     _WORKER["model"] = load_model(model_name)
 
 

@@ -405,3 +405,18 @@ def test_result_names_carry_the_text_and_a_subset_of_ideas():
     meta["text"]["name"] = "pydoc"
     assert probes.result_stem({"meta": dict(meta, ideas=["window", "reference"])}) == \
         "probes-smollm2-N2048-c512-reference-window"
+
+
+@pytest.mark.parametrize("W", [1, 5])
+def test_the_simulated_window_agrees_with_the_stream_option(rng, W):
+    """The probe's two-copy simulation and the cache's ``recent=W`` stream option are two
+    implementations of one rule: they agree to rounding."""
+    K, V = _rows(rng)
+    Q = rng.standard_normal((25, 4, 32)).astype(np.float32)
+    sim = _filled(RecentWindowCache(1, {"k": ("tq2", 32), "v": ("tq3", 32)}, 2, window=W), K, V)
+    real = _filled(QuantizedKVCache(1, {"k": (f"tq2@recent={W}", 32),
+                                        "v": (f"tq3@recent={W}", 32)}, 2), K, V)
+    np.testing.assert_allclose(real.attend_prefill(0, Q, block=8), sim.attend_prefill(0, Q),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(real.attend(0, Q[-1]), sim.attend(0, Q[-1]), rtol=1e-5,
+                               atol=1e-5)
