@@ -65,6 +65,7 @@ class RowStream:
         self.recent = int(recent)
         self._recent_rows = np.empty((0, codec.dim), np.float32)   # rows [_recent_start, n_rows)
         self._recent_start = 0
+        self._last_append = 0   # rows before the last append (reads of fewer rows: refused)
         self.n_rows = 0
         self.offset = None            # (dim,) float32 once a centered stream got its first rows
         self.channel_scale = None     # (dim,) float32 once a normalized stream got its first rows
@@ -129,6 +130,7 @@ class RowStream:
         if recent_rows is not None:
             self._recent_rows = np.array(recent_rows, np.float32)
         self._recent_start = self.n_rows - len(self._recent_rows)
+        self._last_append = self.n_rows
         return self
 
     @property
@@ -190,6 +192,7 @@ class RowStream:
         """Store what :meth:`prepare` returned."""
         offset, scale, exact, enc, window = prepared
         self.offset, self.channel_scale = offset, scale
+        self._last_append = self.n_rows
         if exact is not None and exact.shape[0]:
             self._hold_exact(self._n_exact + exact.shape[0])
             self._exact[self._n_exact:self._n_exact + exact.shape[0]] = exact
@@ -243,16 +246,17 @@ class RowStream:
         """Keep the first ``n_rows`` rows (truncating to 0 also forgets offset and scales)."""
         if not 0 <= n_rows <= self.n_rows:
             raise ValueError(f"cannot truncate {self.n_rows} rows to {n_rows}")
-        # the copies kept: those of the last `recent` rows (the window of a query after the
-        # last row; the last append's older copies served its prefill), for the rows left; a
-        # row already read from its codes stays so
-        ws = self.window_start()
-        self._recent_rows = self._recent_rows[ws - self._recent_start:]
-        self._recent_start = ws
         self.n_rows = int(n_rows)
         self._n_exact = min(self._n_exact, self.n_rows)
-        self._recent_rows = self._recent_rows[:max(0, self.n_rows - self._recent_start)]
-        self._recent_start = min(self._recent_start, self.n_rows)
+        # the copies kept: those the window of the new length needs, where still held (so that
+        # dropping the rows of an append gives back the stream before it); a row whose copy is
+        # gone reads from its codes
+        keep = min(max(self.n_rows - self.recent, self._recent_start, self._n_exact),
+                   self.n_rows)
+        self._recent_rows = np.array(self._recent_rows[keep - self._recent_start:
+                                                       self.n_rows - self._recent_start])
+        self._recent_start = keep
+        self._last_append = min(self._last_append, self.n_rows)
         if self.n_rows == 0:
             self.offset = self.channel_scale = None
             self._recent_start = 0
@@ -277,10 +281,15 @@ class RowStream:
 
     def window_start(self, length=None):
         """First row that a read of the first ``length`` rows (a query at position
-        length - 1) takes from its float32 copy: ``length`` when the stream has no window."""
+        length - 1) takes from its float32 copy: ``length`` when the stream has no window.
+
+        Reads of fewer rows than the stream held before its last append are refused: the
+        copies of their windows are gone (rows whose copies a truncation dropped read from
+        their codes)."""
         n = self._length(length)
         if not self.recent:
             return n
+        self._check_window_length(n)
         return min(n, max(n - self.recent, self._recent_start, self._n_exact))
 
     def window_starts(self, lengths):
@@ -288,8 +297,17 @@ class RowStream:
         lengths = np.asarray(lengths, np.int64)
         if not self.recent:
             return lengths
+        if lengths.size:
+            self._check_window_length(int(lengths.min()))
         return np.minimum(lengths, np.maximum(lengths - self.recent,
                                               max(self._recent_start, self._n_exact)))
+
+    def _check_window_length(self, n):
+        if n < self._last_append:
+            raise ValueError(
+                f"a read of the first {n} rows needs the float32 copies of its window of "
+                f"{self.recent} rows; this stream keeps them for its last {self.recent} rows "
+                f"and the rows of its last append: read at least {self._last_append} rows")
 
     def recent_rows(self, start, stop):
         """The float32 copies of rows [start, stop), which must lie in the rows held
@@ -698,9 +716,9 @@ class QuantizedKVCache:
 
     @property
     def recent(self):
-        """The widest recent window of any stream (0: none)."""
-        return max(self.stream(0, name, h).recent for name in self.stream_names
-                   for h in range(self.n_kv_heads))
+        """The widest recent window of any stream of any layer (0: none)."""
+        return max(self.stream(layer, name, h).recent for layer in range(self.n_layers)
+                   for name in self.stream_names for h in range(self.n_kv_heads))
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -723,9 +741,9 @@ class QuantizedKVCache:
 
     @property
     def fixed_bytes(self):
-        """Bytes of the stream options beyond ``bytes_per_token`` per token (sinks, offsets,
-        scales; :attr:`RowStream.fixed_bytes`), every layer, stream and head: a cache of T >= sinks
-        tokens holds ``T * bytes_per_token + fixed_bytes``."""
+        """Bytes of the stream options beyond ``bytes_per_token`` per token (sinks, window
+        copies, offsets, scales; :attr:`RowStream.fixed_bytes`), every layer, stream and head: a
+        cache of T >= sinks + recent tokens holds ``T * bytes_per_token + fixed_bytes``."""
         return sum(s.fixed_bytes for entry in self._layers for heads in entry.values()
                    for s in heads)
 
@@ -734,7 +752,8 @@ def _window_band(stream, pos, visible):
     """For queries at positions ``pos`` reading rows < visible: the first row any of them reads
     from a float32 copy, and the (n_q, visible - lo) mask of the rows each one does."""
     starts = stream.window_starts(pos + 1)
-    lo = int(starts.min())
+    # a query within the sinks has an empty band (its start is its length): not below the copies
+    lo = min(visible, max(int(starts.min()), stream._recent_start))
     rows = np.arange(lo, visible)[None, :]
     return lo, (rows >= starts[:, None]) & (rows <= pos[:, None])
 

@@ -73,10 +73,12 @@ def test_a_row_that_left_the_window_reads_from_its_codes(rng):
     with pytest.raises(ValueError, match="not all held in float32"):
         stream.recent_rows(20, 30)     # rows 20..25 left the window: only their codes remain
     stream.truncate(28)
-    # the window of length 28 is rows 24..27; only the copies of the last window (26..29)
-    # were kept, so 26 and 27 still read exact, 24 and 25 from their codes
-    assert stream.window_start() == 26
-    np.testing.assert_allclose(stream.decode(), seen_by(X, Xq, 28, 4, held_from=26), atol=1e-5)
+    # the window of length 28 is rows 24..27; the stream held copies from row 25 on (the last
+    # window and the last append), so 25..27 read exact, 24 from its codes
+    assert stream.window_start() == 25
+    np.testing.assert_allclose(stream.decode(), seen_by(X, Xq, 28, 4, held_from=25), atol=1e-5)
+    with pytest.raises(ValueError, match="read at least 28 rows"):
+        stream.scores(np.ones(D, np.float32), length=20)   # its window's copies are gone
     stream.append(X[28:30])
     np.testing.assert_allclose(stream.decode(), seen_by(X, Xq, 30, 4), atol=1e-5)
 
@@ -137,6 +139,23 @@ def test_prefill_gives_each_query_its_own_window(rng, block):
     plain.append(0, k=K[:20, None], v=V[:20, None])
     plain.append(0, k=K[20:, None], v=V[20:, None])
     assert np.abs(plain.attend_prefill(0, Q) - got).max() > 1e-3
+
+
+def test_prefill_with_sinks_inside_the_first_windows(rng):
+    """Queries at positions within the sinks read no window copies (their rows are exact)."""
+    K, V = rows(rng, 9), rows(rng, 9)
+    cache = QuantizedKVCache(1, {"k": ("tq3@center,normalize,sinks=2,recent=3", D),
+                                 "v": ("tq3@sinks=2,recent=3", D)})
+    cache.append(0, k=K[:, None], v=V[:, None])
+    Q = rng.standard_normal((9, 1, D)).astype(np.float32)
+    got = cache.attend_prefill(0, Q, block=4)
+    one = np.stack([cache.attend(0, Q[j], length=j + 1) for j in range(9)])
+    np.testing.assert_allclose(got, one, rtol=0, atol=1e-5 * np.abs(one).max())
+
+
+def test_a_window_in_any_layer_counts():
+    cache = QuantizedKVCache(2, {"k": (["tq4", "tq4@recent=4"], D), "v": ("tq4", D)})
+    assert cache.recent == 4
 
 
 def test_spec_language_and_where_a_window_cannot_go():

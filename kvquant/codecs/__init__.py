@@ -73,9 +73,9 @@ def get_codec(spec, dim, **options):
     """
     if isinstance(spec, str) and "@" in spec:
         raise ValueError(
-            f"{spec!r}: what follows '@' are stream options (center, normalize, sinks=N) of a "
-            "stream of rows (kvquant.cache.QuantizedKVCache, model pair specs, cache file "
-            "streams), not codec options; give the codec "
+            f"{spec!r}: what follows '@' are stream options (center, normalize, sinks=N, "
+            "recent=W) of a stream of rows (kvquant.cache.QuantizedKVCache, model pair specs, "
+            "cache file streams), not codec options; give the codec "
             f"{spec.partition('@')[0]!r} here")
     base, spec_options = parse_spec(spec)
     for key, value in options.items():

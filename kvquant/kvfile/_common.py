@@ -587,14 +587,14 @@ class CacheRecords:
         self._recent_start[name] = self._n - len(rows)
 
     def _truncate(self, n):
-        for name in self._recent_start:   # as RowStream.truncate: the last window's copies
-            ws = self.window_start(name)
-            self._recent_rows[name] = self._recent_rows[name][ws - self._recent_start[name]:]
-            self._recent_start[name] = ws
         self._n = min(self._n, n)
-        for name, start in self._recent_start.items():   # ... for the rows left
-            self._recent_rows[name] = self._recent_rows[name][:max(0, self._n - start)]
-            self._recent_start[name] = min(start, self._n)
+        for name, start in self._recent_start.items():
+            # as RowStream.truncate: the copies the new window needs, where still held
+            keep = min(max(self._n - self._options[name].recent, start,
+                           self._n_exact(name)), self._n)
+            self._recent_rows[name] = np.array(self._recent_rows[name][keep - start:
+                                                                      self._n - start])
+            self._recent_start[name] = keep
         if self._n == 0:   # a stream with no rows has no offset or scales (as RowStream)
             for name in self._offset:
                 self._offset[name] = self._scale[name] = None

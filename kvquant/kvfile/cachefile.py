@@ -148,7 +148,6 @@ class CacheFile:
         self.report = LoadReport(self.path, tier=self.tier)
         self._needs_rewrite = True
         self._state_dirty = False   # a stream's state changed since the file was written
-        self._window_slot = 0       # the window slot of the commit (recent=W streams)
         self._committed = 0
         self._disk_count = 0
         self._slot = (0, 1)
@@ -196,8 +195,8 @@ class CacheFile:
         if self.shape is None:
             return "engine .coli_kv files hold MLA models (L and R rows) only"
         if not all(opt.plain for opt in self.options.values()):
-            return "stream options (center, normalize, sinks) are ours: the engine has no field "\
-                   "for an offset, scales or float32 sink rows"
+            return "stream options (center, normalize, sinks, recent) are ours: the engine has "\
+                   "no field for an offset, scales or float32 rows"
         cl, cr = self.codecs["L"], self.codecs["R"]
         if cl.engine_tag is None:
             hint = (" (the engine has no grouped-scale format: KV8_GS turns persistence off)"
@@ -378,24 +377,31 @@ class CacheFile:
             states[name] = (offset, scale, sinks[:k], None) if k else (None, None, sinks[:0], None)
         return states
 
-    def _load_windows(self, fd, layout, count, k):
-        """The window copies of the commit (``count`` records) for the ``k`` records kept; sets
-        which window slot the commit uses."""
-        found = None
-        for index in (0, 1):
-            got = layout.parse_window_slot(pread_exact(
-                fd, layout.window_slot_bytes, layout.window_slot_offset(index)))
-            if got is not None and got[0] == count:
-                found = index, got[1]
-        if found is None:
-            if count:
-                raise kvq._corrupt(self.path, f"no window slot holds the recent window of the "
-                                   f"committed {count} record(s)", "window")
-            found = 0, {s.name: np.zeros((0, s.rows, s.dim), np.float32)
-                        for s in layout.window_streams}
-        self._window_slot = found[0]
-        for name, rows in found[1].items():   # rows count - h .. count - 1; keep those < k
-            self.records._set_window(name, rows[:max(0, len(rows) - (count - k))])
+    def _commit_with_window(self, fd, layout, valid):
+        """The newest valid commit slot whose window slot (same letter) holds its count and seq,
+        and that window; the other commit when the newest one's window slot is damaged."""
+        slots = [layout.parse_window_slot(pread_exact(fd, layout.window_slot_bytes,
+                                                      layout.window_slot_offset(i)))
+                 for i in (0, 1)]
+        for n, (idx, count, seq, tail_crc) in enumerate(sorted(valid, key=lambda v: -v[2])):
+            got = slots[idx]
+            if got is not None and got[:2] == (count, seq):
+                if n:
+                    self.report.add(
+                        "window-slot", f"{self.path}: the window slot of the newest commit is "
+                        f"damaged; using commit slot {'AB'[idx]} (count {count}, seq {seq}) and "
+                        "its window", slot=idx, count=count)
+                return (idx, count, seq, tail_crc), got[2]
+        raise kvq._corrupt(self.path, "no commit slot has its recent window (both window slots "
+                           "are damaged or belong to other commits)", "window")
+
+    def _load_window(self, name, rows, count, k):
+        """Window copies of the commit's last len(rows) rows, for the k records kept."""
+        coded = count - min(count, self.options[name].sinks)
+        if len(rows) > coded:
+            raise kvq._corrupt(self.path, f"stream {name!r}: a window of {len(rows)} rows for "
+                               f"{coded} coded row(s)", "window")
+        self.records._set_window(name, rows[:max(0, len(rows) - (count - k))])
 
     def _upgrade(self, tokens, codes, side, k):
         new_codes, new_side, states, inert = {}, {}, {}, 0
@@ -506,7 +512,11 @@ class CacheFile:
         valid, invalid = kvq.read_slots(head, header_crc)
         if not valid:
             raise kvq._corrupt(path, "both commit slots fail their checksum", "commit")
-        idx, count, seq, tail_crc = max(valid, key=lambda v: v[2])
+        windows = None
+        if layout.window_streams:
+            (idx, count, seq, tail_crc), windows = self._commit_with_window(fd, layout, valid)
+        else:
+            idx, count, seq, tail_crc = max(valid, key=lambda v: v[2])
         if invalid:
             rep.add("commit-slot", f"{path}: commit slot {'AB'[invalid[0]]} is damaged; using "
                     f"slot {'AB'[idx]} (count {count}, seq {seq})", slot=idx, count=count)
@@ -539,8 +549,8 @@ class CacheFile:
                 path, pread_exact(fd, layout.state_bytes, layout.state_offset))
             states = self._loaded_states(state, k)
         self.records._extend(tokens[:k], *self._cut(codes, side, k), states)
-        if layout.window_streams:
-            self._load_windows(fd, layout, count, k)
+        for name, rows in (windows or {}).items():
+            self._load_window(name, rows, count, k)
         self.tier = "kvq"
         self._engine_tag = None
         self._layout = layout
@@ -787,6 +797,8 @@ class CacheFile:
         if self._needs_rewrite:
             return n
         new = min(n, self._committed)
+        if new == self._committed == self._disk_count:
+            return n   # only rows not yet committed were dropped: the file stays as it is
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR)
@@ -822,7 +834,6 @@ class CacheFile:
         if self.tier == "kvq":
             self._layout = layout
         self._needs_rewrite = self._state_dirty = False
-        self._window_slot = 0
         self._committed = self._disk_count = n
         self._slot = (0, 1)
 
@@ -836,16 +847,13 @@ class CacheFile:
         os.fsync(self._fd)
 
     def _write_count(self, count):
-        if self.tier == "kvq" and self._layout.window_streams:
-            # the window of the new count first, in the slot the current commit does not use
-            spare = 1 - self._window_slot
-            pwrite_all(self._fd, self._layout.window_slot(count, self.records),
-                       self._layout.window_slot_offset(spare))
-            os.fsync(self._fd)
-            self._window_slot = spare
         if self.tier == "kvq":
             idx, seq = self._slot
             new = (1 - idx, seq + 1)
+            if self._layout.window_streams:   # the new commit's window first, same letter
+                pwrite_all(self._fd, self._layout.window_slot(count, new[1], self.records),
+                           self._layout.window_slot_offset(new[0]))
+                os.fsync(self._fd)
             pwrite_all(self._fd, self._layout.slot(count, new[1], self._tail_crc(count)),
                        kvq.SLOT_OFFSETS[new[0]])
             os.fsync(self._fd)

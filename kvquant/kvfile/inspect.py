@@ -146,7 +146,8 @@ def _window_slots(path, header, header_json):
         slots = [pread_exact(fd, size, start + i * size) for i in (0, 1)]
     finally:
         os.close(fd)
-    return [kvq.window_slot_count(buf, size, zlib.crc32(header_json)) for buf in slots]
+    return [(kvq.window_slot_tag(buf, size, zlib.crc32(header_json)) or (None,))[0]
+            for buf in slots]
 
 
 def _inspect_kvq(path, head, size, info, mode):

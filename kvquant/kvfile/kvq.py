@@ -20,8 +20,9 @@ Layout (little-endian)::
             held h (<= sinks), f32 offset (rows x dim) if ``center``, f32 scales (rows x dim)
             if ``normalize``, f32 sink rows (h x rows x dim)
     R       version 2 with a ``recent`` window only, R = S + state_bytes rounded up to 8: two
-            window slots A and B, ``window_slot_bytes`` each: u64 count, u32 CRC32 of the
-            count and the rest (seeded with the header CRC), u32 0, then per stream with a
+            window slots A and B (paired with commit slots A and B), ``window_slot_bytes``
+            each: u64 count, u64 seq (those of the commit it belongs to), u32 CRC32 of count,
+            seq and the rest (seeded with the header CRC), u32 0, then per stream with a
             window, in header order: u32 rows held h (<= recent), u32 0, f32 copies of the
             last h rows (recent x rows x dim; unheld ones zero)
     D       data, D = 72 + J (version 2: the end of S, or of R) rounded up to 8: blocks of
@@ -42,11 +43,11 @@ written only by a whole-file rewrite, which the cache does whenever an append ch
 first append, and appends while fewer than ``sinks`` tokens are held). A commit count below the
 sink rows held means the first ``count`` of them; a count of 0 means no offset or scales.
 
-A ``recent=W`` window's float32 copies of the last rows change with every append: before each
-commit slot is written, the window slot that the current commit does not use is written with
-the window of the new count and fsynced; the loader takes the window slot whose count is the
-commit's (a commit slot is never valid without it: a crash before the commit leaves the old
-commit and its window slot).
+A ``recent=W`` window's float32 copies of the last rows change with every append: before a
+commit slot is written, the window slot of the same letter is written with the window of the
+new count and seq, and fsynced. The loader takes the newest valid commit slot whose window slot
+holds its count and seq (falling back to the other commit when that window slot is damaged);
+a crash before a commit leaves the old commit slot and its window slot untouched.
 """
 import json
 import struct
@@ -64,7 +65,7 @@ VERSION = 1            # files without stream options (unchanged since the first
 STATE_VERSION = 2      # files with a stream-state area
 VERSIONS = (VERSION, STATE_VERSION)
 STATE_HEAD = struct.Struct("<II")
-WINDOW_HEAD = struct.Struct("<QII")
+WINDOW_HEAD = struct.Struct("<QQII")
 NO_COUNT = (1 << 64) - 1   # the count of a window slot that holds no window
 PREFIX = struct.Struct("<8sIIII")
 SLOT = struct.Struct("<QQII")
@@ -184,16 +185,17 @@ class KvqLayout:
             head += self.state_area(records)
         if self.window_streams:
             head += b"\0" * (self.window_offset - len(head))
-            head += self.window_slot(count, records) + self.window_slot(NO_COUNT, None)
+            head += self.window_slot(count, 1, records) + self.window_slot(NO_COUNT, 0, None)
         return head + b"\0" * (self.data_offset - len(head))
 
     # -- recent windows ------------------------------------------------------------------------
     def window_slot_offset(self, index):
         return self.window_offset + index * self.window_slot_bytes
 
-    def window_slot(self, count, records):
-        """A window slot holding the window of the first ``count`` records (``records`` a
-        CacheRecords; None with NO_COUNT: an empty slot)."""
+    def window_slot(self, count, seq, records):
+        """A window slot holding the window of the first ``count`` records for the commit of
+        sequence number ``seq`` (``records`` a CacheRecords; None with NO_COUNT: an empty
+        slot)."""
         parts = []
         for s in self.window_streams:
             W = self.options[s.name].recent
@@ -202,14 +204,14 @@ class KvqLayout:
             rows[:len(held)] = held
             parts.append(STATE_HEAD.pack(len(held), 0) + rows.tobytes())
         payload = b"".join(parts)
-        crc = zlib.crc32(struct.pack("<Q", count) + payload, self.header_crc)
-        return WINDOW_HEAD.pack(count, crc, 0) + payload
+        crc = zlib.crc32(struct.pack("<QQ", count, seq) + payload, self.header_crc)
+        return WINDOW_HEAD.pack(count, seq, crc, 0) + payload
 
     def parse_window_slot(self, buf):
-        """(count, {name: copies of the last rows held (h, rows, dim)}) of a window slot, or
-        None when its checksum fails (a slot being written, or never written)."""
-        count = window_slot_count(buf, self.window_slot_bytes, self.header_crc)
-        if count is None:
+        """(count, seq, {name: copies of the last rows held (h, rows, dim)}) of a window slot,
+        or None when its checksum fails (a slot being written, or never written)."""
+        tag = window_slot_tag(buf, self.window_slot_bytes, self.header_crc)
+        if tag is None:
             return None
         out, pos = {}, WINDOW_HEAD.size
         for s in self.window_streams:
@@ -221,7 +223,7 @@ class KvqLayout:
             if held > W or not np.isfinite(rows[:held]).all():
                 return None
             out[s.name] = np.array(rows[:held], np.float32)
-        return count, out
+        return tag + (out,)
 
     # -- stream state --------------------------------------------------------------------------
     def state_area(self, records):
@@ -303,14 +305,16 @@ class KvqLayout:
         return b"".join(out), crc
 
 
-def window_slot_count(buf, slot_bytes, header_crc):
-    """The count whose window a window slot holds, or None (empty, torn or damaged)."""
+def window_slot_tag(buf, slot_bytes, header_crc):
+    """(count, seq) of the commit whose window a window slot holds, or None (empty, torn or
+    damaged)."""
     if len(buf) != slot_bytes:
         return None
-    count, crc, _ = WINDOW_HEAD.unpack_from(buf)
-    if zlib.crc32(struct.pack("<Q", count) + bytes(buf[WINDOW_HEAD.size:]), header_crc) != crc:
+    count, seq, crc, _ = WINDOW_HEAD.unpack_from(buf)
+    body = struct.pack("<QQ", count, seq) + bytes(buf[WINDOW_HEAD.size:])
+    if zlib.crc32(body, header_crc) != crc or count == NO_COUNT:
         return None
-    return None if count == NO_COUNT else count
+    return count, seq
 
 
 def parse_state(path, buf, streams, header_crc):
