@@ -21,7 +21,7 @@ import numpy as np
 from kvquant.codecs import Codec, EncodedRows, get_codec
 from kvquant._threads import resolve_n_threads
 from kvquant.stream_options import (  # noqa: F401 (parse/format: the cache's spec language)
-    StreamOptions, format_stream_spec, parse_stream_spec, split_rows)
+    StreamOptions, format_stream_spec, parse_stream_spec, split_rows, window_start)
 
 _MIN_CAPACITY = 16
 
@@ -206,7 +206,7 @@ class RowStream:
     def _keep_recent(self, before, window):
         """After appending ``window`` (float32 copies of rows [before, n_rows)): hold the copies
         of the last ``recent`` rows before this append and of all rows of this append."""
-        start = max(self._recent_start, before - self.recent, self._n_exact)
+        start = int(window_start(before, self.recent, self._recent_start, self.sinks))
         held = self._recent_rows[start - self._recent_start:before - self._recent_start]
         self._recent_rows = np.concatenate([held, np.asarray(window, np.float32)])
         self._recent_start = self.n_rows - len(self._recent_rows)
@@ -251,8 +251,7 @@ class RowStream:
         # the copies kept: those the window of the new length needs, where still held (so that
         # dropping the rows of an append gives back the stream before it); a row whose copy is
         # gone reads from its codes
-        keep = min(max(self.n_rows - self.recent, self._recent_start, self._n_exact),
-                   self.n_rows)
+        keep = int(window_start(self.n_rows, self.recent, self._recent_start, self.sinks))
         self._recent_rows = np.array(self._recent_rows[keep - self._recent_start:
                                                        self.n_rows - self._recent_start])
         self._recent_start = keep
@@ -287,20 +286,16 @@ class RowStream:
         copies of their windows are gone (rows whose copies a truncation dropped read from
         their codes)."""
         n = self._length(length)
-        if not self.recent:
-            return n
-        self._check_window_length(n)
-        return min(n, max(n - self.recent, self._recent_start, self._n_exact))
+        if self.recent:
+            self._check_window_length(n)
+        return int(window_start(n, self.recent, self._recent_start, self.sinks))
 
     def window_starts(self, lengths):
         """:meth:`window_start` of every length in ``lengths`` (an int array), vectorized."""
         lengths = np.asarray(lengths, np.int64)
-        if not self.recent:
-            return lengths
-        if lengths.size:
+        if self.recent and lengths.size:
             self._check_window_length(int(lengths.min()))
-        return np.minimum(lengths, np.maximum(lengths - self.recent,
-                                              max(self._recent_start, self._n_exact)))
+        return window_start(lengths, self.recent, self._recent_start, self.sinks)
 
     def _check_window_length(self, n):
         if n < self._last_append:
@@ -489,6 +484,9 @@ class QuantizedKVCache:
                 entry[name] = [RowStream(codec, capacity, **stream_options)
                                for _ in range(self.n_kv_heads)]
             self._layers.append(entry)
+        # streams are fixed from here on: their widest recent window once
+        self._recent = max(s.recent for entry in self._layers for heads in entry.values()
+                           for s in heads)
 
     def _own_stream(self, name, make_stream, capacity, made):
         """A stream from a factory, checked: a new, empty RowStream of the stream's width."""
@@ -717,8 +715,7 @@ class QuantizedKVCache:
     @property
     def recent(self):
         """The widest recent window of any stream of any layer (0: none)."""
-        return max(self.stream(layer, name, h).recent for layer in range(self.n_layers)
-                   for name in self.stream_names for h in range(self.n_kv_heads))
+        return self._recent
 
     # -- sizes -------------------------------------------------------------------------------
     @property

@@ -161,6 +161,16 @@ def split_stream_spec(spec):
     return codec_spec, StreamOptions(**options)
 
 
+def window_start(length, recent, held_from, sinks):
+    """First of the first ``length`` rows of a stream that a read of them takes from a float32
+    copy (``recent=W``): its window ``length - W ..``, neither before the first copy the stream
+    holds (``held_from``) nor among its sinks; ``length`` (no row) without a window. The same
+    rule says which copies an append or a truncation keeps. ``length`` may be an int array."""
+    if not recent:
+        return length
+    return np.minimum(length, np.maximum(np.subtract(length, recent), max(held_from, sinks)))
+
+
 def split_rows(X, options, offset, scale, n_rows, nonfinite="raise", where=""):
     """What one append of rows ``X`` (n, dim) does to a stream with ``options``.
 

@@ -8,6 +8,15 @@ from kvquant.cache import QuantizedKVCache, RowStream, softmax
 from conftest import gaussian_rows
 
 
+
+def assert_reads(stream, expected, q, w):
+    """Scores and contexts of ``stream`` against float64 products with the rows it should hold
+    (the engine's identity-check tolerances, REFERENCE.md §1.5)."""
+    ref_s = q.astype(np.float64) @ expected.T.astype(np.float64)
+    assert np.abs(stream.scores(q) - ref_s).max() <= 1e-5 * np.abs(ref_s).max()
+    ref_c = w.astype(np.float64) @ expected.astype(np.float64)
+    assert np.abs(stream.context(w) - ref_c).max() <= 1e-4 * (np.abs(ref_c).max() + 1)
+
 def _reference_attention(q, K, V, scale):
     """float64 softmax(q K^T * scale) V for one head."""
     s = (q.astype(np.float64) @ K.astype(np.float64).T) * scale
@@ -184,10 +193,7 @@ def test_centered_stream_is_the_codec_on_the_rows_minus_the_first_append_mean(rn
     assert np.array_equal(stream.decode(10, 40), expected[10:40])
     q = rng.standard_normal((3, 64)).astype(np.float32)
     w = rng.random((3, 60)).astype(np.float32)
-    ref_s = q.astype(np.float64) @ expected.T.astype(np.float64)
-    assert np.abs(stream.scores(q) - ref_s).max() <= 1e-5 * np.abs(ref_s).max()
-    ref_c = w.astype(np.float64) @ expected.astype(np.float64)
-    assert np.abs(stream.context(w) - ref_c).max() <= 1e-4 * (np.abs(ref_c).max() + 1)
+    assert_reads(stream, expected, q, w)
 
 
 def test_centering_lowers_the_error_of_offset_rows(rng):
@@ -279,10 +285,7 @@ def test_normalized_stream_scales_channels_by_the_root_of_their_spread(rng):
     assert np.array_equal(stream.decode(), expected)
     q = rng.standard_normal((2, 64)).astype(np.float32)
     w = rng.random((2, 80)).astype(np.float32)
-    ref_s = q.astype(np.float64) @ expected.T.astype(np.float64)
-    assert np.abs(stream.scores(q) - ref_s).max() <= 1e-5 * np.abs(ref_s).max()
-    ref_c = w.astype(np.float64) @ expected.astype(np.float64)
-    assert np.abs(stream.context(w) - ref_c).max() <= 1e-4 * (np.abs(ref_c).max() + 1)
+    assert_reads(stream, expected, q, w)
     assert stream.nbytes == 80 * codec.bytes_per_row + 2 * 64 * 4
     # rows with channels of very different spread: the error falls
     plain = RowStream(get_codec("polar5", 64), center=True)

@@ -16,6 +16,8 @@ from kvquant.codecs import _FAMILIES, Codec
 from kvquant._kernels import consumers
 
 from conftest import gaussian_rows
+from _simd import PATHS, as_bits as _bits, benchmark_shape_paths_agree, reads_on_every_path
+from _simd import simd_path  # noqa: F401 (fixture)
 
 CORE_SPECS = (["f32", "kv8", "kv8-g4", "kv8-g8", "kv8-g16", "kv8-g32"]
               + [f"tq{b}" for b in range(1, 9)]
@@ -37,23 +39,6 @@ def _buildable(spec, dim):
 
 ALL_SPECS = CORE_SPECS + [s for s in LATER_SPECS if _buildable(s, 64)]
 HAS_AVX512 = consumers.cpu_simd() in ("avx512", "avx512vbmi")
-# every path this CPU can run; they must all give the same bits
-PATHS = {"portable": ["portable"], "avx512": ["portable", "avx512"],
-         "avx512vbmi": ["portable", "avx512", "avx512vbmi"]}[consumers.cpu_simd()]
-
-
-@pytest.fixture
-def simd_path():
-    """Run a block on a chosen path; always restores the automatic choice."""
-    class _Switch:
-        def __call__(self, mode):
-            consumers.set_simd(mode)
-    yield _Switch()
-    consumers.set_simd("auto")
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
 
 
 def _encoded(spec, dim, T, rng):
@@ -178,13 +163,7 @@ def test_portable_and_avx512_paths_give_the_same_bits(rng, simd_path):
     for spec, dim, codec, enc in _awkward_cases(rng):
         Q = gaussian_rows(rng, 3, dim)
         W = rng.standard_normal((3, enc.n_rows)).astype(np.float32)
-        out = {}
-        for mode in PATHS:
-            simd_path(mode)
-            out[mode] = (codec.scores(enc, Q), codec.context(enc, W))
-        for mode in PATHS[1:]:
-            for a, b in zip(out["portable"], out[mode]):
-                assert np.array_equal(_bits(a), _bits(b)), (spec, mode)
+        out = reads_on_every_path(simd_path, codec, enc, Q, W)
         # and both agree with decode-then-dot
         X_hat = codec.decode(enc).astype(np.float64)
         # (f32 keeps a NaN row as it is: NaN scores on both sides)
@@ -201,13 +180,7 @@ def test_kv8_paths_agree_for_large_and_small_factors(spec, magnitude, rng, simd_
     enc = codec.encode(codec.decode(enc) * np.float32(magnitude * 100))
     Q = gaussian_rows(rng, 2, 128) * np.float32(magnitude)
     W = rng.random((2, 300)).astype(np.float32) * np.float32(magnitude)
-    out = {}
-    for mode in PATHS:
-        simd_path(mode)
-        out[mode] = (codec.scores(enc, Q), codec.context(enc, W))
-    for mode in PATHS[1:]:
-        for a, b in zip(out["portable"], out[mode]):
-            assert np.array_equal(_bits(a), _bits(b)), mode
+    out = reads_on_every_path(simd_path, codec, enc, Q, W)
     X_hat = codec.decode(enc).astype(np.float64)
     assert np.allclose(out[PATHS[-1]][0], Q @ X_hat.T, rtol=1e-5, atol=1e-5 * magnitude ** 2 * 1e3)
 
@@ -219,14 +192,8 @@ def test_paths_agree_on_the_benchmark_shapes(spec, rng, simd_path):
     if not _buildable(spec, 512):
         pytest.skip(f"{spec} is not in the registry")
     codec, enc = _encoded(spec, 512, 2100, rng)
-    q = gaussian_rows(rng, 1, 512)[0]
-    w = rng.random(2100).astype(np.float32)
-    simd_path("portable")
-    ref = codec.scores(enc, q), codec.context(enc, w, n_threads=2)
-    for mode in PATHS[1:]:
-        simd_path(mode)
-        got = codec.scores(enc, q, n_threads=2), codec.context(enc, w, n_threads=1)
-        assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(ref, got)), mode
+    benchmark_shape_paths_agree(simd_path, codec, enc, gaussian_rows(rng, 1, 512)[0],
+                                rng.random(2100).astype(np.float32))
 
 
 def test_simd_switch(simd_path):

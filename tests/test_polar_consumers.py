@@ -6,25 +6,14 @@ import numpy as np
 import pytest
 
 from kvquant import get_codec, reference
-from kvquant._kernels import consumers
 
 from conftest import gaussian_rows
+from _simd import PATHS, as_bits as _bits, benchmark_shape_paths_agree, reads_on_every_path
+from _simd import simd_path  # noqa: F401 (fixture)
 
 VARIANTS = ("compat=colibri", "alloc=level", "alloc=radius")
 BITS = (2, 3, 4, 5, 6)
 DIMS = (2, 4, 8, 16, 64, 128, 512, 1024)
-PATHS = {"portable": ["portable"], "avx512": ["portable", "avx512"],
-         "avx512vbmi": ["portable", "avx512", "avx512vbmi"]}[consumers.cpu_simd()]
-
-
-@pytest.fixture
-def simd_path():
-    yield consumers.set_simd
-    consumers.set_simd("auto")
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
 
 
 def _rows(rng, T, d):
@@ -103,13 +92,7 @@ def test_every_simd_path_gives_the_same_bits(variant, d, rng, simd_path):
         enc = codec.encode(X)
         Q = gaussian_rows(rng, 2, d)
         W = rng.standard_normal((2, 45)).astype(np.float32)
-        out = {}
-        for mode in PATHS:
-            simd_path(mode)
-            out[mode] = (codec.scores(enc, Q), codec.context(enc, W))
-        for mode in PATHS[1:]:
-            for a, b in zip(out["portable"], out[mode]):
-                assert np.array_equal(_bits(a), _bits(b)), (bits, mode)
+        reads_on_every_path(simd_path, codec, enc, Q, W)
 
 
 @pytest.mark.skipif(len(PATHS) == 1, reason="this CPU has no AVX-512: only the portable path")
@@ -118,14 +101,8 @@ def test_every_simd_path_gives_the_same_bits(variant, d, rng, simd_path):
 def test_paths_agree_on_the_benchmark_shape(spec, rng, simd_path):
     codec = get_codec(spec, 512)
     enc = codec.encode(gaussian_rows(rng, 2100, 512))
-    q = gaussian_rows(rng, 1, 512)[0]
-    w = rng.random(2100).astype(np.float32)
-    simd_path("portable")
-    ref = codec.scores(enc, q), codec.context(enc, w, n_threads=2)
-    for mode in PATHS[1:]:
-        simd_path(mode)
-        got = codec.scores(enc, q, n_threads=2), codec.context(enc, w, n_threads=1)
-        assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(ref, got)), mode
+    benchmark_shape_paths_agree(simd_path, codec, enc, gaussian_rows(rng, 1, 512)[0],
+                                rng.random(2100).astype(np.float32))
 
 
 @pytest.mark.parametrize("d", [64, 512])
@@ -183,11 +160,5 @@ def test_rows_wider_than_the_stack_buffer(spec, rng, simd_path):
     enc = codec.encode(_rows(rng, T, d))
     Q = gaussian_rows(rng, 2, d)
     W = rng.standard_normal((2, T)).astype(np.float32)
-    out = {}
-    for mode in PATHS:
-        simd_path(mode)
-        out[mode] = (codec.scores(enc, Q), codec.context(enc, W))
-    for mode in PATHS[1:]:
-        for a, b in zip(out["portable"], out[mode]):
-            assert np.array_equal(_bits(a), _bits(b)), mode
+    out = reads_on_every_path(simd_path, codec, enc, Q, W)
     _check_against(codec.decode(enc), Q, W, *out[PATHS[-1]])

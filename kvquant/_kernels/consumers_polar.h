@@ -455,6 +455,16 @@ static size_t kvq_polar_plan_bytes(void)
 
 static int kvq_polar_vector_layout(const kvq_polar_layout* L);
 
+/* The plan of a call: the one prepared with the codec's tables, or built now. */
+KVQ_TARGET_AVX512 static inline void kvq_polar_plan_load(kvq_polar_plan* P,
+                                                         const kvq_polar_layout* L)
+{
+    if (L->plan)
+        memcpy(P, L->plan, sizeof(*P));
+    else
+        kvq_polar_plan_init(P, L);
+}
+
 KVQ_TARGET_AVX512 static void kvq_polar_plan_prepare(kvq_polar_layout* L, void* mem)
 {
     kvq_polar_plan* P = (kvq_polar_plan*)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
@@ -508,10 +518,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
          * in registers */
         kvq_polar_plan P;
         float buf[KVQ_POLAR_STACK_DIM / 4 + 16];
-        if (L->plan)
-            memcpy(&P, L->plan, sizeof(P));
-        else
-            kvq_polar_plan_init(&P, L);
+        kvq_polar_plan_load(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_dot_body, L->level_bits[1], &P, p, codes, side, r0, r1, q,
                            out, buf);
         return;
@@ -526,10 +533,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_dot_avx512(const kvq_params* p, const ui
     }
     if (kvq_polar_vector_layout(L)) {
         kvq_polar_plan P;
-        if (L->plan)
-            memcpy(&P, L->plan, sizeof(P));
-        else
-            kvq_polar_plan_init(&P, L);
+        kvq_polar_plan_load(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_dot_body, L->level_bits[1], &P, p, codes, side, r0, r1, q,
                            out, W.buf);
     } else {
@@ -562,10 +566,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
     if (kvq_polar_vector_layout(L) && n <= KVQ_POLAR_STACK_DIM) {
         kvq_polar_plan P;
         float buf[KVQ_POLAR_STACK_DIM / 4 + 16];
-        if (L->plan)
-            memcpy(&P, L->plan, sizeof(P));
-        else
-            kvq_polar_plan_init(&P, L);
+        kvq_polar_plan_load(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_axpy_body, L->level_bits[1], &P, p, codes, side, r0, r1, w,
                            acc, buf);
         return;
@@ -580,10 +581,7 @@ KVQ_TARGET_AVX512 static void kvq_polar_axpy_avx512(const kvq_params* p, const u
     }
     if (kvq_polar_vector_layout(L)) {
         kvq_polar_plan P;
-        if (L->plan)
-            memcpy(&P, L->plan, sizeof(P));
-        else
-            kvq_polar_plan_init(&P, L);
+        kvq_polar_plan_load(&P, L);
         KVQ_POLAR_DISPATCH(kvq_polar_axpy_body, L->level_bits[1], &P, p, codes, side, r0, r1, w,
                            acc, W.buf);
     } else {

@@ -10,7 +10,7 @@ import numpy as np
 from kvquant.codecs import EncodedRows, get_codec
 from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.rotation import ORDERING, SIGN_HASH
-from kvquant.stream_options import StreamOptions
+from kvquant.stream_options import StreamOptions, window_start
 
 INT32_MAX = 2**31 - 1
 # The engine's "< 3.4e38f" bound on side values (a float32 literal, just below FLT_MAX).
@@ -430,17 +430,15 @@ class CacheRecords:
         """The float32 rows of the first min(n, sinks) tokens, (n_exact, rows, dim)."""
         return self._ro(self._exact[name][:self._n_exact(name)])
 
-    def _n_exact(self, name, n=None):
-        return min(self._n if n is None else n, self._options[name].sinks)
+    def _n_exact(self, name):
+        return min(self._n, self._options[name].sinks)
 
     def window_start(self, name, length=None):
         """First row that a query reading the first ``length`` rows (default all) reads from a
         float32 copy (``recent=W`` streams; ``length`` for others), as RowStream.window_start."""
         n = self._n if length is None else length
-        W = self._options[name].recent
-        if not W:
-            return n
-        return min(n, max(n - W, self._recent_start[name], self._n_exact(name, n)))
+        opt = self._options[name]
+        return int(window_start(n, opt.recent, self._recent_start[name], opt.sinks))
 
     def window_rows(self, name, length=None):
         """The float32 copies a query reading the first ``length`` rows takes from its window,
@@ -568,15 +566,14 @@ class CacheRecords:
                 self._exact[name][:e] = held[:e]
             self._exact[name][e:e + len(exact)] = exact
             if window is not None:
-                self._keep_recent(name, a + len(exact), min(b, self._options[name].sinks),
-                                  window)
+                self._keep_recent(name, a + len(exact), window)
         self._n = b
 
-    def _keep_recent(self, name, before, n_exact, window):
+    def _keep_recent(self, name, before, window):
         """As RowStream: keep the copies of the last ``recent`` rows before this append (rows
         < ``before``) and of every coded row of it."""
         start0 = self._recent_start[name]
-        start = max(start0, before - self._options[name].recent, n_exact)
+        start = self.window_start(name, before)
         kept = self._recent_rows[name][start - start0:before - start0]
         self._recent_rows[name] = np.concatenate([kept, np.asarray(window, np.float32)])
         self._recent_start[name] = start
@@ -590,8 +587,7 @@ class CacheRecords:
         self._n = min(self._n, n)
         for name, start in self._recent_start.items():
             # as RowStream.truncate: the copies the new window needs, where still held
-            keep = min(max(self._n - self._options[name].recent, start,
-                           self._n_exact(name)), self._n)
+            keep = self.window_start(name)
             self._recent_rows[name] = np.array(self._recent_rows[name][keep - start:
                                                                       self._n - start])
             self._recent_start[name] = keep
