@@ -8,11 +8,15 @@ import numpy as np
 
 from kvquant.codecs import EncodedRows
 from kvquant.kvfile import engine, kvq
-from kvquant.kvfile._common import (
-    INT32_MAX, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, CacheRecords, KVFileShape,
-    LoadReport, Stream, build_codec, check_side_values, codec_identity, pread_exact,
-    pwrite_all, sanitize_rows, side_kind, write_new_file)
-from kvquant.stream_options import StreamOptions, split_rows, split_stream_spec
+from kvquant.kvfile.errors import (
+    CacheFileMismatch, CacheFileRefused, CacheFileSaveError, LoadReport)
+from kvquant.kvfile.fileio import pread_exact, pwrite_all, write_new_file
+from kvquant.kvfile.identity import (
+    build_codec, check_side_values, codec_identity, sanitize_rows, side_kind)
+from kvquant.kvfile.records import CacheRecords
+from kvquant.kvfile.schema import INT32_MAX, KVFileShape, Stream
+from kvquant.streams.options import StreamOptions
+from kvquant.streams.spec import StreamSpec
 
 TIERS = ("auto", "engine", "kvq")
 ON_MISMATCH = ("raise", "start_over")
@@ -183,10 +187,11 @@ class CacheFile:
         self.options, self.codecs = {}, {}
         for s in self.streams:
             try:
-                codec_spec, self.options[s.name] = split_stream_spec(s.spec)
+                spec = StreamSpec.of(s.spec)
             except ValueError as exc:
                 raise ValueError(f"stream {s.name!r}: {exc}") from None
-            self.codecs[s.name] = build_codec(codec_spec, s.dim, self._nonfinite)
+            self.options[s.name] = spec.options
+            self.codecs[s.name] = build_codec(spec.codec_spec, s.dim, self._nonfinite)
         self.mode = {s.name: self.options[s.name].stream_spec(self.codecs[s.name].spec)
                      for s in self.streams}
 
@@ -354,7 +359,7 @@ class CacheFile:
             self._upgrade(tokens, codes, side, k)
             return
         k, _ = self._post_load(tokens, codes, side, self.codecs)
-        self.records._extend(tokens[:k], *self._cut(codes, side, k))
+        self.records.load(tokens[:k], codes, side)
         self._needs_rewrite = False
         self._committed = k
         self._disk_count = words[6]
@@ -374,7 +379,7 @@ class CacheFile:
             if k and ((offset is None) == opt.center or (scale is None) == opt.normalize):
                 raise kvq._corrupt(self.path, f"stream {name!r}: {k} record(s) but no offset or "
                                    "scales in the stream state", "state")
-            states[name] = (offset, scale, sinks[:k], None) if k else (None, None, sinks[:0], None)
+            states[name] = (offset, scale, sinks[:k]) if k else (None, None, sinks[:0])
         return states
 
     def _commit_with_window(self, fd, layout, valid):
@@ -395,28 +400,27 @@ class CacheFile:
         raise kvq._corrupt(self.path, "no commit slot has its recent window (both window slots "
                            "are damaged or belong to other commits)", "window")
 
-    def _load_window(self, name, rows, count, k):
+    def _loaded_window(self, name, rows, count, k):
         """Window copies of the commit's last len(rows) rows, for the k records kept."""
         coded = count - min(count, self.options[name].sinks)
         if len(rows) > coded:
             raise kvq._corrupt(self.path, f"stream {name!r}: a window of {len(rows)} rows for "
                                f"{coded} coded row(s)", "window")
-        self.records._set_window(name, rows[:max(0, len(rows) - (count - k))])
+        return rows[:max(0, len(rows) - (count - k))]
 
     def _upgrade(self, tokens, codes, side, k):
-        new_codes, new_side, states, inert = {}, {}, {}, 0
+        prepared, placeholders, inert = {}, {}, 0
         for s in self.streams:
             c = self.codecs[s.name]
             if c.spec == "f32" and self.options[s.name].plain:
-                new_codes[s.name], new_side[s.name] = codes[s.name][:k], side[s.name][:k]
+                prepared[s.name] = self.records.prepare_encoded(s.name, codes[s.name][:k],
+                                                                side[s.name][:k])
                 continue
             X = codes[s.name][:k].view("<f4").reshape(k, s.rows, s.dim)
             inert += int((~np.isfinite(X).all(axis=2)).sum()) if k else 0
-            new_codes[s.name], new_side[s.name], state = self._encode_floats(
+            prepared[s.name], placeholders[s.name] = self._prepare_floats(
                 s, X, build_codec(c.spec, c.dim, "inert"))
-            if state is not None:
-                states[s.name] = state
-        self.records._extend(tokens[:k], new_codes, new_side, states)
+        self.records.extend(tokens[:k], prepared, placeholders)
         self.report.status = "upgraded"
         self.report.add(
             "upgraded", f"f32 .coli_kv (v1) quantized in memory ({k} record(s)"
@@ -431,10 +435,6 @@ class CacheFile:
             raise CacheFileMismatch(
                 f"{self.path}: saved conversation ({count} tokens) exceeds the context "
                 f"({self._max_records}): refusing it", "context", self.path, ftier)
-
-    @staticmethod
-    def _cut(codes, side, k):
-        return {n: v[:k] for n, v in codes.items()}, {n: v[:k] for n, v in side.items()}
 
     def _check_tokens_loaded(self, tokens, k):
         bad = tokens[:k] < 0
@@ -548,9 +548,9 @@ class CacheFile:
             state = layout.parse_state(
                 path, pread_exact(fd, layout.state_bytes, layout.state_offset))
             states = self._loaded_states(state, k)
-        self.records._extend(tokens[:k], *self._cut(codes, side, k), states)
-        for name, rows in (windows or {}).items():
-            self._load_window(name, rows, count, k)
+        windows = {name: self._loaded_window(name, rows, count, k)
+                   for name, rows in (windows or {}).items()}
+        self.records.load(tokens[:k], codes, side, states, windows)
         self.tier = "kvq"
         self._engine_tag = None
         self._layout = layout
@@ -641,16 +641,15 @@ class CacheFile:
                              f"{[s.name for s in self.streams]}")
         tokens = self._check_tokens(tokens)
         n = len(tokens)
-        codes, side, states = {}, {}, {}
+        prepared, placeholders = {}, {}
         for s in self.streams:
             if s.name not in given:
                 raise ValueError(f"rows of stream {s.name!r} are missing")
-            codes[s.name], side[s.name], state = self._encode_stream(s, given[s.name], n)
-            if state is not None:
-                states[s.name] = state
+            prepared[s.name], placeholders[s.name] = self._prepare_stream(s, given[s.name], n)
         held = len(self.records)
-        self.records._extend(tokens, codes, side, states)
-        if n and any(self._changes_state(name, held) for name in states):
+        self.records.extend(tokens, prepared, placeholders)
+        if n and any(self._changes_state(s.name, held) for s in self.streams
+                     if not self.options[s.name].plain):
             self._state_dirty = True   # the state lives before the records: a rewrite
         return self.save() if save else self.committed
 
@@ -675,8 +674,9 @@ class CacheFile:
             raise ValueError(f"token ids must lie in [0, {hi}), got {t.min()}..{t.max()}")
         return t.astype(np.int32)
 
-    def _encode_stream(self, s, value, n):
-        """(codes, side, stream state or None) of the rows ``value`` given for stream ``s``."""
+    def _prepare_stream(self, s, value, n):
+        """(PreparedRows, placeholders or None) of the rows ``value`` given for stream ``s``:
+        EncodedRows per row slot (plain streams) or floats, encoded through the stream's store."""
         c = self.codecs[s.name]
         if isinstance(value, EncodedRows):
             value = [value]
@@ -701,52 +701,28 @@ class CacheFile:
                 (0, s.rows, c.code_bytes), np.uint8)
             side = np.stack([sd for _, sd in checked], axis=1) if n else np.zeros(
                 (0, s.rows, c.n_side), np.float32)
-        else:
-            X = np.asarray(value)
-            if X.ndim == 2 and s.rows == 1:
-                X = X[:, None, :]
-            if X.shape != (n, s.rows, s.dim):
-                raise ValueError(f"stream {s.name!r}: expected rows of shape ({n}, {s.rows}, "
-                                 f"{s.dim}), got {X.shape}")
-            return self._encode_floats(s, X, c)
-        check_side_values(side, side_kind(c), s.name)
-        return codes, side, None
+            check_side_values(side, side_kind(c), s.name)
+            return self.records.prepare_encoded(s.name, codes, side), None
+        X = np.asarray(value)
+        if X.ndim == 2 and s.rows == 1:
+            X = X[:, None, :]
+        if X.shape != (n, s.rows, s.dim):
+            raise ValueError(f"stream {s.name!r}: expected rows of shape ({n}, {s.rows}, "
+                             f"{s.dim}), got {X.shape}")
+        return self._prepare_floats(s, X, c)
 
-    def _encode_floats(self, s, X, codec):
-        """Encode float rows (n, rows, dim) of stream ``s`` with ``codec``, through the
-        stream's options: (codes, side, state or None), nothing changed in place."""
-        n, opt = X.shape[0], self.options[s.name]
-        if opt.plain or n == 0:
-            enc = codec.encode(X.reshape(n * s.rows, s.dim), self._n_threads)
-            codes = enc.codes.reshape(n, s.rows, codec.code_bytes)
-            side = enc.side.reshape(n, s.rows, codec.n_side)
-            check_side_values(side, side_kind(codec), s.name)
-            return codes, side, None
-        held = len(self.records)
-        offset, scale = self.records.offset(s.name), self.records.channel_scale(s.name)
-        parts = [split_rows(codec.as_rows(X[:, j]), opt,
-                            None if offset is None else offset[j],
-                            None if scale is None else scale[j], held, codec.nonfinite,
-                            where=f"stream {s.name!r} row slot {j}: ")
-                 for j in range(s.rows)]
-        rest = np.stack([p[3] for p in parts], axis=1)
-        take = n - rest.shape[0]
-        window = None
-        if opt.recent:   # float32 copies of the coded rows as given (NaN/inf: inert zero rows)
-            window = np.asarray(X[take:], np.float32)
-            window = np.where(np.isfinite(window).all(axis=2, keepdims=True), window, 0)
-        enc = codec.encode(rest.reshape(-1, s.dim), self._n_threads)
-        # the sink tokens' records hold a zero row's codes: valid for every codec, never read
-        zero = codec.encode(np.zeros((1, s.dim), np.float32))
-        codes = np.concatenate([np.broadcast_to(zero.codes, (take, s.rows, codec.code_bytes)),
-                                enc.codes.reshape(n - take, s.rows, codec.code_bytes)])
-        side = np.concatenate([np.broadcast_to(zero.side, (take, s.rows, codec.n_side)),
-                               enc.side.reshape(n - take, s.rows, codec.n_side)])
+    def _prepare_floats(self, s, X, codec):
+        """(PreparedRows, placeholders of the new sink tokens' records or None) of float rows
+        (n, rows, dim) of stream ``s``, encoded by ``codec`` (this stream's, or one of its
+        nonfinite policy) through the stream's store; nothing changed."""
+        prepared = self.records.prepare(s.name, X, self._n_threads, codec)
+        placeholders = None
+        side = prepared.side
+        if prepared.sinks.shape[0]:
+            placeholders = self.records.placeholder(s.name, prepared.sinks.shape[0], codec)
+            side = np.concatenate([placeholders[1], side])
         check_side_values(side, side_kind(codec), s.name)
-        state = (None if not opt.center else np.stack([p[0] for p in parts]),
-                 None if not opt.normalize else np.stack([p[1] for p in parts]),
-                 np.stack([p[2] for p in parts], axis=1), window)
-        return codes, side, state
+        return prepared, placeholders
 
     # -- writing -----------------------------------------------------------------------------
     def save(self):
@@ -793,7 +769,7 @@ class CacheFile:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"truncate needs a non-negative integer, got {n!r}")
         n = min(int(n), len(self.records))
-        self.records._truncate(n)
+        self.records.truncate(n)
         if self._needs_rewrite:
             return n
         new = min(n, self._committed)
@@ -810,7 +786,7 @@ class CacheFile:
         return n
 
     def _raw(self, start, stop):
-        return self._layout.to_bytes(*self.records._slice(start, stop))
+        return self._layout.to_bytes(*self.records.slice(start, stop))
 
     def _tail_crc(self, count):
         if self.tier != "kvq":
