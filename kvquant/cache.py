@@ -19,7 +19,6 @@ import numpy as np
 
 from kvquant.codecs import Codec
 from kvquant._threads import resolve_n_threads
-from kvquant.streams.options import format_stream_spec, parse_stream_spec  # noqa: F401
 from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import RowStream, StreamStore  # noqa: F401 (RowStream: a KV head)
 
@@ -43,7 +42,7 @@ class QuantizedKVCache:
         width of each stream. E.g. ``{"k": ("tq4", 64), "v": ("kv8", 64)}`` (GQA),
         ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA), or with stream options
         ``{"k": ("polar5@center,sinks=1", 64), "v": ("polar4@sinks=1", 64)}``
-        (:func:`parse_stream_spec`), or a :class:`~kvquant.streams.StreamSpec`. A Codec object may
+        (:func:`~kvquant.streams.options.parse_stream_spec`), or a :class:`~kvquant.streams.StreamSpec`. A Codec object may
         stand for a spec (no stream options).
         So may a stream factory, ``make_stream(capacity) -> RowStream`` (any callable that is
         not a Codec), called once per layer and KV head: streams of one's own, e.g. a codec
