@@ -3,9 +3,10 @@
 A cache holds, for every layer, a few named *streams* of rows (keys ``k`` and values ``v`` of a
 GQA model, or the latent ``L`` and rope ``R`` rows of an MLA model), each under its own codec, and
 each stream holds one sequence of rows per KV head: one :class:`~kvquant.streams.StreamStore` per
-layer and stream, with the KV heads as its slots (one encode call per layer and stream). Rows are quantized when they are appended
-(before attention reads them, as the engine does) and attention reads them through the codecs'
-compressed-domain consumers: the cache is never decoded for a decode step.
+layer and stream, with the KV heads as its slots (one encode call per layer and stream). Rows
+are quantized when they are appended (before attention reads them, as the engine does) and
+attention reads them through the codecs' compressed-domain consumers: the cache is never decoded
+for a decode step.
 
 The cache knows nothing of models: a model appends its rows and calls :meth:`attend` (one query
 per head, GQA layout) or :meth:`attend_prefill` (many causal queries, through a decoded block and
@@ -42,11 +43,12 @@ class QuantizedKVCache:
         width of each stream. E.g. ``{"k": ("tq4", 64), "v": ("kv8", 64)}`` (GQA),
         ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA), or with stream options
         ``{"k": ("polar5@center,sinks=1", 64), "v": ("polar4@sinks=1", 64)}``
-        (:func:`~kvquant.streams.options.parse_stream_spec`), or a :class:`~kvquant.streams.StreamSpec`. A Codec object may
-        stand for a spec (no stream options).
-        So may a stream factory, ``make_stream(capacity) -> RowStream`` (any callable that is
-        not a Codec), called once per layer and KV head: streams of one's own, e.g. a codec
-        under study that keeps per-stream state or carries stream options (research code).
+        (:func:`~kvquant.streams.options.parse_stream_spec`), or a parsed
+        :class:`~kvquant.streams.StreamSpec`. A Codec object may stand for a spec (no stream
+        options). So may a stream factory, ``make_stream(capacity) -> RowStream`` (any callable
+        that is not a Codec), called once per layer and KV head: streams of one's own, e.g. a
+        codec under study that keeps per-stream state or carries stream options (research
+        code).
     n_kv_heads : int, default 1
         Row sequences per stream and layer.
     capacity : int, default 0

@@ -325,8 +325,8 @@ class CacheFile:
             if len(value) != s.rows:
                 raise ValueError(f"stream {s.name!r}: expected {s.rows} row slot(s) (one per "
                                  f"layer), got {len(value)}")
-            encs = [v if isinstance(v, EncodedRows) else c.encode(v, self._n_threads)
-                    for v in value]
+            encs = [v if isinstance(v, EncodedRows)
+                    else self.records.encode_slot(s.name, v, self._n_threads) for v in value]
             checked = [c.check_encoded(e) for e in encs]
             if any(cd.shape[0] != n for cd, _ in checked):
                 raise ValueError(f"stream {s.name!r}: every row slot needs {n} rows (one per "

@@ -187,14 +187,18 @@ class CacheRecords:
         """:class:`~kvquant.streams.PreparedRows` of rows encoded elsewhere (n, rows, ...)."""
         return self._stores[name].prepare_encoded(codes, side)
 
+    def encode_slot(self, name, X, n_threads=None):
+        """EncodedRows of float rows (n, dim) given for one row slot of a plain stream (rows
+        given slot by slot), encoded through a store of the stream's codec."""
+        store = self._stores[name]
+        prepared = StreamStore(store.codec).prepare(X, n_threads)
+        return EncodedRows(prepared.codes[:, 0], prepared.side[:, 0], store.codec.spec,
+                           store.codec.dim)
+
     def placeholder(self, name, n, codec=None):
         """(codes, side) of the records of ``n`` sink tokens of stream ``name``: a zero row's
         codes (valid for every codec, never read)."""
-        store = self._stores[name]
-        codec = store.codec if codec is None else codec
-        zero = codec.encode(np.zeros((1, codec.dim), np.float32))
-        return (np.broadcast_to(zero.codes, (n, store.slots, codec.code_bytes)),
-                np.broadcast_to(zero.side, (n, store.slots, codec.n_side)))
+        return self._stores[name].zero_codes(n, codec)
 
     def extend(self, tokens, prepared, placeholders=None):
         """Append records: ``tokens`` and, per stream, the PreparedRows of their rows (every

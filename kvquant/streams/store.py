@@ -161,7 +161,7 @@ class StreamStore:
         """Everything the store holds, as views (:class:`StreamState`)."""
         return StreamState(
             self.codec, self.options, *self.coded_rows(), self.offsets, self.channel_scales,
-            self.sink_rows(), self._recent_rows if self.recent else None)
+            self.sink_rows(), self._recent_rows.transpose(1, 0, 2) if self.recent else None)
 
     @classmethod
     def from_state(cls, codec, options, codes, side, offsets=None, channel_scales=None,
@@ -189,9 +189,8 @@ class StreamStore:
         n_coded, slots = codes.shape[:2]
         dim = codec.dim
         checked = codec.check_encoded(EncodedRows(
-            codes.reshape(n_coded * slots, codes.shape[2]), side.reshape(n_coded * slots, side.shape[2]),
-            codec.spec,
-            dim))
+            codes.reshape(n_coded * slots, codes.shape[2]),
+            side.reshape(n_coded * slots, side.shape[2]), codec.spec, dim))
         if (recent_rows is not None) != bool(options.recent) or (
                 recent_rows is not None and (np.ndim(recent_rows) != 3
                                              or np.shape(recent_rows)[1:] != (slots, dim)
@@ -318,11 +317,20 @@ class StreamStore:
         codes, side = np.asarray(codes), np.asarray(side)
         n = codes.shape[0]
         checked = self.codec.check_encoded(EncodedRows(
-            codes.reshape(n * self.slots, codes.shape[-1]), side.reshape(n * self.slots, side.shape[-1]),
+            codes.reshape(n * self.slots, codes.shape[-1]),
+            side.reshape(n * self.slots, side.shape[-1]),
             self.codec.spec, self.codec.dim))
         return PreparedRows(checked[0].reshape(n, self.slots, self.codec.code_bytes),
                             checked[1].reshape(n, self.slots, self.codec.n_side),
                             np.zeros((0, self.slots, self.codec.dim), np.float32))
+
+    def zero_codes(self, n, codec=None):
+        """(codes, side) of a zero row for ``n`` tokens, (n, slots, ...) read-only broadcasts:
+        valid rows of every codec (a file's records of sink tokens hold them)."""
+        codec = self.codec if codec is None else codec
+        zero = codec.encode(np.zeros((1, codec.dim), np.float32))
+        return (np.broadcast_to(zero.codes, (n, self.slots, codec.code_bytes)),
+                np.broadcast_to(zero.side, (n, self.slots, codec.n_side)))
 
     def store(self, prepared):
         """Keep what :meth:`prepare` (or :meth:`prepare_encoded`) returned."""
