@@ -76,7 +76,7 @@ class QuantizedKVCache:
         self.stream_names = tuple(streams)
         self.dims = {}
         self._layers = []
-        specs = {}
+        specs, parsed = {}, {}   # parsed: each spec string once, whatever layers repeat it
         for name, value in streams.items():
             try:
                 spec, dim = value
@@ -86,7 +86,10 @@ class QuantizedKVCache:
             if len(per_layer) != self.n_layers:
                 raise ValueError(f"stream {name!r}: {len(per_layer)} codec specs for "
                                  f"{self.n_layers} layers")
-            specs[name] = per_layer
+            for s in per_layer:
+                if isinstance(s, str) and s not in parsed:
+                    parsed[s] = StreamSpec.parse(s)
+            specs[name] = [parsed[s] if isinstance(s, str) else s for s in per_layer]
             self.dims[name] = int(dim)
         codecs = {}   # codecs are immutable: one object per distinct (codec spec, dim)
         made = set()  # ids of the streams factories returned: each must be a new one
@@ -103,7 +106,7 @@ class QuantizedKVCache:
                 if isinstance(spec, Codec):
                     codec, options = spec, None
                 else:
-                    spec = StreamSpec.of(spec)
+                    spec = StreamSpec.of(spec)   # parsed above; anything else is refused here
                     key = (spec.codec_spec, dim)
                     if key not in codecs:
                         codecs[key] = spec.codec(dim, **codec_options)

@@ -32,7 +32,8 @@ class StreamSpec:
     options: StreamOptions = StreamOptions()
     # codecs built by codec(), by (dim, options): codecs are immutable, so one per width serves
     # every stream of this spec (and a width check's codec is not built again)
-    _codecs: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _codecs: dict = field(default_factory=dict, init=False, compare=False, hash=False,
+                          repr=False)
 
     def __post_init__(self):
         if not isinstance(self.codec_spec, str) or not self.codec_spec.strip():
