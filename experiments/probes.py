@@ -29,8 +29,9 @@ values included), with real codecs as reference rows in the same run.
    square get the extra bit.
 4. **Most recent window in f32** (``recent=W``): the last W rows are read exactly and older ones
    through the codec: the query at position t reads rows t-W+1..t from f32 and earlier rows
-   quantized (the cache's ``recent=W`` stream option). Bits at context C: ((C - W) bits_codec + 32 W) / C
-   (fixed costs of the codec's stream included); the long-context limit is bits_codec.
+   quantized (the cache's ``recent=W`` stream option). Bits at context C:
+   ((C - W) bits_codec + 32 W) / C (fixed costs of the codec's stream included); the
+   long-context limit is bits_codec.
 
 What is simulated: the codecs of ideas 1-3 store float32 rows after a numpy quantize-dequantize
 (:class:`SimulatedCodec`; scores and contexts through the f32 codec's kernels) and count nominal
