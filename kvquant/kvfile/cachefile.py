@@ -1,5 +1,7 @@
-"""``CacheFile``: open a cache file under a running mode, load what may be loaded, append with
-commit-by-count, truncate; the rules of docs/engine-arithmetic.md §6 plus our own tier."""
+"""``CacheFile``: open a cache file under a running mode (reading it: :mod:`.loader`), append
+with commit-by-count, truncate, save; the rules of docs/engine-arithmetic.md §6 plus our own
+tier. Rows reach the records through the streams' stores (:mod:`.records`): nothing here encodes
+a row."""
 import os
 import struct
 import zlib
