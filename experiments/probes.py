@@ -29,8 +29,9 @@ values included), with real codecs as reference rows in the same run.
    square get the extra bit.
 4. **Most recent window in f32** (``recent=W``): the last W rows are read exactly and older ones
    through the codec: the query at position t reads rows t-W+1..t from f32 and earlier rows
-   quantized (:class:`RecentWindowCache`). Bits at context C: ((C - W) bits_codec + 32 W) / C
-   (fixed costs of the codec's stream included); the long-context limit is bits_codec.
+   quantized (the cache's ``recent=W`` stream option). Bits at context C:
+   ((C - W) bits_codec + 32 W) / C (fixed costs of the codec's stream included); the
+   long-context limit is bits_codec.
 
 What is simulated: the codecs of ideas 1-3 store float32 rows after a numpy quantize-dequantize
 (:class:`SimulatedCodec`; scores and contexts through the f32 codec's kernels) and count nominal
@@ -61,10 +62,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvquant.cache import QuantizedKVCache, RowStream, softmax
+from kvquant.cache import QuantizedKVCache, RowStream
 from kvquant.codecs import Codec, get_codec
 from kvquant.codecs.identity import F32Codec
-from kvquant.stream_options import parse_stream_spec
+from kvquant.streams.options import format_stream_spec, parse_stream_spec
 
 from .common import environment, write_csv, write_json
 
@@ -75,7 +76,6 @@ __all__ = [
     "PROBES",
     "Probe",
     "QJLResidualCodec",
-    "RecentWindowCache",
     "SimulatedCodec",
     "format_markdown",
     "fp8_roundtrip",
@@ -402,6 +402,14 @@ def _make_stream(codec_spec, options, dim, capacity):
     return RowStream(make_codec(codec_spec, dim), capacity, **options)
 
 
+def with_recent(stream_spec, window):
+    """``stream_spec`` with the stream option ``recent=window`` added (unchanged for 0)."""
+    if not window:
+        return stream_spec
+    codec_spec, options = parse_stream_spec(stream_spec)
+    return format_stream_spec(codec_spec, **{**options, "recent": int(window)})
+
+
 def stream_entry(stream_spec, dim):
     """What a QuantizedKVCache takes for one stream: the spec itself for a real codec, else a
     stream factory building the simulated codec (with its stream options) per layer and head."""
@@ -410,117 +418,6 @@ def stream_entry(stream_spec, dim):
         return stream_spec
     make_codec(codec_spec, dim)          # a bad spec fails here, not in a worker
     return functools.partial(_make_stream, codec_spec, options, dim)
-
-
-class RecentWindowCache(QuantizedKVCache):
-    """A cache whose last ``window`` rows are read exactly (float32) and older rows through the
-    codecs: the query at position t reads rows t-W+1..t exact, rows before quantized.
-
-    A simulation: every row is kept twice (an f32 copy beside the codec's); the bits a real
-    cache would hold are ((T - W) bits_codec + 32 W) / T (:func:`probe_bits`).
-
-    Parameters
-    ----------
-    n_layers, streams, n_kv_heads, capacity
-        As :class:`~kvquant.cache.QuantizedKVCache`.
-    window : int
-        Rows W read exactly (0: the codec alone; >= the context: f32 attention).
-    """
-
-    def __init__(self, n_layers, streams, n_kv_heads=1, capacity=0, window=0):
-        super().__init__(n_layers, streams, n_kv_heads, capacity)
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
-            raise ValueError(f"window must be an integer >= 0, got {window!r}")
-        self.window = int(window)
-        self.exact = QuantizedKVCache(n_layers, {n: ("f32", d) for n, d in self.dims.items()},
-                                      n_kv_heads, capacity)
-
-    def append(self, layer, n_threads=None, **rows):
-        before = self.length(layer)
-        super().append(layer, n_threads, **rows)
-        try:
-            self.exact.append(layer, n_threads, **rows)
-        except Exception:
-            self._truncate_layer(layer, before)
-            raise
-
-    def _truncate_layer(self, layer, length):
-        for name in self.stream_names:
-            for h in range(self.n_kv_heads):
-                self.stream(layer, name, h).truncate(length)
-
-    def reserve(self, capacity):
-        super().reserve(capacity)
-        self.exact.reserve(capacity)
-
-    def truncate(self, length):
-        super().truncate(length)
-        self.exact.truncate(length)
-
-    def attend(self, layer, q, scale=None, keys="k", values="v", n_threads=None, length=None):
-        """One query per head at position ``length - 1`` (default: the last row); see
-        :meth:`QuantizedKVCache.attend`. Returns (n_heads, d_values) float32."""
-        q = np.asarray(q)
-        if q.ndim != 2 or q.shape[1] != self.dims[keys]:
-            raise ValueError(f"q must have shape (n_heads, {self.dims[keys]}), got {q.shape}")
-        group = self._heads(layer, keys, values, q.shape[0])
-        n = self.length(layer) if length is None else int(length)
-        recent = max(n - self.window, 0)              # rows recent.. are read exactly
-        scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
-        out = np.empty((q.shape[0], self.dims[values]), np.float32)
-        for h in range(self.n_kv_heads):
-            rows = slice(h * group, (h + 1) * group)
-            s = self.stream(layer, keys, h).scores(q[rows], n_threads, n)
-            s[:, recent:] = self.exact.stream(layer, keys, h).scores(q[rows], n_threads, n)[
-                :, recent:]
-            s *= scale
-            w = softmax(s)
-            w_old, w_new = w.copy(), w
-            w_old[:, recent:] = 0.0
-            w_new[:, :recent] = 0.0
-            out[rows] = (self.stream(layer, values, h).context(w_old, n_threads)
-                         + self.exact.stream(layer, values, h).context(w_new, n_threads))
-        return out
-
-    def attend_prefill(self, layer, Q, scale=None, keys="k", values="v", n_threads=None,
-                       block=256):
-        """Causal attention of the last ``n_q`` stored tokens' queries, the window exact; see
-        :meth:`QuantizedKVCache.attend_prefill`.
-
-        Parameters
-        ----------
-        Q : array-like of shape (n_q, n_heads, d_keys)
-
-        Returns
-        -------
-        ndarray of shape (n_q, n_heads, d_values), dtype float32
-        """
-        Q, group, first, scale = self._prefill_queries(layer, Q, scale, keys, values)
-        n_q, n_heads = Q.shape[:2]
-        out = np.empty((n_q, n_heads, self.dims[values]), np.float32)
-        for h in range(self.n_kv_heads):
-            Kq = self.stream(layer, keys, h).decode(n_threads=n_threads)
-            Vq = self.stream(layer, values, h).decode(n_threads=n_threads)
-            Kf = self.exact.stream(layer, keys, h).decode(n_threads=n_threads)
-            Vf = self.exact.stream(layer, values, h).decode(n_threads=n_threads)
-            Qh = Q[:, h * group:(h + 1) * group, :]
-            for b0 in range(0, n_q, block):
-                b1 = min(b0 + block, n_q)
-                visible = first + b1
-                Qb = Qh[b0:b1].reshape(-1, Q.shape[2])
-                shape = (b1 - b0, group, visible)
-                Sq = np.matmul(Qb, Kq[:visible].T).reshape(shape)
-                Sf = np.matmul(Qb, Kf[:visible].T).reshape(shape)
-                age = (first + np.arange(b0, b1))[:, None] - np.arange(visible)[None, :]
-                exact = ((age >= 0) & (age < self.window))[:, None, :]
-                S = np.where(exact, Sf, Sq)
-                S *= scale
-                np.copyto(S, np.float32(-np.inf), where=(age < 0)[:, None, :])
-                P = softmax(S)
-                out[b0:b1, h * group:(h + 1) * group] = (
-                    np.where(exact, P, np.float32(0)) @ Vf[:visible]
-                    + np.where(exact, np.float32(0), P) @ Vq[:visible])
-        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,8 +441,7 @@ class Probe:
 
     @property
     def simulated(self):
-        return bool(self.window) or any(is_simulated(parse_stream_spec(s)[0])
-                                        for s in (self.k, self.v))
+        return any(is_simulated(parse_stream_spec(s)[0]) for s in (self.k, self.v))
 
 
 _H = ":side_dtype=f16"
@@ -611,10 +507,8 @@ def new_probe_cache(cfg, probe, capacity=256):
     """The cache of one probe for a Llama config (``cfg.n_layers``, ``n_kv_heads``,
     ``head_dim``)."""
     d = cfg.head_dim
-    streams = {"k": (stream_entry(probe.k, d), d), "v": (stream_entry(probe.v, d), d)}
-    if probe.window:
-        return RecentWindowCache(cfg.n_layers, streams, cfg.n_kv_heads, capacity,
-                                 window=probe.window)
+    streams = {"k": (stream_entry(with_recent(probe.k, probe.window), d), d),
+               "v": (stream_entry(with_recent(probe.v, probe.window), d), d)}
     return QuantizedKVCache(cfg.n_layers, streams, n_kv_heads=cfg.n_kv_heads, capacity=capacity)
 
 
@@ -808,7 +702,7 @@ IDEA_TITLES = {
     "fp8": "1. fp8 e4m3 vs e5m2 (simulated)",
     "qjl": "2. QJL residual, TurboQuant_prod (simulated)",
     "outliers": "3. Outlier channels at b+1 bits (simulated)",
-    "window": "4. Most recent rows in f32 (simulated)",
+    "window": "4. Most recent rows in f32 (the recent=W stream option)",
 }
 
 

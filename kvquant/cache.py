@@ -2,9 +2,11 @@
 
 A cache holds, for every layer, a few named *streams* of rows (keys ``k`` and values ``v`` of a
 GQA model, or the latent ``L`` and rope ``R`` rows of an MLA model), each under its own codec, and
-each stream holds one sequence of rows per KV head. Rows are quantized when they are appended
-(before attention reads them, as the engine does) and attention reads them through the codecs'
-compressed-domain consumers: the cache is never decoded for a decode step.
+each stream holds one sequence of rows per KV head: one :class:`~kvquant.streams.StreamStore` per
+layer and stream, with the KV heads as its slots (one encode call per layer and stream). Rows
+are quantized when they are appended (before attention reads them, as the engine does) and
+attention reads them through the codecs' compressed-domain consumers: the cache is never decoded
+for a decode step.
 
 The cache knows nothing of models: a model appends its rows and calls :meth:`attend` (one query
 per head, GQA layout) or :meth:`attend_prefill` (many causal queries, through a decoded block and
@@ -14,389 +16,12 @@ over L).
 Storage grows geometrically (capacity doubles), so appending T rows one at a time copies O(T) rows
 in all; :meth:`reserve` avoids any copy when the final length is known.
 """
-import math
-
 import numpy as np
 
-from kvquant.codecs import Codec, EncodedRows, get_codec
+from kvquant.codecs import Codec
 from kvquant._threads import resolve_n_threads
-from kvquant.stream_options import (  # noqa: F401 (parse/format: the cache's spec language)
-    StreamOptions, format_stream_spec, parse_stream_spec, split_rows, window_start)
-
-_MIN_CAPACITY = 16
-
-
-class RowStream:
-    """One growing sequence of rows under one codec.
-
-    Parameters
-    ----------
-    codec : Codec
-    capacity : int
-        Rows to allocate up front.
-    center : bool
-        Subtract the mean of the first append's rows before encoding (:func:`parse_stream_spec`).
-    normalize : bool
-        Divide each channel by a scale taken from the first append's rows (same place).
-    sinks : int
-        Keep the first ``sinks`` rows in float32, unquantized.
-    recent : int
-        Read the ``recent`` rows before a query's position in float32 (a moving window).
-
-    Notes
-    -----
-    Rows 0 .. min(n_rows, sinks) are held as float32; the codes hold the rows after them, as
-    ``(x - offset) / channel_scale`` (offset 0 and scale 1 where not asked for). Reading
-    (``scores``, ``context``, ``decode``) gives the stored rows as the model sees them: the sinks
-    exactly, the other rows decoded, scaled back and offset; with ``recent=W``, a read of the
-    first ``length`` rows (a query at position length - 1) reads rows length - W .. length - 1
-    from their float32 copies, which the stream holds for its last W rows and, until the next
-    append, for the rows of the last append (:meth:`window_start`).
-    """
-
-    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False, recent=0):
-        if not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a Codec (use kvquant.get_codec), got {codec!r}")
-        StreamOptions(center, normalize, sinks, recent)   # validates the counts
-        self.codec = codec
-        self.center = bool(center)
-        self.normalize = bool(normalize)
-        self.sinks = int(sinks)
-        self.recent = int(recent)
-        self._recent_rows = np.empty((0, codec.dim), np.float32)   # rows [_recent_start, n_rows)
-        self._recent_start = 0
-        self._last_append = 0   # rows before the last append (reads of fewer rows: refused)
-        self.n_rows = 0
-        self.offset = None            # (dim,) float32 once a centered stream got its first rows
-        self.channel_scale = None     # (dim,) float32 once a normalized stream got its first rows
-        self._n_exact = 0             # rows held in float32 (the first min(n_rows, sinks))
-        self._exact = np.empty((0, codec.dim), np.float32)   # grows up to `sinks` rows
-        self._codes = np.empty((0, codec.code_bytes), np.uint8)
-        self._side = np.empty((0, codec.n_side), np.float32)
-        self.reserve(capacity)
-
-    @classmethod
-    def from_state(cls, codec, options, codes, side, offset=None, channel_scale=None,
-                   exact=None, recent_rows=None):
-        """A stream holding rows stored elsewhere (a cache file's records), ready for attention.
-
-        Parameters
-        ----------
-        codec : Codec
-        options : StreamOptions
-        codes, side : ndarray of shape (n_coded, code_bytes) uint8 / (n_coded, n_side)
-            The coded rows (after the sinks), as this codec encoded them.
-        offset, channel_scale : ndarray of shape (dim,), float32, or None
-            The stream's offset and scales: given exactly when the options ask for them and the
-            stream holds rows.
-        exact : ndarray of shape (n_exact, dim), float32, or None
-            The float32 sink rows; ``n_exact == options.sinks`` when there are coded rows.
-        recent_rows : ndarray of shape (m, dim), float32, or None
-            With ``options.recent``: the float32 copies of the last m coded rows.
-        """
-        codes, side = codec.check_encoded(EncodedRows(codes, side, codec.spec, codec.dim))
-        if (recent_rows is not None) != bool(options.recent) or (
-                recent_rows is not None and (np.ndim(recent_rows) != 2
-                                             or np.shape(recent_rows)[1] != codec.dim
-                                             or len(recent_rows) > codes.shape[0])):
-            raise ValueError(f"recent_rows must be given exactly with a recent window (options "
-                             f"{options.as_dict()}), as copies of at most the {codes.shape[0]} "
-                             f"coded rows of width {codec.dim}, got {np.shape(recent_rows)}")
-        exact = np.zeros((0, codec.dim), np.float32) if exact is None else np.asarray(exact)
-        n_coded, n_exact = codes.shape[0], exact.shape[0]
-        dim = codec.dim
-        if exact.shape[1:] != (dim,) or n_exact > options.sinks or (
-                n_coded and n_exact != options.sinks):
-            raise ValueError(f"{options.sinks} sink row(s) of width {dim} come before any coded "
-                             f"row: got {exact.shape} sink rows and {n_coded} coded rows")
-        has_rows = n_coded + n_exact > 0
-        for name, vec, asked in (("offset", offset, options.center),
-                                 ("channel_scale", channel_scale, options.normalize)):
-            if (vec is not None) != (asked and has_rows):
-                raise ValueError(f"{name} must be given exactly when the stream "
-                                 f"{'asks for it' if asked else 'does not ask for it'} and holds "
-                                 f"rows (options {options.as_dict()}, {n_coded + n_exact} rows)")
-            if vec is not None and np.shape(vec) != (dim,):
-                raise ValueError(f"{name} must have shape ({dim},), got {np.shape(vec)}")
-        self = cls(codec, n_coded, **options.as_dict())
-        self.offset = None if offset is None else np.array(offset, np.float32)
-        self.channel_scale = None if channel_scale is None else np.array(channel_scale,
-                                                                         np.float32)
-        self._hold_exact(n_exact)
-        self._exact[:n_exact] = exact
-        self._n_exact = n_exact
-        self.n_rows = n_exact
-        self._append_codes(EncodedRows(codes, side, codec.spec, codec.dim))
-        if recent_rows is not None:
-            self._recent_rows = np.array(recent_rows, np.float32)
-        self._recent_start = self.n_rows - len(self._recent_rows)
-        self._last_append = self.n_rows
-        return self
-
-    @property
-    def options(self):
-        return StreamOptions(self.center, self.normalize, self.sinks, self.recent)
-
-    @property
-    def spec(self):
-        """The stream spec: the codec's spec and the stream options."""
-        return self.options.stream_spec(self.codec.spec)
-
-    @property
-    def _plain(self):
-        return self.options.plain
-
-    def __len__(self):
-        return self.n_rows
-
-    def __repr__(self):
-        return f"<RowStream {self.spec!r} dim={self.codec.dim} rows={self.n_rows}>"
-
-    @property
-    def capacity(self):
-        return self._codes.shape[0]
-
-    def reserve(self, capacity):
-        """Make room for ``capacity`` rows in all (never shrinks)."""
-        capacity = int(capacity)
-        if capacity <= self.capacity:
-            return
-        codes = np.empty((capacity, self.codec.code_bytes), np.uint8)
-        side = np.empty((capacity, self.codec.n_side), np.float32)
-        n_coded = self.n_rows - self._n_exact
-        codes[:n_coded] = self._codes[:n_coded]
-        side[:n_coded] = self._side[:n_coded]
-        self._codes, self._side = codes, side
-
-    def prepare(self, rows, n_threads=None):
-        """Encode new rows without storing them (a bad row raises and changes nothing).
-
-        Returns an object for :meth:`store`; the cache encodes every stream first and then stores,
-        so that a bad row in one stream leaves all of them untouched.
-        """
-        if self._plain:
-            return (None, None, None, self.codec.encode(rows, n_threads), None)
-        X = self.codec.as_rows(rows)
-        offset, scale, exact, rest = split_rows(
-            X, self.options, self.offset, self.channel_scale, self.n_rows, self.codec.nonfinite)
-        enc = self.codec.encode(rest, n_threads)
-        window = None
-        if self.recent:   # float32 copies of the coded rows, as given (NaN/inf rows: inert zero)
-            window = X[exact.shape[0]:]
-            bad = ~np.isfinite(window).all(axis=1)
-            if bad.any():
-                window = np.where(bad[:, None], np.float32(0), window)
-        return (offset, scale, exact, enc, window)
-
-    def store(self, prepared):
-        """Store what :meth:`prepare` returned."""
-        offset, scale, exact, enc, window = prepared
-        self.offset, self.channel_scale = offset, scale
-        self._last_append = self.n_rows
-        if exact is not None and exact.shape[0]:
-            self._hold_exact(self._n_exact + exact.shape[0])
-            self._exact[self._n_exact:self._n_exact + exact.shape[0]] = exact
-            self._n_exact += exact.shape[0]
-            self.n_rows += exact.shape[0]
-        before = self.n_rows
-        self._append_codes(enc)
-        if self.recent:
-            self._keep_recent(before, window)
-
-    def _keep_recent(self, before, window):
-        """After appending ``window`` (float32 copies of rows [before, n_rows)): hold the copies
-        of the last ``recent`` rows before this append and of all rows of this append."""
-        start = int(window_start(before, self.recent, self._recent_start, self.sinks))
-        held = self._recent_rows[start - self._recent_start:before - self._recent_start]
-        self._recent_rows = np.concatenate([held, np.asarray(window, np.float32)])
-        self._recent_start = self.n_rows - len(self._recent_rows)
-
-    def _hold_exact(self, n):
-        """Room for n float32 sink rows (grown geometrically, never past ``sinks``)."""
-        if n > self._exact.shape[0]:
-            grown = np.empty((min(self.sinks, max(n, 2 * self._exact.shape[0])), self.codec.dim),
-                             np.float32)
-            grown[:self._n_exact] = self._exact[:self._n_exact]
-            self._exact = grown
-
-    def append(self, rows, n_threads=None):
-        """Quantize rows of shape (n_new, dim) and store them."""
-        self.store(self.prepare(rows, n_threads))
-
-    def append_encoded(self, enc):
-        """Store rows already encoded by this stream's codec (e.g. read from a file)."""
-        if not self._plain:
-            raise ValueError(
-                f"stream {self.spec!r} centers or normalizes its rows or keeps sinks in float32: "
-                "rows encoded elsewhere carry no offset, scales or exact sinks; append the float "
-                "rows instead")
-        self._append_codes(enc)
-
-    def _append_codes(self, enc):
-        codes, side = self.codec.check_encoded(enc)
-        k = codes.shape[0]
-        n_coded = self.n_rows - self._n_exact
-        if n_coded + k > self.capacity:
-            self.reserve(max(n_coded + k, 2 * self.capacity, _MIN_CAPACITY))
-        self._codes[n_coded: n_coded + k] = codes
-        self._side[n_coded: n_coded + k] = side
-        self.n_rows += k
-
-    def truncate(self, n_rows):
-        """Keep the first ``n_rows`` rows (truncating to 0 also forgets offset and scales)."""
-        if not 0 <= n_rows <= self.n_rows:
-            raise ValueError(f"cannot truncate {self.n_rows} rows to {n_rows}")
-        self.n_rows = int(n_rows)
-        self._n_exact = min(self._n_exact, self.n_rows)
-        # the copies kept: those the window of the new length needs, where still held (so that
-        # dropping the rows of an append gives back the stream before it); a row whose copy is
-        # gone reads from its codes
-        keep = int(window_start(self.n_rows, self.recent, self._recent_start, self.sinks))
-        self._recent_rows = np.array(self._recent_rows[keep - self._recent_start:
-                                                       self.n_rows - self._recent_start])
-        self._recent_start = keep
-        self._last_append = min(self._last_append, self.n_rows)
-        if self.n_rows == 0:
-            self.offset = self.channel_scale = None
-            self._recent_start = 0
-
-    def encoded(self, length=None):
-        """The coded rows among the first ``length`` (all by default) as EncodedRows: a view.
-
-        For a stream with sinks these are the rows after the sinks (the sinks are float32)."""
-        return EncodedRows(*self._coded(self._length(length)), self.codec.spec, self.codec.dim)
-
-    def _coded(self, n):
-        """(codes, side) views of the coded rows among the first n, checked when stored."""
-        k = n - min(self._n_exact, n)
-        return self._codes[:k], self._side[:k]
-
-    def _length(self, length):
-        if length is None:
-            return self.n_rows
-        if not 0 <= length <= self.n_rows:
-            raise ValueError(f"length {length} is outside 0..{self.n_rows} (rows stored)")
-        return int(length)
-
-    def window_start(self, length=None):
-        """First row that a read of the first ``length`` rows (a query at position
-        length - 1) takes from its float32 copy: ``length`` when the stream has no window.
-
-        Reads of fewer rows than the stream held before its last append are refused: the
-        copies of their windows are gone (rows whose copies a truncation dropped read from
-        their codes)."""
-        n = self._length(length)
-        if self.recent:
-            self._check_window_length(n)
-        return int(window_start(n, self.recent, self._recent_start, self.sinks))
-
-    def window_starts(self, lengths):
-        """:meth:`window_start` of every length in ``lengths`` (an int array), vectorized."""
-        lengths = np.asarray(lengths, np.int64)
-        if self.recent and lengths.size:
-            self._check_window_length(int(lengths.min()))
-        return window_start(lengths, self.recent, self._recent_start, self.sinks)
-
-    def _check_window_length(self, n):
-        if n < self._last_append:
-            raise ValueError(
-                f"a read of the first {n} rows needs the float32 copies of its window of "
-                f"{self.recent} rows; this stream keeps them for its last {self.recent} rows "
-                f"and the rows of its last append: read at least {self._last_append} rows")
-
-    def recent_rows(self, start, stop):
-        """The float32 copies of rows [start, stop), which must lie in the rows held
-        (``window_start(length)`` .. ``length`` for any length from the last append on)."""
-        if not self._recent_start <= start <= stop <= self.n_rows:
-            raise ValueError(f"rows [{start}, {stop}) are not all held in float32 (held: "
-                             f"[{self._recent_start}, {self.n_rows}))")
-        return self._recent_rows[start - self._recent_start:stop - self._recent_start]
-
-    def scores(self, q, n_threads=None, length=None):
-        """``q . x^_t`` for the stored rows t < length; q of shape (dim,) or (m, dim)."""
-        n = self._length(length)
-        if self._plain:
-            return self.codec.scores_checked(*self._coded(n), q, n_threads)
-        e, ws = min(n, self._n_exact), self.window_start(n)
-        q32 = np.asarray(q, dtype=np.float32)
-        q_coded = q32 if self.channel_scale is None else q32 * self.channel_scale
-        coded = self.codec.scores_checked(*self._coded(ws), q_coded, n_threads)
-        if self.offset is not None and coded.shape[-1]:
-            coded += (q32 @ self.offset)[..., None]
-        parts = ([q32 @ self._exact[:e].T] if e else []) + [coded]
-        if ws < n:
-            parts.append(q32 @ self.recent_rows(ws, n).T)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-
-    def context(self, w, n_threads=None):
-        """``sum_t w_t x^_t`` over the first ``len(w)`` rows; w of shape (T,) or (m, T)."""
-        n = self._length(np.shape(w)[-1])
-        if self._plain:
-            return self.codec.context_checked(*self._coded(n), w, n_threads)
-        e, ws = min(n, self._n_exact), self.window_start(n)
-        w32 = np.asarray(w, dtype=np.float32)
-        out = self.codec.context_checked(*self._coded(ws), w32[..., e:ws], n_threads)
-        if self.channel_scale is not None:
-            out *= self.channel_scale
-        if self.offset is not None and ws > e:
-            out += w32[..., e:ws].sum(axis=-1, dtype=np.float32)[..., None] * self.offset
-        if e:
-            out += w32[..., :e] @ self._exact[:e]
-        if ws < n:
-            out += w32[..., ws:n] @ self.recent_rows(ws, n)
-        return out
-
-    def decode(self, start=0, stop=None, n_threads=None, window=True):
-        """Rows [start, stop) as float32 (a block for the prefill path), as a read of all rows
-        sees them; ``window=False``: every row after the sinks from its codes."""
-        stop = self.n_rows if stop is None else stop
-        if self._plain:
-            return self.codec.decode(self.encoded()[start:stop], n_threads)
-        if not 0 <= start <= stop <= self.n_rows:
-            raise ValueError(f"rows [{start}, {stop}) are outside 0..{self.n_rows}")
-        e = self._n_exact
-        ws = self.window_start() if window else self.n_rows
-        coded_stop = max(min(stop, ws), start)
-        coded = self.codec.decode(self.encoded()[max(start - e, 0):max(coded_stop - e, 0)],
-                                  n_threads)
-        if self.channel_scale is not None:
-            coded *= self.channel_scale
-        if self.offset is not None:
-            coded += self.offset
-        parts = ([self._exact[start:min(stop, e)]] if start < e else []) + [coded]
-        if stop > ws:
-            parts.append(self.recent_rows(max(start, ws), stop))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def bytes_for(self, n_rows):
-        """Bytes this stream holds once it has ``n_rows`` rows: codes and side values of the
-        coded rows, float32 sinks, the float32 copies of the last ``recent`` rows (besides their
-        codes), and the offset and scales from the first append on. (The copies of a long
-        append's older rows, held until the next append for its own queries, are not counted.)"""
-        exact = min(n_rows, self.sinks)
-        window = min(n_rows - exact, self.recent)
-        vectors = (self.center + self.normalize) if n_rows else 0
-        return ((n_rows - exact) * self.codec.bytes_per_row
-                + 4 * self.codec.dim * (exact + window + vectors))
-
-    @property
-    def nbytes(self):
-        """Bytes of the stored rows (codes and side values; float32 sinks, offset, scales)."""
-        return self.bytes_for(self.n_rows)
-
-    @property
-    def fixed_bytes(self):
-        """What the stream options add to ``n_rows * bytes_per_row`` once the sinks and the
-        window are filled: float32 sink rows in place of their codes, the window's float32
-        copies, the offset and the channel scales."""
-        n = max(self.sinks + self.recent, 1)
-        return self.bytes_for(n) - n * self.codec.bytes_per_row
-
-    @property
-    def capacity_bytes(self):
-        """Bytes allocated."""
-        return (self._codes.nbytes + self._side.nbytes + self._exact.nbytes
-                + self._recent_rows.nbytes)
+from kvquant.streams.spec import StreamSpec
+from kvquant.streams.store import RowStream, StreamStore  # noqa: F401 (RowStream: a KV head)
 
 
 def softmax(scores):
@@ -418,10 +43,12 @@ class QuantizedKVCache:
         width of each stream. E.g. ``{"k": ("tq4", 64), "v": ("kv8", 64)}`` (GQA),
         ``{"L": ("kv8-g32", 512), "R": ("kv8", 64)}`` (MLA), or with stream options
         ``{"k": ("polar5@center,sinks=1", 64), "v": ("polar4@sinks=1", 64)}``
-        (:func:`parse_stream_spec`). A Codec object may stand for a spec (no stream options).
-        So may a stream factory, ``make_stream(capacity) -> RowStream`` (any callable that is
-        not a Codec), called once per layer and KV head: streams of one's own, e.g. a codec
-        under study that keeps per-stream state or carries stream options (research code).
+        (:func:`~kvquant.streams.options.parse_stream_spec`), or a parsed
+        :class:`~kvquant.streams.StreamSpec`. A Codec object may stand for a spec (no stream
+        options). So may a stream factory, ``make_stream(capacity) -> RowStream`` (any callable
+        that is not a Codec), called once per layer and KV head: streams of one's own, e.g. a
+        codec under study that keeps per-stream state or carries stream options (research
+        code).
     n_kv_heads : int, default 1
         Row sequences per stream and layer.
     capacity : int, default 0
@@ -449,7 +76,7 @@ class QuantizedKVCache:
         self.stream_names = tuple(streams)
         self.dims = {}
         self._layers = []
-        specs = {}
+        specs, parsed = {}, {}   # parsed: each spec string once, whatever layers repeat it
         for name, value in streams.items():
             try:
                 spec, dim = value
@@ -459,51 +86,61 @@ class QuantizedKVCache:
             if len(per_layer) != self.n_layers:
                 raise ValueError(f"stream {name!r}: {len(per_layer)} codec specs for "
                                  f"{self.n_layers} layers")
-            specs[name] = per_layer
+            for s in per_layer:
+                if isinstance(s, str) and s not in parsed:
+                    parsed[s] = StreamSpec.parse(s)
+            specs[name] = [parsed[s] if isinstance(s, str) else s for s in per_layer]
             self.dims[name] = int(dim)
-        codecs = {}   # codecs are immutable: one object per distinct (spec, dim)
+        codecs = {}   # codecs are immutable: one object per distinct (codec spec, dim)
         made = set()  # ids of the streams factories returned: each must be a new one
+        self._stores = []   # per layer: name -> [(StreamStore, KV heads it holds as slots)]
         for layer in range(self.n_layers):
-            entry = {}
+            entry, stores = {}, {}
             for name in self.stream_names:
-                spec, stream_options = specs[name][layer], {}
-                if callable(spec) and not isinstance(spec, Codec):
+                spec, dim = specs[name][layer], self.dims[name]
+                if callable(spec) and not isinstance(spec, (Codec, StreamSpec)):
                     entry[name] = [self._own_stream(name, spec, capacity, made)
                                    for _ in range(self.n_kv_heads)]
+                    stores[name] = [(s.store, [h]) for h, s in enumerate(entry[name])]
                     continue
                 if isinstance(spec, Codec):
-                    codec = spec
+                    codec, options = spec, None
                 else:
-                    spec, stream_options = parse_stream_spec(spec)
-                    key = (spec, self.dims[name])
+                    spec = StreamSpec.of(spec)   # parsed above; anything else is refused here
+                    key = (spec.codec_spec, dim)
                     if key not in codecs:
-                        codecs[key] = get_codec(spec, self.dims[name], **codec_options)
-                    codec = codecs[key]
-                if codec.dim != self.dims[name]:
-                    raise ValueError(f"stream {name!r}: codec width {codec.dim} != {self.dims[name]}")
-                entry[name] = [RowStream(codec, capacity, **stream_options)
-                               for _ in range(self.n_kv_heads)]
+                        codecs[key] = spec.codec(dim, **codec_options)
+                    codec, options = codecs[key], spec.options
+                if codec.dim != dim:
+                    raise ValueError(f"stream {name!r}: codec width {codec.dim} != {dim}")
+                store = StreamStore(codec, options, self.n_kv_heads, capacity)
+                entry[name] = [RowStream.of(store, h) for h in range(self.n_kv_heads)]
+                stores[name] = [(store, list(range(self.n_kv_heads)))]
             self._layers.append(entry)
+            self._stores.append(stores)
         # streams are fixed from here on: their widest recent window once
-        self._recent = max(s.recent for entry in self._layers for heads in entry.values()
-                           for s in heads)
+        self._recent = max(store.recent for store in self._all_stores())
+
+    def _all_stores(self):
+        return [store for stores in self._stores for per_name in stores.values()
+                for store, _ in per_name]
 
     def _own_stream(self, name, make_stream, capacity, made):
         """A stream from a factory, checked: a new, empty RowStream of the stream's width."""
         stream = make_stream(capacity)
-        if not isinstance(stream, RowStream):
-            raise TypeError(f"stream {name!r}: a stream factory must return a RowStream, got "
-                            f"{type(stream).__name__}")
+        if not isinstance(stream, RowStream) or stream.store.slots != 1:
+            raise TypeError(f"stream {name!r}: a stream factory must return a RowStream of its "
+                            f"own, got {type(stream).__name__}")
         if stream.codec.dim != self.dims[name]:
             raise ValueError(f"stream {name!r}: the factory's codec width {stream.codec.dim} != "
                              f"{self.dims[name]}")
         if len(stream):
             raise ValueError(f"stream {name!r}: the factory returned a stream holding "
                              f"{len(stream)} rows; a new cache starts empty")
-        if id(stream) in made:
+        if id(stream.store) in made:
             raise ValueError(f"stream {name!r}: the factory returned the same RowStream twice; "
                              "each layer and KV head needs its own")
-        made.add(id(stream))
+        made.add(id(stream.store))
         return stream
 
     def __repr__(self):
@@ -518,7 +155,8 @@ class QuantizedKVCache:
             raise IndexError(f"layer {layer} is outside 0..{self.n_layers - 1}")
 
     def stream(self, layer, name, head=0):
-        """The RowStream of one layer, stream and KV head (a building block)."""
+        """One layer, stream and KV head as a :class:`~kvquant.streams.RowStream` (a building
+        block: a view of the layer's store for that stream, the KV head its slot)."""
         self._check_layer(layer)
         if name not in self.dims:
             raise KeyError(f"no stream {name!r}; this cache has {list(self.stream_names)}")
@@ -568,26 +206,24 @@ class QuantizedKVCache:
         if len(counts) != 1:
             raise ValueError(f"every stream must get the same number of new rows, got "
                              f"{ {n: X.shape[0] for n, X in arrays.items()} }")
-        # encode everything first: a bad row leaves the cache untouched
-        prepared = {name: [self.stream(layer, name, h).prepare(X[:, h, :], n_threads)
-                           for h in range(self.n_kv_heads)] for name, X in arrays.items()}
-        for name, per_head in prepared.items():
-            for h, item in enumerate(per_head):
-                self._layers[layer][name][h].store(item)
+        # encode everything first (one call per store: its KV heads are its slots): a bad row
+        # leaves the cache untouched
+        prepared = [(store, store.prepare(X if len(heads) == X.shape[1] else X[:, heads],
+                                          n_threads))
+                    for name, X in arrays.items()
+                    for store, heads in self._stores[layer][name]]
+        for store, item in prepared:
+            store.store(item)
 
     def reserve(self, capacity):
         """Allocate room for ``capacity`` tokens in every sequence."""
-        for entry in self._layers:
-            for heads in entry.values():
-                for s in heads:
-                    s.reserve(capacity)
+        for store in self._all_stores():
+            store.reserve(capacity)
 
     def truncate(self, length):
         """Keep the first ``length`` tokens of every layer."""
-        for entry in self._layers:
-            for heads in entry.values():
-                for s in heads:
-                    s.truncate(min(length, s.n_rows))
+        for store in self._all_stores():
+            store.truncate(min(length, store.n_rows))
 
     # -- building blocks ---------------------------------------------------------------------
     def scores(self, layer, name, q, head=0, n_threads=None, length=None):
@@ -721,13 +357,12 @@ class QuantizedKVCache:
     @property
     def nbytes(self):
         """Bytes of the stored rows (codes and side values), every layer, stream and head."""
-        return sum(s.nbytes for entry in self._layers for heads in entry.values() for s in heads)
+        return sum(store.nbytes for store in self._all_stores())
 
     @property
     def capacity_bytes(self):
         """Bytes allocated."""
-        return sum(s.capacity_bytes for entry in self._layers for heads in entry.values()
-                   for s in heads)
+        return sum(store.capacity_bytes for store in self._all_stores())
 
     @property
     def bytes_per_token(self):
@@ -739,10 +374,9 @@ class QuantizedKVCache:
     @property
     def fixed_bytes(self):
         """Bytes of the stream options beyond ``bytes_per_token`` per token (sinks, window
-        copies, offsets, scales; :attr:`RowStream.fixed_bytes`), every layer, stream and head: a
-        cache of T >= sinks + recent tokens holds ``T * bytes_per_token + fixed_bytes``."""
-        return sum(s.fixed_bytes for entry in self._layers for heads in entry.values()
-                   for s in heads)
+        copies, offsets, scales; :attr:`StreamStore.fixed_bytes`), every layer, stream and head:
+        a cache of T >= sinks + recent tokens holds ``T * bytes_per_token + fixed_bytes``."""
+        return sum(store.fixed_bytes for store in self._all_stores())
 
 
 def _window_band(stream, pos, visible):
@@ -750,7 +384,7 @@ def _window_band(stream, pos, visible):
     from a float32 copy, and the (n_q, visible - lo) mask of the rows each one does."""
     starts = stream.window_starts(pos + 1)
     # a query within the sinks has an empty band (its start is its length): not below the copies
-    lo = min(visible, max(int(starts.min()), stream._recent_start))
+    lo = min(visible, max(int(starts.min()), stream.recent_start))
     rows = np.arange(lo, visible)[None, :]
     return lo, (rows >= starts[:, None]) & (rows <= pos[:, None])
 

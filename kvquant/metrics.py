@@ -42,16 +42,14 @@ def measure_distortion(codec, X, n_threads=None):
 
 def measure_stream_distortion(stream_spec, X, n_threads=None):
     """:func:`measure_distortion` for a stream spec with options (``"tq4@center,sinks=1"``):
-    the rows are appended to one :class:`~kvquant.cache.RowStream` in a single call (the first
+    the rows are appended to one :class:`~kvquant.streams.RowStream` in a single call (the first
     append is the whole of X, so its mean and spread set the offset and scales) and read back.
     Bytes per row include the stream's fixed bytes spread over the rows."""
-    from kvquant.cache import RowStream
-    from kvquant.stream_options import parse_stream_spec
-    from kvquant.codecs import get_codec
+    from kvquant.streams import RowStream, StreamSpec
     X = np.asarray(X)
-    codec_spec, options = parse_stream_spec(stream_spec)
-    codec = get_codec(codec_spec, X.shape[1] if X.ndim == 2 else -1)
-    stream = RowStream(codec, capacity=X.shape[0], **options)
+    spec = StreamSpec.of(stream_spec)
+    codec = spec.codec(X.shape[1] if X.ndim == 2 else -1)
+    stream = RowStream(codec, capacity=X.shape[0], **spec.options.as_dict())
     stream.append(X, n_threads)
     X_hat = stream.decode(n_threads=n_threads)
     rel = relative_l2(X, X_hat)

@@ -5,33 +5,12 @@ import struct
 import numpy as np
 
 from kvquant import get_codec
-from kvquant.codecs.lloyd import LloydCodec
 from kvquant.kvfile import KVFileShape
 
 # The engine's tiny oracle widths (kv_lora 32, qk_rope 8), 3 layers, a 2-layer indexer of width 4.
 SHAPE = KVFileShape(n_layers=3, kv_lora=32, qk_rope=8, index_hd=4, n_index_layers=2, vocab=256)
 ENGINE_MODES = {"v1": "f32", "v2": "kv8", "v3": "tq4:compat=colibri"}
 HAND_MAGIC = {"v1": b"COLIKV1\x00", "v2": b"COLIKV2\x00", "v3": b"COLIKV3\x00"}
-
-
-class FakePolar(LloydCodec):
-    """Stands in for ``polar<b>:compat=colibri`` (codec 0, tag = bits) so that the generic v3 tag
-    logic is tested before kvquant/codecs/polar.py exists: same shape of codec, other tag."""
-
-    family = "polar"
-
-    def __init__(self, dim, bits, nonfinite="raise"):
-        super().__init__(dim, bits, codebook="gaussian", nonfinite=nonfinite)
-        self.engine_tag = bits
-        self.spec = f"polar{bits}:compat=colibri"
-
-
-def fake_get_codec(real):
-    def get(spec, dim, **options):
-        if spec.startswith("polar") and spec.endswith(":compat=colibri"):
-            return FakePolar(dim, int(spec[5:spec.index(":")]), **options)
-        return real(spec, dim, **options)
-    return get
 
 
 def make_rows(rng, n, shape=SHAPE, mode="kv8", codec_factory=get_codec):

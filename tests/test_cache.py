@@ -125,10 +125,10 @@ def test_growth_is_geometric_and_reserve_avoids_copies(rng):
     enc = get_codec("kv8", 16).encode(X)
     assert np.array_equal(stream.encoded().codes, enc.codes)
     reserved = RowStream(get_codec("kv8", 16), capacity=1000)
-    buffer = reserved._codes
+    buffer = reserved.store._codes
     for i in range(1000):
         reserved.append(X[i:i + 1])
-    assert reserved._codes is buffer
+    assert reserved.store._codes is buffer
 
 
 def test_per_layer_codecs_and_truncate(rng):

@@ -9,9 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-import kvquant.kvfile._common as kvcommon
 from _kvfile_data import (
-    ENGINE_MODES, HAND_MAGIC, SHAPE, fake_get_codec, hand_engine_bytes, make_rows,
+    ENGINE_MODES, HAND_MAGIC, SHAPE, hand_engine_bytes, make_rows,
     records_equal)
 from kvquant import cli, get_codec
 from kvquant.codecs import EncodedRows
@@ -88,13 +87,11 @@ def test_engine_round_trip_byte_identical(tmp_path, rng, tier):
     assert copy.tier == tier
 
 
-def test_generic_v3_tag_from_engine_tag(tmp_path, rng, monkeypatch):
-    """A codec with engine_tag b (polar-like, codec 0) writes COLIKV3 with h7 = b."""
-    monkeypatch.setattr(kvcommon, "get_codec", fake_get_codec(get_codec))
-    factory = fake_get_codec(get_codec)
-    rows = make_rows(rng, 5, mode="polar3:compat=colibri", codec_factory=factory)
+def test_real_polar_is_v3_with_tag_bits(tmp_path, rng):
+    """polar b bits (codec 0) writes COLIKV3 with h7 = b; another width or codec is refused."""
+    rows = make_rows(rng, 5, mode="polar3:compat=colibri")
     path = tmp_path / "p.coli_kv"
-    write_cache(path, rows, "polar3:compat=colibri")
+    assert write_cache(path, rows, "polar3:compat=colibri").tier == "v3"
     assert read(path) == hand_engine_bytes("v3", SHAPE, 3, rows)
     with pytest.raises(CacheFileMismatch) as exc:
         CacheFile.open(path, SHAPE, mode="polar4:compat=colibri")
@@ -104,26 +101,6 @@ def test_generic_v3_tag_from_engine_tag(tmp_path, rng, monkeypatch):
         CacheFile.open(path, SHAPE, mode="tq4:compat=colibri")
     assert exc.value.reason == "codec"
     assert "codec 0, 3-bit" in str(exc.value) and "codec 1, 4-bit" in str(exc.value)
-
-
-def _polar_registered():
-    try:
-        get_codec("polar3:compat=colibri", SHAPE.kv_lora)
-        get_codec("polar3:compat=colibri", SHAPE.qk_rope)
-        return True
-    except (ValueError, ImportError):
-        return False
-
-
-@pytest.mark.skipif(not _polar_registered(), reason="polar codecs are not registered yet")
-def test_real_polar_is_v3_with_tag_bits(tmp_path, rng):
-    rows = make_rows(rng, 5, mode="polar3:compat=colibri")
-    path = tmp_path / "p.coli_kv"
-    assert write_cache(path, rows, "polar3:compat=colibri").tier == "v3"
-    assert read(path) == hand_engine_bytes("v3", SHAPE, 3, rows)
-    with pytest.raises(CacheFileMismatch) as exc:
-        CacheFile.open(path, SHAPE, mode="polar4:compat=colibri")
-    assert exc.value.reason == "bits"
     write_cache(tmp_path / "k", make_rows(rng, 3, mode="polar3"), "polar3")
     assert CacheFile.open(tmp_path / "k", SHAPE, mode="polar3").report.loaded == 3
     with pytest.raises(CacheFileMismatch):

@@ -29,7 +29,7 @@ from _kvfile_data import records_equal
 from kvquant.codecs import EncodedRows
 from kvquant.kvfile import (
     CacheFile, CacheFileRefused, CacheFileSaveError, KVFileShape, inspect_file)
-from kvquant.kvfile._common import SIDE_MAX
+from kvquant.kvfile.schema import SIDE_MAX
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 

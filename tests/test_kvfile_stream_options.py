@@ -15,7 +15,7 @@ from kvquant.kvfile import (
     CacheFile, CacheFileCorrupt, CacheFileMismatch, CacheFileSaveError, Stream, inspect_file,
     kvq)
 from kvquant.kvfile import cachefile as cachefile_module
-from kvquant.stream_options import split_stream_spec
+from kvquant.streams.options import split_stream_spec
 
 DIM = 64
 SLOTS = 3           # row slots per token (layers x KV heads)
@@ -396,7 +396,7 @@ def test_truncate_while_the_state_is_unsaved_reaches_the_disk(tmp_path, rng):
 
 
 def test_sinks_beyond_the_limit_are_refused_up_front(tmp_path):
-    from kvquant.stream_options import MAX_SINKS
+    from kvquant.streams.options import MAX_SINKS
     with pytest.raises(ValueError, match=f"0 <= N <= {MAX_SINKS}"):
         CacheFile.open(tmp_path / "c.kvq",
                        streams=[Stream("K", 4, 1, f"f32@sinks={MAX_SINKS + 1}")])

@@ -14,8 +14,9 @@ from kvquant import get_codec  # noqa: E402
 from kvquant.cache import QuantizedKVCache  # noqa: E402
 from kvquant_experiments import probes  # noqa: E402
 from kvquant_experiments.probes import (FP8SimCodec, OutlierSplitCodec, Probe,  # noqa: E402
-                                        QJLResidualCodec, RecentWindowCache, fp8_roundtrip,
-                                        make_codec, probe_bits, qjl_scale, qjl_sketch)
+                                        QJLResidualCodec, fp8_roundtrip, make_codec,
+                                        probe_bits, qjl_scale, qjl_sketch)
+from _window_reference import RecentWindowCache  # noqa: E402
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the test extra (ml_dtypes) is not installed")
 
@@ -409,8 +410,8 @@ def test_result_names_carry_the_text_and_a_subset_of_ideas():
 
 @pytest.mark.parametrize("W", [1, 5])
 def test_the_simulated_window_agrees_with_the_stream_option(rng, W):
-    """The probe's two-copy simulation and the cache's ``recent=W`` stream option are two
-    implementations of one rule: they agree to rounding."""
+    """The two-copy reference (tests/_window_reference.py) and the cache's ``recent=W`` stream
+    option are two implementations of one rule: they agree to rounding."""
     K, V = _rows(rng)
     Q = rng.standard_normal((25, 4, 32)).astype(np.float32)
     sim = _filled(RecentWindowCache(1, {"k": ("tq2", 32), "v": ("tq3", 32)}, 2, window=W), K, V)

@@ -7,7 +7,7 @@ import pytest
 from kvquant import get_codec
 from kvquant.cache import QuantizedKVCache, RowStream
 from kvquant.codecs import split_spec_list
-from kvquant.stream_options import MAX_RECENT, parse_stream_spec
+from kvquant.streams.options import MAX_RECENT, parse_stream_spec
 
 D = 32
 
@@ -165,6 +165,6 @@ def test_spec_language_and_where_a_window_cannot_go():
         parse_stream_spec(f"tq4@recent={MAX_RECENT + 1}")
     assert RowStream(get_codec("tq4", D), recent=16, sinks=1).spec == "tq4@sinks=1,recent=16"
     with pytest.raises(ValueError, match="recent_rows must be given exactly"):
-        from kvquant.stream_options import StreamOptions
+        from kvquant.streams.options import StreamOptions
         RowStream.from_state(get_codec("tq4", D), StreamOptions(recent=4),
                              np.zeros((0, 16), np.uint8), np.zeros((0, 1), np.float32))

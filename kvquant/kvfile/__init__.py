@@ -42,9 +42,12 @@ Examples
 >>> cf.append([3, 14], L=Lrows, R=Rrows)  # doctest: +SKIP
 >>> cf.records.L[0]  # doctest: +SKIP
 """
-from kvquant.kvfile._common import (
-    CacheFileCorrupt, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, CacheRecords,
-    KVFileShape, LoadEvent, LoadReport, Stream, codec_identity)
+from kvquant.kvfile.errors import (
+    CacheFileCorrupt, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, LoadEvent,
+    LoadReport)
+from kvquant.kvfile.identity import codec_identity
+from kvquant.kvfile.records import CacheRecords
+from kvquant.kvfile.schema import KVFileShape, Stream
 from kvquant.kvfile.cachefile import ON_MISMATCH, TIERS, CacheFile
 from kvquant.kvfile.engine import describe_tier, spec_of_tag, tier_of_tag
 from kvquant.kvfile.inspect import add_cli, format_inspection, inspect_file

@@ -1,5 +1,7 @@
-"""``CacheFile``: open a cache file under a running mode, load what may be loaded, append with
-commit-by-count, truncate; the rules of docs/engine-arithmetic.md §6 plus our own tier."""
+"""``CacheFile``: open a cache file under a running mode (reading it: :mod:`.loader`), append
+with commit-by-count, truncate, save; the rules of docs/engine-arithmetic.md §6 plus our own
+tier. Rows reach the records through the streams' stores (:mod:`.records`): nothing here encodes
+a row."""
 import os
 import struct
 import zlib
@@ -8,54 +10,16 @@ import numpy as np
 
 from kvquant.codecs import EncodedRows
 from kvquant.kvfile import engine, kvq
-from kvquant.kvfile._common import (
-    INT32_MAX, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, CacheRecords, KVFileShape,
-    LoadReport, Stream, build_codec, check_side_values, codec_identity, pread_exact,
-    pwrite_all, sanitize_rows, side_kind, write_new_file)
-from kvquant.stream_options import StreamOptions, split_rows, split_stream_spec
+from kvquant.kvfile.errors import CacheFileSaveError, LoadReport
+from kvquant.kvfile.fileio import pwrite_all, write_new_file
+from kvquant.kvfile.identity import build_codec, check_side_values, side_kind
+from kvquant.kvfile.loader import load
+from kvquant.kvfile.records import CacheRecords
+from kvquant.kvfile.schema import INT32_MAX, KVFileShape, Stream
+from kvquant.streams.spec import StreamSpec
 
 TIERS = ("auto", "engine", "kvq")
 ON_MISMATCH = ("raise", "start_over")
-_HEAD_BYTES = kvq.HEADER_OFFSET + kvq.MAX_HEADER_BYTES
-
-# Identity fields compared between a kvq file and the running codec, in the order that names
-# the most specific reason first.
-_IDENTITY_CHECKS = (
-    ("family", "codec", "codec family"),
-    ("bits", "bits", "bit width"),
-    ("rotation.seed", "seed", "rotation seed"),
-    ("rotation.sign_hash", "rotation", "rotation sign hash"),
-    ("rotation.ordering", "rotation", "Hadamard ordering"),
-    ("rotation.identity", "rotation", "rotation"),
-    ("codebook.identity", "codebook", "codebook"),
-    ("codebook.checksum", "codebook", "codebook checksum"),
-    ("side", "side", "side-value kind"),
-    ("side_dtype", "side", "side-value dtype"),
-    ("spec", "codec", "codec spec"),
-    ("code_bytes", "codec", "code bytes per row"),
-    ("n_side", "codec", "side values per row"),
-    ("engine_tag", "codec", "engine tag"),
-)
-
-
-# What a kvq header written before a field existed means by its absence.
-_IDENTITY_DEFAULTS = {"side_dtype": "f32"}
-
-
-def _get(d, dotted):
-    for key in dotted.split("."):
-        if not isinstance(d, dict):
-            return None
-        d = d.get(key)
-    return _IDENTITY_DEFAULTS.get(dotted) if d is None else d
-
-
-def _show(key, value):
-    if key == "rotation.seed" and isinstance(value, int):
-        return f"{value:#010x}"
-    if key == "engine_tag" and isinstance(value, int):
-        return f"{value:#x}"
-    return repr(value)
 
 
 class CacheFile:
@@ -151,7 +115,7 @@ class CacheFile:
         self._committed = 0
         self._disk_count = 0
         self._slot = (0, 1)
-        self._load()
+        load(self)
         self.report.tier = self.tier
         self.report.loaded = len(self.records)
         return self
@@ -183,10 +147,11 @@ class CacheFile:
         self.options, self.codecs = {}, {}
         for s in self.streams:
             try:
-                codec_spec, self.options[s.name] = split_stream_spec(s.spec)
+                spec = StreamSpec.of(s.spec)
             except ValueError as exc:
                 raise ValueError(f"stream {s.name!r}: {exc}") from None
-            self.codecs[s.name] = build_codec(codec_spec, s.dim, self._nonfinite)
+            self.options[s.name] = spec.options
+            self.codecs[s.name] = build_codec(spec.codec_spec, s.dim, self._nonfinite)
         self.mode = {s.name: self.options[s.name].stream_spec(self.codecs[s.name].spec)
                      for s in self.streams}
 
@@ -235,335 +200,6 @@ class CacheFile:
         spec = self.mode["L"] if self.shape is not None and "L" in self.mode else ", ".join(
             f"{k}={v}" for k, v in self.mode.items())
         return f"'{spec}', tier {engine.describe_tier(self.tier, self._engine_tag)}"
-
-    # -- loading -----------------------------------------------------------------------------
-    def _load(self):
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            self.report.add("new", f"no cache file at {self.path}: starting empty")
-            return
-        try:
-            size = os.fstat(fd).st_size
-            head = pread_exact(fd, min(size, _HEAD_BYTES), 0)
-            try:
-                self._load_from(fd, size, head)
-            except CacheFileRefused as exc:
-                self._refused(exc)
-        finally:
-            os.close(fd)
-
-    def _refused(self, exc):
-        if self._on_mismatch == "raise":
-            raise exc
-        self.records = CacheRecords(self.streams, self.codecs, self.options)
-        self.report.status = "started-over"
-        self.report.add("refused", f"{exc}; starting over (the file is kept until the first "
-                        "save)", reason=exc.reason)
-        self._needs_rewrite = True
-
-    def _ignored(self, message, **detail):
-        self.report.status = "ignored"
-        self.report.add("ignored", f"{message}; starting over (the file is kept until the "
-                        "first save)", **detail)
-
-    def _load_from(self, fd, size, head):
-        rep = self.report
-        if size == 0:
-            rep.add("new", f"{self.path} is empty: starting empty")
-            return
-        magic = head[:8]
-        if magic == kvq.MAGIC:
-            return self._load_kvq(fd, size, head)
-        known = (kvq.MAGIC, *engine.MAGICS.values())
-        if size < 8 and any(m.startswith(head) for m in known):
-            return self._ignored(f"ignoring {self.path}: a torn header ({size} bytes)")
-        if head.startswith(engine.MAGIC_PREFIX):
-            if magic not in engine.TIER_OF_MAGIC:
-                return self._ignored(f"ignoring {self.path}: a .coli_kv of another version "
-                                     f"(magic {magic!r})")
-            if size < engine.HEADER_BYTES:
-                return self._ignored(f"ignoring {self.path}: the .coli_kv header is short "
-                                     f"({size} of {engine.HEADER_BYTES} bytes)")
-            ftier, words = engine.parse_header(head)
-            return self._load_engine(fd, size, ftier, words)
-        raise CacheFileMismatch(
-            f"{self.path} is not a cache file (magic {bytes(magic)!r}): refusing to read or "
-            "overwrite it", "not-a-cache", self.path, None)
-
-    def _load_engine(self, fd, size, ftier, words):
-        rep, path = self.report, self.path
-        rep.file_tier = ftier
-        count, tag = words[6], words[7]
-        rep.header_count = count
-        if self.shape is None:
-            return self._ignored(f"ignoring {path}: a .coli_kv holds an MLA model; this cache "
-                                 f"holds streams {[s.name for s in self.streams]}",
-                                 words=list(words))
-        if tuple(words[:6]) != self.shape.engine_words:
-            diff = ", ".join(f"{k} {a} != {b}" for k, a, b in zip(
-                engine.WORD_NAMES[:6], words[:6], self.shape.engine_words) if a != b)
-            return self._ignored(f"ignoring {path}: a .coli_kv from a different model or "
-                                 f"version ({diff})", words=list(words))
-        expected = {"v1": engine.TAG_F32, "v2": engine.TAG_FP8}.get(ftier)
-        if (expected is not None and tag != expected) or (
-                ftier == "v3" and engine.tier_of_tag(tag) != "v3"):
-            raise CacheFileMismatch(
-                f"{path}: a {engine.describe_tier(ftier)} header with format tag {tag} (the "
-                f"engine writes {expected if expected is not None else 'codec<<8|bits'}): not "
-                "a file this reader understands; refusing it", "tag", path, ftier)
-        file_spec = {"v1": "f32", "v2": "kv8"}.get(ftier) or engine.spec_of_tag(tag)
-        upgrade = ftier == "v1" and self.tier != "v1"
-        if not upgrade and ftier != self.tier:
-            resume = f" (open with mode={file_spec!r} to resume it)" if file_spec else ""
-            raise CacheFileMismatch(
-                f"{path} is a {engine.describe_tier(ftier, tag)} .coli_kv; the running mode is "
-                f"{self._describe_running()}: refusing it{resume}", "tier", path, ftier)
-        if ftier == "v3" and tag != self._engine_tag:
-            same_codec = (tag >> 8) == (self._engine_tag >> 8)
-            raise CacheFileMismatch(
-                f"{path}: v3 {engine.describe_tag(tag)} ({file_spec or 'unknown codec'}) != "
-                f"running {engine.describe_tag(self._engine_tag)} ({self.mode['L']}): "
-                "refusing it", "bits" if same_codec else "codec", path, ftier)
-        if count < 0:
-            rep.add("count", f"{path}: negative committed count {count}: treated as 0",
-                    count=count)
-            count = 0
-        self._check_context(count, ftier)
-        if upgrade:
-            f32 = {s.name: build_codec("f32", s.dim, "inert") for s in self.streams}
-            layout = engine.EngineLayout("v1", self.shape, f32)
-        else:
-            layout = self._layout
-        rec = layout.record_bytes
-        present = (size - engine.HEADER_BYTES) // rec
-        n = min(count, present)
-        if count > present:
-            rep.add("truncated", f"{path} is shorter than its count: {present} complete "
-                    f"record(s) of the {count} committed; cut to {present}",
-                    count=count, kept=present)
-        elif size > engine.HEADER_BYTES + count * rec:
-            rep.add("uncommitted-tail", f"{path}: {size - engine.HEADER_BYTES - count * rec} "
-                    "byte(s) past the committed records ignored (an append that did not "
-                    "commit, or a truncation)")
-        buf = pread_exact(fd, n * rec, engine.HEADER_BYTES)
-        n = min(n, len(buf) // rec)
-        tokens, codes, side = layout.from_bytes(buf, n)
-        if upgrade:
-            k, _ = self._post_load(tokens, codes, side, f32)
-            self._upgrade(tokens, codes, side, k)
-            return
-        k, _ = self._post_load(tokens, codes, side, self.codecs)
-        self.records._extend(tokens[:k], *self._cut(codes, side, k))
-        self._needs_rewrite = False
-        self._committed = k
-        self._disk_count = words[6]
-        rep.status = "loaded"
-        rep.add("loaded", f"loaded {k} record(s) from {path} "
-                f"({engine.describe_tier(ftier, tag)})", records=k)
-
-    def _loaded_states(self, state, k):
-        """The stream state of a kvq file for its first ``k`` records (refused when the file's
-        state cannot be the state of those records)."""
-        states = {}
-        for name, (offset, scale, sinks) in state.items():
-            opt = self.options[name]
-            if k and len(sinks) < min(k, opt.sinks):
-                raise kvq._corrupt(self.path, f"stream {name!r}: {k} record(s) but only "
-                                   f"{len(sinks)} of its {opt.sinks} float32 sink rows", "state")
-            if k and ((offset is None) == opt.center or (scale is None) == opt.normalize):
-                raise kvq._corrupt(self.path, f"stream {name!r}: {k} record(s) but no offset or "
-                                   "scales in the stream state", "state")
-            states[name] = (offset, scale, sinks[:k], None) if k else (None, None, sinks[:0], None)
-        return states
-
-    def _commit_with_window(self, fd, layout, valid):
-        """The newest valid commit slot whose window slot (same letter) holds its count and seq,
-        and that window; the other commit when the newest one's window slot is damaged."""
-        slots = [layout.parse_window_slot(pread_exact(fd, layout.window_slot_bytes,
-                                                      layout.window_slot_offset(i)))
-                 for i in (0, 1)]
-        for n, (idx, count, seq, tail_crc) in enumerate(sorted(valid, key=lambda v: -v[2])):
-            got = slots[idx]
-            if got is not None and got[:2] == (count, seq):
-                if n:
-                    self.report.add(
-                        "window-slot", f"{self.path}: the window slot of the newest commit is "
-                        f"damaged; using commit slot {'AB'[idx]} (count {count}, seq {seq}) and "
-                        "its window", slot=idx, count=count)
-                return (idx, count, seq, tail_crc), got[2]
-        raise kvq._corrupt(self.path, "no commit slot has its recent window (both window slots "
-                           "are damaged or belong to other commits)", "window")
-
-    def _load_window(self, name, rows, count, k):
-        """Window copies of the commit's last len(rows) rows, for the k records kept."""
-        coded = count - min(count, self.options[name].sinks)
-        if len(rows) > coded:
-            raise kvq._corrupt(self.path, f"stream {name!r}: a window of {len(rows)} rows for "
-                               f"{coded} coded row(s)", "window")
-        self.records._set_window(name, rows[:max(0, len(rows) - (count - k))])
-
-    def _upgrade(self, tokens, codes, side, k):
-        new_codes, new_side, states, inert = {}, {}, {}, 0
-        for s in self.streams:
-            c = self.codecs[s.name]
-            if c.spec == "f32" and self.options[s.name].plain:
-                new_codes[s.name], new_side[s.name] = codes[s.name][:k], side[s.name][:k]
-                continue
-            X = codes[s.name][:k].view("<f4").reshape(k, s.rows, s.dim)
-            inert += int((~np.isfinite(X).all(axis=2)).sum()) if k else 0
-            new_codes[s.name], new_side[s.name], state = self._encode_floats(
-                s, X, build_codec(c.spec, c.dim, "inert"))
-            if state is not None:
-                states[s.name] = state
-        self.records._extend(tokens[:k], new_codes, new_side, states)
-        self.report.status = "upgraded"
-        self.report.add(
-            "upgraded", f"f32 .coli_kv (v1) quantized in memory ({k} record(s)"
-            + (f", {inert} row(s) with NaN/inf stored inert" if inert else "")
-            + f"); it will be rewritten as {engine.describe_tier(self.tier, self._engine_tag)} "
-            "at the first save (the v1 file is untouched until then)", records=k,
-            inert_rows=inert)
-        self._needs_rewrite = True
-
-    def _check_context(self, count, ftier):
-        if self._max_records is not None and count > self._max_records:
-            raise CacheFileMismatch(
-                f"{self.path}: saved conversation ({count} tokens) exceeds the context "
-                f"({self._max_records}): refusing it", "context", self.path, ftier)
-
-    @staticmethod
-    def _cut(codes, side, k):
-        return {n: v[:k] for n, v in codes.items()}, {n: v[:k] for n, v in side.items()}
-
-    def _check_tokens_loaded(self, tokens, k):
-        bad = tokens[:k] < 0
-        if self.vocab:
-            bad |= tokens[:k] >= self.vocab
-        if bad.any():
-            first = int(np.argmax(bad))
-            self.report.add("bad-token", f"{self.path}: record {first} holds token id "
-                            f"{int(tokens[first])}, outside [0, {self.vocab or 2**31}): cut to "
-                            f"{first} record(s)", record=first, token=int(tokens[first]))
-            return first
-        return k
-
-    def _post_load(self, tokens, codes, side, codecs):
-        """Bad side values -> inert rows (reported); bad token ids -> cut. Returns (records
-        kept, whether any row was changed)."""
-        k = self._check_tokens_loaded(tokens, len(tokens))
-        changed = False
-        for s in self.streams:
-            c = codecs[s.name]
-            bad_side, bad_code = sanitize_rows(codes[s.name][:k], side[s.name][:k],
-                                               side_kind(c), c.family == "kv8")
-            if bad_side.size:
-                changed = True
-                low = "<= 0" if side_kind(c) == "scale" else "< 0"
-                self.report.add(
-                    "bad-side", f"{self.path}: stream {s.name}: {bad_side.size} record(s) with "
-                    f"side values out of range (NaN, inf, or {low}; first record "
-                    f"{int(bad_side[0])}): those rows were made inert",
-                    stream=s.name, records=bad_side.tolist()[:100], n=int(bad_side.size))
-            if bad_code.size:
-                changed = True
-                self.report.add(
-                    "bad-code", f"{self.path}: stream {s.name}: {bad_code.size} record(s) with "
-                    f"fp8 NaN bytes (0x7F/0xFF; first record {int(bad_code[0])}): set to 0",
-                    stream=s.name, records=bad_code.tolist()[:100], n=int(bad_code.size))
-        return k, changed
-
-    def _load_kvq(self, fd, size, head):
-        rep, path = self.report, self.path
-        rep.file_tier = "kvq"
-        header, header_crc, data_offset, header_json = kvq.read_header(path, head, size)
-        file_streams = [(s["name"], s["dim"], s["rows"]) for s in header["streams"]]
-        running = [(s.name, s.dim, s.rows) for s in self.streams]
-        if header["model"] != self._model or file_streams != running:
-            return self._ignored(
-                f"ignoring {path}: a kvq cache of a different model (file {header['model']}, "
-                f"streams {file_streams}; running {self._model}, streams {running})")
-        if self._tier_arg == "engine":
-            raise CacheFileMismatch(
-                f"{path} is a {engine.describe_tier('kvq')} cache file; the running mode is "
-                f"{self._describe_running()}: refusing it (open with tier='auto' or 'kvq' to "
-                "resume it)", "tier", path, "kvq")
-        for fs in header["streams"]:
-            mine = codec_identity(self.codecs[fs["name"]])
-            for key, reason, label in _IDENTITY_CHECKS:
-                fv, rv = _get(fs, key), _get(mine, key)
-                if fv != rv:
-                    raise CacheFileMismatch(
-                        f"{path}: stream {fs['name']!r} was written with {label} "
-                        f"{_show(key, fv)} ({fs['spec']}), the running codec has "
-                        f"{_show(key, rv)} ({mine['spec']}): refusing it", reason, path, "kvq")
-            file_opts = StreamOptions(**fs.get("options", {}))
-            if file_opts != self.options[fs["name"]]:
-                raise CacheFileMismatch(
-                    f"{path}: stream {fs['name']!r} was written as "
-                    f"{file_opts.stream_spec(fs['spec'])!r}, the running stream is "
-                    f"{self.mode[fs['name']]!r}: its codes hold rows after another offset, "
-                    "scales or sinks; refusing it (open with the file's stream spec to resume it)",
-                    "options", path, "kvq")
-        layout = self._kvq_layout(header["block_records"])
-        if layout.record_bytes != header["record_bytes"]:
-            raise kvq._corrupt(path, "record size disagrees with the codecs", "header")
-        layout.adopt_file_header(header, header_json)
-        valid, invalid = kvq.read_slots(head, header_crc)
-        if not valid:
-            raise kvq._corrupt(path, "both commit slots fail their checksum", "commit")
-        windows = None
-        if layout.window_streams:
-            (idx, count, seq, tail_crc), windows = self._commit_with_window(fd, layout, valid)
-        else:
-            idx, count, seq, tail_crc = max(valid, key=lambda v: v[2])
-        if invalid:
-            rep.add("commit-slot", f"{path}: commit slot {'AB'[invalid[0]]} is damaged; using "
-                    f"slot {'AB'[idx]} (count {count}, seq {seq})", slot=idx, count=count)
-        rep.header_count = count
-        self._check_context(count, "kvq")
-        B, rec, stride = layout.block_records, layout.record_bytes, layout.stride
-        full, tail = divmod(count, B)
-        needed = full * stride + tail * rec
-        avail = max(0, size - data_offset)
-        buf = pread_exact(fd, min(needed, avail), data_offset)
-        good, problem, parts = kvq.verify_blocks(buf, count, layout, tail_crc)
-        if problem:
-            kind, at = problem
-            if kind == "truncated":
-                rep.add("truncated", f"{path} is shorter than its count: {count} record(s) "
-                        f"committed, intact blocks hold {good}; cut to {good}",
-                        count=count, kept=good)
-            else:
-                rep.add("corrupt-block", f"{path}: block {at // B} (records {at}.."
-                        f"{min(count, at + B) - 1}) fails its checksum: cut to {at} record(s), "
-                        f"{count - at} dropped", block=at // B, kept=at, count=count)
-        elif avail > needed:
-            rep.add("uncommitted-tail", f"{path}: {avail - needed} byte(s) past the committed "
-                    "records ignored (an append that did not commit, or a truncation)")
-        tokens, codes, side = layout.from_bytes(b"".join(parts), good)
-        k, changed = self._post_load(tokens, codes, side, self.codecs)
-        states = None
-        if layout.state_streams:
-            state = layout.parse_state(
-                path, pread_exact(fd, layout.state_bytes, layout.state_offset))
-            states = self._loaded_states(state, k)
-        self.records._extend(tokens[:k], *self._cut(codes, side, k), states)
-        for name, rows in (windows or {}).items():
-            self._load_window(name, rows, count, k)
-        self.tier = "kvq"
-        self._engine_tag = None
-        self._layout = layout
-        self._committed = k
-        self._disk_count = count
-        self._slot = (idx, seq)
-        # Our tier keeps memory equal to disk (block checksums are extended from memory):
-        # rows made inert on load are written back by a full rewrite at the first save, as is
-        # a file whose commit sequence number is about to run out.
-        self._needs_rewrite = changed or seq >= 2**62
-        rep.status = "loaded"
-        rep.add("loaded", f"loaded {k} record(s) from {path} (kvq, checksums verified)",
-                records=k)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -641,16 +277,15 @@ class CacheFile:
                              f"{[s.name for s in self.streams]}")
         tokens = self._check_tokens(tokens)
         n = len(tokens)
-        codes, side, states = {}, {}, {}
+        prepared, placeholders = {}, {}
         for s in self.streams:
             if s.name not in given:
                 raise ValueError(f"rows of stream {s.name!r} are missing")
-            codes[s.name], side[s.name], state = self._encode_stream(s, given[s.name], n)
-            if state is not None:
-                states[s.name] = state
+            prepared[s.name], placeholders[s.name] = self._prepare_stream(s, given[s.name], n)
         held = len(self.records)
-        self.records._extend(tokens, codes, side, states)
-        if n and any(self._changes_state(name, held) for name in states):
+        self.records.extend(tokens, prepared, placeholders)
+        if n and any(self._changes_state(s.name, held) for s in self.streams
+                     if not self.options[s.name].plain):
             self._state_dirty = True   # the state lives before the records: a rewrite
         return self.save() if save else self.committed
 
@@ -675,8 +310,9 @@ class CacheFile:
             raise ValueError(f"token ids must lie in [0, {hi}), got {t.min()}..{t.max()}")
         return t.astype(np.int32)
 
-    def _encode_stream(self, s, value, n):
-        """(codes, side, stream state or None) of the rows ``value`` given for stream ``s``."""
+    def _prepare_stream(self, s, value, n):
+        """(PreparedRows, placeholders or None) of the rows ``value`` given for stream ``s``:
+        EncodedRows per row slot (plain streams) or floats, encoded through the stream's store."""
         c = self.codecs[s.name]
         if isinstance(value, EncodedRows):
             value = [value]
@@ -691,8 +327,8 @@ class CacheFile:
             if len(value) != s.rows:
                 raise ValueError(f"stream {s.name!r}: expected {s.rows} row slot(s) (one per "
                                  f"layer), got {len(value)}")
-            encs = [v if isinstance(v, EncodedRows) else c.encode(v, self._n_threads)
-                    for v in value]
+            encs = [v if isinstance(v, EncodedRows)
+                    else self.records.encode_slot(s.name, v, self._n_threads) for v in value]
             checked = [c.check_encoded(e) for e in encs]
             if any(cd.shape[0] != n for cd, _ in checked):
                 raise ValueError(f"stream {s.name!r}: every row slot needs {n} rows (one per "
@@ -701,52 +337,28 @@ class CacheFile:
                 (0, s.rows, c.code_bytes), np.uint8)
             side = np.stack([sd for _, sd in checked], axis=1) if n else np.zeros(
                 (0, s.rows, c.n_side), np.float32)
-        else:
-            X = np.asarray(value)
-            if X.ndim == 2 and s.rows == 1:
-                X = X[:, None, :]
-            if X.shape != (n, s.rows, s.dim):
-                raise ValueError(f"stream {s.name!r}: expected rows of shape ({n}, {s.rows}, "
-                                 f"{s.dim}), got {X.shape}")
-            return self._encode_floats(s, X, c)
-        check_side_values(side, side_kind(c), s.name)
-        return codes, side, None
+            check_side_values(side, side_kind(c), s.name)
+            return self.records.prepare_encoded(s.name, codes, side), None
+        X = np.asarray(value)
+        if X.ndim == 2 and s.rows == 1:
+            X = X[:, None, :]
+        if X.shape != (n, s.rows, s.dim):
+            raise ValueError(f"stream {s.name!r}: expected rows of shape ({n}, {s.rows}, "
+                             f"{s.dim}), got {X.shape}")
+        return self._prepare_floats(s, X, c)
 
-    def _encode_floats(self, s, X, codec):
-        """Encode float rows (n, rows, dim) of stream ``s`` with ``codec``, through the
-        stream's options: (codes, side, state or None), nothing changed in place."""
-        n, opt = X.shape[0], self.options[s.name]
-        if opt.plain or n == 0:
-            enc = codec.encode(X.reshape(n * s.rows, s.dim), self._n_threads)
-            codes = enc.codes.reshape(n, s.rows, codec.code_bytes)
-            side = enc.side.reshape(n, s.rows, codec.n_side)
-            check_side_values(side, side_kind(codec), s.name)
-            return codes, side, None
-        held = len(self.records)
-        offset, scale = self.records.offset(s.name), self.records.channel_scale(s.name)
-        parts = [split_rows(codec.as_rows(X[:, j]), opt,
-                            None if offset is None else offset[j],
-                            None if scale is None else scale[j], held, codec.nonfinite,
-                            where=f"stream {s.name!r} row slot {j}: ")
-                 for j in range(s.rows)]
-        rest = np.stack([p[3] for p in parts], axis=1)
-        take = n - rest.shape[0]
-        window = None
-        if opt.recent:   # float32 copies of the coded rows as given (NaN/inf: inert zero rows)
-            window = np.asarray(X[take:], np.float32)
-            window = np.where(np.isfinite(window).all(axis=2, keepdims=True), window, 0)
-        enc = codec.encode(rest.reshape(-1, s.dim), self._n_threads)
-        # the sink tokens' records hold a zero row's codes: valid for every codec, never read
-        zero = codec.encode(np.zeros((1, s.dim), np.float32))
-        codes = np.concatenate([np.broadcast_to(zero.codes, (take, s.rows, codec.code_bytes)),
-                                enc.codes.reshape(n - take, s.rows, codec.code_bytes)])
-        side = np.concatenate([np.broadcast_to(zero.side, (take, s.rows, codec.n_side)),
-                               enc.side.reshape(n - take, s.rows, codec.n_side)])
+    def _prepare_floats(self, s, X, codec):
+        """(PreparedRows, placeholders of the new sink tokens' records or None) of float rows
+        (n, rows, dim) of stream ``s``, encoded by ``codec`` (this stream's, or one of its
+        nonfinite policy) through the stream's store; nothing changed."""
+        prepared = self.records.prepare(s.name, X, self._n_threads, codec)
+        placeholders = None
+        side = prepared.side
+        if prepared.sinks.shape[0]:
+            placeholders = self.records.placeholder(s.name, prepared.sinks.shape[0], codec)
+            side = np.concatenate([placeholders[1], side])
         check_side_values(side, side_kind(codec), s.name)
-        state = (None if not opt.center else np.stack([p[0] for p in parts]),
-                 None if not opt.normalize else np.stack([p[1] for p in parts]),
-                 np.stack([p[2] for p in parts], axis=1), window)
-        return codes, side, state
+        return prepared, placeholders
 
     # -- writing -----------------------------------------------------------------------------
     def save(self):
@@ -793,7 +405,7 @@ class CacheFile:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"truncate needs a non-negative integer, got {n!r}")
         n = min(int(n), len(self.records))
-        self.records._truncate(n)
+        self.records.truncate(n)
         if self._needs_rewrite:
             return n
         new = min(n, self._committed)
@@ -810,7 +422,7 @@ class CacheFile:
         return n
 
     def _raw(self, start, stop):
-        return self._layout.to_bytes(*self.records._slice(start, stop))
+        return self._layout.to_bytes(*self.records.slice(start, stop))
 
     def _tail_crc(self, count):
         if self.tier != "kvq":

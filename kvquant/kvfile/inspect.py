@@ -4,10 +4,12 @@ import os
 import zlib
 
 from kvquant.kvfile import engine, kvq
-from kvquant.kvfile._common import (
-    CacheFileRefused, KVFileShape, Stream, build_codec, pread_exact)
 from kvquant.kvfile.cachefile import CacheFile
-from kvquant.stream_options import StreamOptions
+from kvquant.kvfile.errors import CacheFileRefused
+from kvquant.kvfile.fileio import pread_exact
+from kvquant.kvfile.identity import build_codec
+from kvquant.kvfile.schema import KVFileShape, Stream
+from kvquant.streams.options import StreamOptions
 
 # Header-derived sizes above these are reported, not acted on (no codec is built for them, so
 # a lying header cannot make inspect allocate).

@@ -36,7 +36,7 @@ records of the last, partial block (whose trailer is not written yet). Appends w
 (and the trailers of the blocks they complete), fsync, then write the other slot and fsync: a
 crash at any point leaves the previous slot valid and every block it covers intact.
 
-Stream options (``"polar5@center,normalize,sinks=1"``, :mod:`kvquant.stream_options`) are in
+Stream options (``"polar5@center,normalize,sinks=1"``, :mod:`kvquant.streams.options`) are in
 the stream's header entry (``options``); the state they build (offset and scales from the first
 append, float32 rows of the first ``sinks`` tokens, whose records hold a zero row's codes) is
 written only by a whole-file rewrite, which the cache does whenever an append changes it (the
@@ -56,9 +56,10 @@ import zlib
 import numpy as np
 
 from kvquant.codecs.base import SIDE_DTYPES
-from kvquant.kvfile._common import (
-    SIDE_MAX, CacheFileCorrupt, CacheFileMismatch, codec_identity, side_bytes)
-from kvquant.stream_options import MAX_RECENT, MAX_SINKS, StreamOptions
+from kvquant.kvfile.errors import CacheFileCorrupt, CacheFileMismatch
+from kvquant.kvfile.identity import codec_identity, side_bytes
+from kvquant.kvfile.schema import SIDE_MAX
+from kvquant.streams.options import MAX_RECENT, MAX_SINKS, StreamOptions
 
 MAGIC = b"KVQCACHE"
 VERSION = 1            # files without stream options (unchanged since the first kvq files)

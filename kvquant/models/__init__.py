@@ -14,7 +14,7 @@ which returns float32 logits of shape (n_tokens, vocab_size) and appends the tok
 """
 import numpy as np
 
-from kvquant.codecs import get_codec
+from kvquant.streams.spec import StreamSpec
 
 __all__ = [
     "MODEL_NAMES",
@@ -49,16 +49,14 @@ def cache_streams(cache):
 
 
 def check_stream_spec(spec, dim, stream):
-    """Validate a stream spec (codec spec + optional ``@center,sinks=N``, see
-    :func:`kvquant.stream_options.parse_stream_spec`) for rows of width ``dim``; errors name the
-    stream. Returns the spec."""
-    from kvquant.stream_options import parse_stream_spec
+    """The :class:`~kvquant.streams.StreamSpec` of a stream spec (codec spec + optional
+    ``@center,sinks=N``, see :func:`kvquant.streams.options.parse_stream_spec`), checked for rows
+    of width ``dim``; errors name the stream. The cache takes it as it is (parsed once, its codec
+    built once)."""
     try:
-        codec_spec, _ = parse_stream_spec(spec)
-        get_codec(codec_spec, dim)
+        return StreamSpec.of(spec).check(dim)
     except ValueError as exc:
         raise ValueError(f"{stream} rows (width {dim}): {exc}") from None
-    return spec
 
 
 def causal_mask(query_pos, n_rows):

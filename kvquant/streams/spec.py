@@ -1,0 +1,84 @@
+"""``StreamSpec``: a stream spec string parsed once, validated, and carried from there on.
+
+A stream spec is a codec spec and optional stream options after ``@``
+(``"tq4:side_dtype=f16@center,sinks=1,recent=16"``; the options: :func:`parse_stream_spec`).
+Code that takes a spec string makes a :class:`StreamSpec` of it at its door and hands the object
+on: nothing parses the string a second time, and the codec a check built for a width is the
+codec the stream then uses.
+"""
+from dataclasses import dataclass, field
+
+from kvquant.codecs import get_codec
+from kvquant.streams.options import StreamOptions, parse_stream_spec
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A parsed stream spec: the codec spec and the :class:`StreamOptions`.
+
+    Build it with :meth:`parse` (or :meth:`of`, which also takes a StreamSpec). Two specs are
+    equal when their codec spec text and options are.
+
+    Examples
+    --------
+    >>> s = StreamSpec.parse("tq4:side_dtype=f16@center,sinks=1,recent=16")
+    >>> s.codec_spec, s.options.sinks, s.options.recent
+    ('tq4:side_dtype=f16', 1, 16)
+    >>> str(s)
+    'tq4:side_dtype=f16@center,sinks=1,recent=16'
+    """
+
+    codec_spec: str
+    options: StreamOptions = StreamOptions()
+    # codecs built by codec(), by (dim, options): codecs are immutable, so one per width serves
+    # every stream of this spec (and a width check's codec is not built again)
+    _codecs: dict = field(default_factory=dict, init=False, compare=False, hash=False,
+                          repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.codec_spec, str) or not self.codec_spec.strip():
+            raise ValueError(f"a codec spec must be a non-empty string, got {self.codec_spec!r}")
+        if not isinstance(self.options, StreamOptions):
+            raise TypeError(f"options must be StreamOptions, got {self.options!r}")
+
+    @classmethod
+    def parse(cls, text):
+        """The StreamSpec of a stream spec string (ValueError naming what is wrong)."""
+        codec_spec, options = parse_stream_spec(text)
+        return cls(codec_spec, StreamOptions(**options))
+
+    @classmethod
+    def of(cls, spec):
+        """``spec`` itself when it is a StreamSpec, else :meth:`parse` of it."""
+        return spec if isinstance(spec, cls) else cls.parse(spec)
+
+    def __str__(self):
+        return self.options.stream_spec(self.codec_spec)
+
+    @property
+    def plain(self):
+        """True when the stream only encodes its rows (no stream options)."""
+        return self.options.plain
+
+    def codec(self, dim, **codec_options):
+        """The codec of this spec for rows of width ``dim`` (:func:`kvquant.get_codec`; built
+        once per width and options)."""
+        try:
+            key = (int(dim), tuple(sorted(codec_options.items())))
+            hash(key)
+        except TypeError:   # an unhashable option value: build, do not keep
+            return get_codec(self.codec_spec, dim, **codec_options)
+        if key not in self._codecs:
+            self._codecs[key] = get_codec(self.codec_spec, dim, **codec_options)
+        return self._codecs[key]
+
+    def check(self, dim, what=None):
+        """This spec, after checking that its codec takes rows of width ``dim``; errors start
+        with ``what`` (e.g. ``"K rows (width 64)"``) when given."""
+        try:
+            self.codec(dim)
+        except ValueError as exc:
+            if what is None:
+                raise
+            raise ValueError(f"{what}: {exc}") from None
+        return self

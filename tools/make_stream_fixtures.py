@@ -1,0 +1,38 @@
+"""Write the stream fixtures in data/streams/ (cache files of every tier, a cache's outputs).
+
+The recipes live in tests/_stream_fixtures.py; tests/test_stream_fixtures.py writes them again
+and compares with these files, so that a change of the stream or file code that changes a byte
+or a number fails. Run from the repository root after a deliberate format change only:
+
+    python tools/make_stream_fixtures.py [--out data/streams]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+
+import numpy as np  # noqa: E402
+
+import _stream_fixtures as fx  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=fx.FIXTURES)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    for name in list(fx.FILE_RECIPES) + list(fx.UPGRADE_RECIPES):
+        path = os.path.join(args.out, name)
+        if os.path.exists(path):
+            os.unlink(path)
+        fx.write_file(name, path)
+        print(f"{path}: {os.path.getsize(path)} bytes")
+    path = os.path.join(args.out, fx.CACHE_FIXTURE)
+    np.savez_compressed(path, **fx.cache_outputs())
+    print(f"{path}: {os.path.getsize(path)} bytes")
+
+
+if __name__ == "__main__":
+    main()
