@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from kvquant import flips
-from kvquant_experiments.texts import text_tokens
+from kvquant_experiments.texts import Text, load_text, text_tokens
 
 __all__ = [
     "CSV_COLUMNS",
@@ -190,19 +190,21 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         raise ValueError(f"a codec is listed twice in {codecs}")
     if workers is None and (model is not None or scheduler is not None):
         workers = 1
+    # a bad text fails before the model loads
+    resolved = None if kind == "tiny-mla" else (
+        text if isinstance(text, Text) else load_text(text))
     model = model if model is not None else load_model(model_name)
     for spec in codecs:          # fail on a bad spec before any long run
         model.new_cache(spec)
     n_prompts = DEFAULT_PROMPTS[kind] if n_prompts is None else int(n_prompts)
-    resolved = None
     if kind == "tiny-mla":
         if positions:
-            raise ValueError("--positions applies to models with a text; the tiny model runs "
-                             "the engine's protocol only (its weights are random: no text)")
+            raise ValueError("--positions applies to a real model with a text; the tiny model "
+                             "runs the engine's protocol only (its weights are random: no text)")
         positions, tokens = 0, None
     else:
         positions = DEFAULT_POSITIONS if positions is None else int(positions)
-        tokens, resolved = text_tokens(model, text)
+        tokens, resolved = text_tokens(model, resolved)
         context = getattr(model, "context_length", None)
         if positions and context and chunk_tokens > context:
             raise ValueError(f"chunks of {chunk_tokens} tokens exceed the trained context of "

@@ -49,7 +49,7 @@ def stdlib_code_text():
 # paragraphs, parameter lists, doctest examples), neither the reference manual nor source.
 DOCSTRING_MODULES = ("collections", "itertools", "functools", "pathlib", "json", "re",
                      "subprocess", "threading", "logging", "unittest", "email", "http.client",
-                     "urllib.parse", "decimal", "datetime", "typing", "inspect", "ast")
+                     "urllib.parse", "decimal", "datetime", "inspect", "ast", "zipfile")
 
 
 def docstrings_text():
