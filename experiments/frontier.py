@@ -192,9 +192,11 @@ def frontier_rows(result):
 # --------------------------------------------------------------------------------------------
 def run_frontier(configs=None, positions=DEFAULTS["positions"],
                  chunk_tokens=DEFAULTS["chunk_tokens"], prompts=DEFAULTS["prompts"],
-                 workers=None, progress=None, text="pydoc", model=MODEL, scheduler=None):
+                 workers=None, progress=None, text="pydoc", model=MODEL, scheduler=None,
+                 loaded=None):
     """``run_flips`` of ``model`` (a name or GGUF path) over ``configs`` (pair specs) on
-    ``text``; adds ``bits_per_value`` per row (the model's head_dim; fixed costs of stream
+    ``text`` (``loaded``: that model already built, run in this process); adds
+    ``bits_per_value`` per row (the model's head_dim; fixed costs of stream
     options spread over ``chunk_tokens`` rows, the context measured).
 
     The bits per further token from the codecs are checked against the cache's bytes per token.
@@ -204,7 +206,7 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
     t0 = time.perf_counter()
     result = run_flips(model, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
                        n_prompts=prompts, workers=workers, progress=progress, text=text,
-                       scheduler=scheduler)
+                       scheduler=scheduler, model=loaded)
     cfg = result["meta"]["model"]
     d = cfg["head_dim"]
     rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows

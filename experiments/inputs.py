@@ -116,7 +116,7 @@ def capture_real_rows(data_dir=None, model=None):
     ok, info = real_model_status()
     if not ok:
         raise ImportError(info)
-    from kvquant.flips import pydoc_text
+    from kvquant_experiments.texts import pydoc_text
     from kvquant.models import load_model
     model = model if model is not None else load_model("smollm2")
     tokens = model.encode(pydoc_text()[:4000])[:REAL_TOKENS]

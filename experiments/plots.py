@@ -358,12 +358,12 @@ def plot_kld_by_position(result, out):
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlim(0, t["chunk_tokens"])
-        ax.set_xlabel(f"position in the chunk (bins of {e[1] - e[0]} positions; chunks of "
-                      f"{t['chunk_tokens']} tokens)")
+        ax.set_xlabel(f"position in the chunk (mean over bins of {e[1] - e[0]} positions)")
         ax.set_ylabel("mean KL(p_f32 || p_codec) (nats)")
         model = result["meta"]["model"]["model"]
         n_chunks = len(t.get("chunk_starts", [])) or "?"
-        ax.set_title(f"{model}: KL divergence by position, {t['source']}\n"
-                     f"{t['positions']} positions in {n_chunks} chunk(s)", fontsize=9)
+        ax.set_title(f"{model}: KL divergence from the f32 cache by position\n"
+                     f"text '{t.get('name', t['source'])}': {t['positions']} positions in "
+                     f"{n_chunks} chunk(s) of {t['chunk_tokens']} tokens", fontsize=9)
         fig.legend(loc="outside lower center", ncols=1, fontsize=7.5, frameon=False)
     return _save(fig, out)

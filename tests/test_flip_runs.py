@@ -235,6 +235,9 @@ def test_kld_by_position_figure_keeps_its_legend_inside(tiny, tmp_path):
         ext = legend.get_window_extent(renderer)
         assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1
         assert len(legend.get_texts()) == 3          # f32 (KL 0) is not drawn
+    for label in (fig.axes[0].title, fig.axes[0].xaxis.label, fig.axes[0].yaxis.label):
+        ext = label.get_window_extent(renderer)
+        assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1
     ax_box = fig.axes[0].get_window_extent(renderer)
     assert not ax_box.overlaps(fig.legends[0].get_window_extent(renderer))
 
@@ -321,3 +324,31 @@ def test_dump_kv_command_refuses_bad_input_in_one_line(tmp_path):
     assert res.returncode != 0 and "has no tokenizer" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x.npz").exists()
+
+
+# -- the frontier on any model -------------------------------------------------------------------
+def test_frontier_uses_the_model_head_dim_and_names_model_and_text(tiny_llama, tmp_path):
+    from kvquant_experiments import frontier
+    text = tmp_path / "notes.txt"
+    text.write_text(texts.pydoc_text()[:400], encoding="utf-8")
+    result = frontier.run_frontier(["tq4", "q8_0", "kv8"], positions=64, chunk_tokens=32,
+                                   prompts=1, model=tiny_llama.path, loaded=tiny_llama,
+                                   text=str(text))
+    assert tiny_llama.head_dim == 32
+    bits = {r["codec"]: r["bits_per_value"] for r in result["rows"]}
+    # d = 32: tq4 stores 32 x 4 bits + a 4-byte norm (5 bits per value; 4.5 at d = 64),
+    # q8_0 one block of 32 int8 + an fp16 scale, kv8 32 fp8 + a 4-byte scale
+    assert bits == {"f32": 32.0, "tq4": 5.0, "q8_0": 8.5, "kv8": 9.0}
+    assert frontier.result_stem(result) == "frontier-tiny-llama-notes-N64-c32-p1"
+    assert "(2 x 32)" in frontier.format_markdown(result)
+    paths = frontier.write_frontier(result, tmp_path / "run")
+    assert [os.path.basename(p) for p in paths] == [
+        "frontier-tiny-llama-notes-N64-c32-p1" + s for s in (".json", ".csv", ".md")]
+
+
+def test_report_and_flips_take_text_in_their_help_and_refuse_a_bad_one(tmp_path):
+    res = run_cli("flips", "--help", cwd=tmp_path)
+    assert res.returncode == 0 and "--text" in res.stdout and "docstrings" in res.stdout
+    res = run_cli("report", "--smoke", "--text", "nope.txt", "--out", "rep", cwd=tmp_path)
+    assert res.returncode != 0 and "neither a built-in text" in res.stderr
+    assert not (tmp_path / "rep").exists()
