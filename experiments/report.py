@@ -248,6 +248,11 @@ def _flip_section(model, title, short, res, out, figures, note=None):
         plots.plot_flip_pareto(res["table_json"], figures / name)
         sec.figure(f"figures/{name}", f"{model}: KL divergence from the f32 cache against "
                                       "bits per value (Pareto front dashed)")
+    if "text" in table["meta"] and len(table["rows"]) > 1:
+        name = f"flips_{model}_kld_by_position.png"
+        plots.plot_kld_by_position(table, figures / name)
+        sec.figure(f"figures/{name}", f"{model}: mean KL divergence from the f32 cache by "
+                                      "position in the text chunks")
     name = f"flips_{model}_positions.png"
     plots.plot_flip_strip(res["positions_json"], figures / name)
     sec.figure(f"figures/{name}", f"{model}: per position, KL divergence from f32 (colour) "
@@ -510,9 +515,9 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
                  "before attention reads them. Run at the report's size; `kvquant report "
                  "--full` or `kvquant flips --model smollm2` for the full table. The last rows "
                  "carry stream options (`@center`, `@normalize`, `@sinks=1`; fp16 side values): "
-                 "the best of the quality-per-byte frontier (`python -m experiments.frontier`, "
-                 "goal: mean KLD <= 0.02 at <= 4.5 bits per value), beside the same options on "
-                 "llama.cpp's rotated q4_0.")
+                 "the best of the quality-per-byte frontier (`python -m "
+                 "kvquant_experiments.frontier`, goal: mean KLD <= 0.02 at <= 4.5 bits per "
+                 "value), beside the same options on llama.cpp's rotated q4_0.")
     sections = [
         section("distortion", lambda d: _distortion_section(d, out, figures), dist),
         section("codebooks", _codebook_section, dist),
