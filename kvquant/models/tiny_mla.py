@@ -199,7 +199,7 @@ class TinyMLA:
     def new_cache(self, pair_spec="f32"):
         return new_mla_cache(self.config, pair_spec)
 
-    context_length = 4096   # no trained context (random weights); RoPE positions as far
+    context_length = 4096   # random weights, no trained context: a nominal bound for chunks
     n_layers = property(lambda self: self.config.n_layers)
     n_kv_heads = 1
     head_dim = property(lambda self: self.config.kv_lora_rank)
