@@ -1,5 +1,5 @@
-"""Token-flip tables (through :mod:`kvquant_experiments.flip_runs`), the KL-divergence Pareto data and the
-per-position flip strip, as cells for the executor.
+"""Token-flip tables (through :mod:`kvquant_experiments.flip_runs`), the KL-divergence Pareto
+data and the per-position flip strip, as cells for the executor.
 
 * Table cells: ``run_flips`` of one model over a group of codecs (the f32 reference is recomputed
   per group, so groups run in parallel and give the same rows as one run). Groups are merged into

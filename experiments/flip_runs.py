@@ -300,7 +300,8 @@ def format_markdown(result):
                  _frac(r["tf"]), _frac(r["greedy"]), f"{r['tf_kld_mean']:.2e}"]
         if has_text:
             cells += [_pct(r["same_top"]), f"{r['kld_mean']:.2e}", f"{r['kld_p99']:.2e}",
-                      f"{r['ppl_ratio']:.4f}", f"{r['text_s']:.1f}"]
+                      f"{r['ppl_ratio']:.4f}",
+                      f"{r['text_s']:.1f}" if "text_s" in r else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     if has_text:
         lines.append("")
