@@ -138,6 +138,26 @@ def test_chunks_give_the_same_numbers_serially_and_in_worker_processes(tiny):
             assert np.array_equal(a["specs"][spec]["same_at"], b["specs"][spec]["same_at"])
 
 
+def test_a_dask_cluster_gives_the_serial_numbers(tiny):
+    distributed = pytest.importorskip("distributed")
+    rng = np.random.default_rng(10)
+    chunks = [(0, rng.integers(0, 256, 33))]
+    specs = ["f32", "kv8", "tq3"]
+    with open_executor("serial") as ex:
+        serial = flip_runs.run_chunks(ex, tiny, specs, chunks)
+    # Loopback only: the scheduler listens on tcp://127.0.0.1, the worker runs in this process.
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  protocol="tcp", host="127.0.0.1",
+                                  dashboard_address=None) as cluster:
+        with open_executor(cluster.scheduler_address) as ex:
+            assert ex.kind == "dask"
+            remote = flip_runs.run_chunks(ex, ("tiny-mla", None), specs, chunks,
+                                          groups_per_chunk=2)
+    for spec in specs:
+        assert np.array_equal(serial[0]["specs"][spec]["kld"], remote[0]["specs"][spec]["kld"])
+        assert serial[0]["specs"][spec]["nll"] == remote[0]["specs"][spec]["nll"]
+
+
 def test_the_protocol_is_the_same_in_worker_processes(tiny):
     specs = ["f32", "kv8", "tq2", "tq4/f32"]
     serial = flip_runs.run_flips("tiny-mla", codecs=specs, model=tiny)
