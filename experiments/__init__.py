@@ -17,7 +17,12 @@ executor        local process pool or Dask executor; the resumable cell runner
 inputs          rows to quantize: Gaussian, heavy-tailed with outlier channels, real K/V rows
 distortion      codecs x bits x d x input kind: relative L2 against bits per value
 inner_products  bias (slope) and error of q . k^ per codec
-flip_report     the flip tables (kvquant.flips), Pareto chart data, per-position flip strip
+texts           named texts that ship with Python, UTF-8 files (``--text``)
+flip_runs       whole flip tables over the executor, their files, ``kvquant flips``
+kv_rows         ``kvquant dump-kv``: a model's cache rows on a text, and their reader
+flip_report     the report's flip tables (flip_runs), Pareto chart data, per-position strip
+frontier        quality per byte of codec pairs on a model and a text
+probes          ideas measured with simulated codecs (fp8 formats, QJL, outliers, window)
 speed           encode throughput; decode-step time of the consumers against numpy
                 (kvquant.bench), one cell per (d, T)
 memory          bytes per token and context per RAM budget (kvquant.budget)

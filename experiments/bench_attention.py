@@ -1,22 +1,20 @@
 """The attention-speed benchmark of issue 4: one decode step on the compressed cache vs numpy f32.
 
 Runs :func:`kvquant.bench.run` on the issue's grid (d = 512 and 64; T = 4096, 32768, 131072; 1 and
-2 threads; every codec) and writes the table as Markdown, CSV and JSON into data/results/, named by
-the run's parameters, plus a short verdict on the issue's targets.
+2 threads; every codec) and writes the table as Markdown, CSV and JSON named by the run's
+parameters, plus a short verdict on the issue's targets, into ``--out`` (default: a folder of
+the run's name under the current directory).
 
     python -m experiments.bench_attention                      # the full grid (a few minutes)
     python -m experiments.bench_attention --contexts 4096 --repeats 3   # a quick look
     python -m experiments.bench_attention --simd portable      # the portable path's speed
 """
 import argparse
-import os
 import sys
 
 from kvquant import bench
 from kvquant._kernels import consumers
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                       "results")
 # polar: the fixed-width layouts (the engine's compat tiers and alloc=level) have vector
 # consumers; alloc=radius (the default polar<b>) allocates every row's bits with a per-level
 # selection and stays far slower than numpy f32: time it separately (--codecs polar4).
@@ -58,7 +56,9 @@ def main(argv=None):
     p.add_argument("--clock", default="wall", choices=("wall", "thread"),
                    help="thread: CPU time of the calling thread (one thread only), robust to "
                         "other jobs sharing the machine")
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--out", default=None,
+                   help="output folder (default: a folder named for the run, under the current "
+                        "directory)")
     args = p.parse_args(argv)
 
     ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
@@ -72,7 +72,7 @@ def main(argv=None):
                        clock=args.clock)
     result["verdict"] = verdict(result)
     stem = bench.result_stem(dims, contexts, threads, args.repeats, result["simd"], args.clock)
-    paths = bench.write_results(result, args.out, stem)
+    paths = bench.write_results(result, args.out or stem, stem)
     with open(paths[0], "a", encoding="utf-8") as f:
         f.write("\nTargets (issue 4):\n" + result["verdict"] + "\n")
     print(bench.format_markdown(result))

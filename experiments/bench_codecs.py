@@ -3,8 +3,9 @@
 For each width d and codec, times ``codec.encode`` and ``codec.decode`` on Gaussian rows (median
 of ``--repeats``, ``--threads`` OpenMP threads) and the plain-numpy reference of the same codec
 from :mod:`kvquant.reference` (on ``--ref-rows`` rows, BLAS held to the same thread count), prints
-a table and writes CSV + JSON to data/results/ named by the parameters, e.g.
-``codec_throughput_d128-512_rows65536_t2.csv``. The whole-array references (f32 copy, q8_0, q4_0)
+a table and writes CSV + JSON named by the parameters, e.g.
+``codec_throughput_d128-512_rows65536_t2.csv``, into ``--out`` (default: a folder of that name
+under the current directory). The whole-array references (f32 copy, q8_0, q4_0)
 run on all the rows; the others (Python loops, large temporaries) on the first ``--ref-rows``.
 
     python -m experiments.bench_codecs                           # d = 128, 512; 65536 rows
@@ -22,8 +23,6 @@ from kvquant import get_codec, reference
 
 from .common import environment, write_csv, write_json
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                       "results")
 # references that are whole-array numpy (no Python loop, no (rows, d, levels) temporaries)
 FULL_SIZE_REFERENCES = ("f32", "q8_0", "q4_0")
 CODECS = ("f32", "kv8", "tq4", "tq4:compat=colibri", "polar4", "polar4:alloc=level",
@@ -142,7 +141,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ref-repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--out", default=None,
+                   help="output folder (default: a folder named for the run, under the current "
+                        "directory)")
     args = p.parse_args(argv)
 
     dims = [int(x) for x in args.dims.split(",") if x.strip()]
@@ -163,8 +164,9 @@ def main(argv=None):
             "repeats": args.repeats, "ref_repeats": args.ref_repeats, "seed": args.seed,
             "statistic": "median of repeats; rows/s = rows / seconds per call",
             "environment": environment()}
-    csv_path = write_csv(os.path.join(args.out, stem + ".csv"), rows)
-    json_path = write_json(os.path.join(args.out, stem + ".json"), {**meta, "results": rows})
+    out = args.out or stem
+    csv_path = write_csv(os.path.join(out, stem + ".csv"), rows)
+    json_path = write_json(os.path.join(out, stem + ".json"), {**meta, "results": rows})
     print(format_table(rows))
     print(f"\nwrote {csv_path}, {json_path}", file=sys.stderr)
     return 0

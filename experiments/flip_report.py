@@ -1,11 +1,11 @@
-"""Token-flip tables (through :mod:`kvquant.flips`), the KL-divergence Pareto data and the
-per-position flip strip, as cells for the executor.
+"""Token-flip tables (through :mod:`kvquant_experiments.flip_runs`), the KL-divergence Pareto
+data and the per-position flip strip, as cells for the executor.
 
 * Table cells: ``run_flips`` of one model over a group of codecs (the f32 reference is recomputed
   per group, so groups run in parallel and give the same rows as one run). Groups are merged into
   one table, written in the format of ``kvquant flips`` (``flips-<model>-...json/.csv``).
 * Position cells: teacher-forced logits of each codec over one token window (the engine's protocol
-  sequence on the tiny model, a window of ``pydoc_data.topics`` on the real one); per position
+  sequence on the tiny model, a window of the text on the real one); per position
   whether the argmax differs from f32 and the KL divergence from it. That is the heat strip.
 
 A codec the model cannot take here (a codec family not yet in the build, a width it refuses) is
@@ -28,7 +28,7 @@ __all__ = [
 # What the report runs on each model (the tiny table adds the polar and llama.cpp rows to the
 # library's defaults; the real one is shorter than `kvquant flips` to fit the report's budget).
 REPORT_CODECS = {
-    "tiny-mla": None,  # None: kvquant.flips.DEFAULT_CODECS + TINY_EXTRAS
+    "tiny-mla": None,  # None: flip_runs.DEFAULT_CODECS + TINY_EXTRAS
     "smollm2": ["f32", "kv8", "tq2", "tq3", "tq4", "tq4:compat=colibri", "tq4:side=unbiased",
                 "polar4", "polar4:compat=colibri", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot",
                 "kv8/tq4", "tq8", "polar5/polar4",
@@ -62,7 +62,7 @@ def report_codecs(model_name, smoke=None):
     if model_name == "tiny-mla":
         if smoke:
             return list(SMOKE_TINY)
-        from kvquant.flips import DEFAULT_CODECS
+        from kvquant_experiments.flip_runs import DEFAULT_CODECS
         return list(DEFAULT_CODECS["tiny-mla"]) + [s for s in TINY_EXTRAS
                                                    if s not in DEFAULT_CODECS["tiny-mla"]]
     return list(SMOKE_REAL_CODECS if smoke else REPORT_CODECS[model_name])
@@ -83,12 +83,12 @@ def available_codecs(model_name, specs, model=None):
 
 
 def table_cell(cell):
-    """``kvquant.flips.run_flips`` for one group of codecs; a pure function of ``cell``."""
-    from kvquant.flips import run_flips
+    """``flip_runs.run_flips`` for one group of codecs; a pure function of ``cell``."""
+    from kvquant_experiments.flip_runs import run_flips
     kwargs = {}
     if cell["model"] != "tiny-mla":
         kwargs = {"positions": cell["positions"], "chunk_tokens": cell["chunk_tokens"],
-                  "n_prompts": cell["prompts"]}
+                  "n_prompts": cell["prompts"], "text": cell.get("text", "pydoc")}
     result = run_flips(cell["model"], codecs=list(cell["codecs"]), model=_model(cell["model"]),
                        **kwargs)
     for row in result["rows"]:  # timings are not part of the numbers
@@ -98,7 +98,23 @@ def table_cell(cell):
     return {"available": True, **result}
 
 
-def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None, prompts=None):
+def _text_params(text):
+    """Cell parameters of a text: its name or path, and for a file the SHA-256 of its bytes (so
+    that a stored cell of an edited file is not reused)."""
+    from kvquant_experiments.texts import TEXTS, load_text
+    if text in TEXTS:
+        return {"text": text}
+    t = load_text(text)
+    return {"text": t.path, "text_name": t.name, "text_sha256": t.sha256}
+
+
+def _text_tag(cell):
+    return "" if cell.get("text", "pydoc") == "pydoc" else "_" + cell.get("text_name",
+                                                                          cell["text"])
+
+
+def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None, prompts=None,
+                text="pydoc"):
     """Cells of a flip table: the codecs (f32 first) cut into ``n_groups`` groups."""
     codecs = [c for c in codecs if c != "f32"]
     n_groups = max(1, min(int(n_groups), len(codecs)))
@@ -109,7 +125,7 @@ def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None,
                 "codecs": group}
         if model_name != "tiny-mla":
             cell.update(positions=int(positions), chunk_tokens=int(chunk_tokens),
-                        prompts=int(prompts))
+                        prompts=int(prompts), **_text_params(text))
         cells.append(cell)
     return cells
 
@@ -117,7 +133,7 @@ def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None,
 def table_stem(cell):
     keys = ["model", "group"] + (["positions", "chunk_tokens", "prompts"]
                                  if cell["model"] != "tiny-mla" else [])
-    return "table_" + cell_stem(cell, keys)
+    return "table_" + cell_stem(cell, keys) + _text_tag(cell)
 
 
 def merge_tables(results, order):
@@ -132,7 +148,8 @@ def merge_tables(results, order):
 
 def position_cell(cell):
     """Per position, teacher-forced: argmax flipped vs f32, and KL(p_f32 || p_codec)."""
-    from kvquant.flips import greedy, kl_rows, pydoc_text
+    from kvquant.flips import greedy, kl_rows
+    from kvquant_experiments.texts import text_tokens
     model = _model(cell["model"])
     if cell["model"] == "tiny-mla":
         from kvquant.models.tiny_mla import ORACLE_NEW_TOKENS, ORACLE_PROMPT
@@ -140,10 +157,10 @@ def position_cell(cell):
         tokens = prompt + greedy(model, prompt, ORACLE_NEW_TOKENS, "f32")
         source = "the engine's protocol sequence (12 prompt + 20 greedy f32 tokens)"
     else:
-        text_ids = model.encode(pydoc_text())
+        text_ids, text = text_tokens(model, cell.get("text", "pydoc"))
         start = int(cell["start"])
         tokens = text_ids[start:start + cell["window"]].tolist()
-        source = f"pydoc_data.topics tokens {start}..{start + len(tokens) - 1}"
+        source = f"{text.source} tokens {start}..{start + len(tokens) - 1}"
     ref = model.forward(tokens, model.new_cache("f32"))
     ref_top = ref.argmax(axis=1)
     flipped, kld = [], []
@@ -155,11 +172,12 @@ def position_cell(cell):
             "source": source, "n_positions": len(tokens), "flipped": flipped, "kld": kld}
 
 
-def position_cells(model_name, codecs, smoke=None):
+def position_cells(model_name, codecs, smoke=None, text="pydoc"):
     smoke = is_smoke() if smoke is None else smoke
     cell = {"sweep": "flip_positions", "model": model_name, "codecs": list(codecs)}
     if model_name != "tiny-mla":
-        cell.update(window=SMOKE_WINDOW if smoke else POSITION_WINDOW[model_name], start=0)
+        cell.update(window=SMOKE_WINDOW if smoke else POSITION_WINDOW[model_name], start=0,
+                    **_text_params(text))
     return [cell]
 
 
@@ -167,7 +185,7 @@ def position_stem(cell):
     stem = f"positions_{cell['model']}_n{len(cell['codecs'])}"
     if "window" in cell:
         stem += f"_w{cell['window']}_s{cell['start']}"
-    return stem
+    return stem + _text_tag(cell)
 
 
 def pareto_points(table):
@@ -209,10 +227,10 @@ def pareto_front(points, key="kld"):
 
 def write_table(table, out_dir, unavailable):
     """Write the merged table as ``kvquant flips`` does, plus the unavailable codecs."""
-    from kvquant.flips import write_results
+    from kvquant_experiments.flip_runs import write_results
     table = dict(table)
     table["meta"] = {**table["meta"], "unavailable": unavailable, "environment": environment()}
-    return write_results(table, out_dir)
+    return write_results(table, out_dir, figure=False)[:2]
 
 
 def read_table(path):
@@ -225,24 +243,27 @@ def save_positions(result, path):
 
 
 def submit_model(model_name, results_dir, executor=None, smoke=None, codecs=None, sizes=None,
-                 n_groups=1, resume=True):
+                 n_groups=1, resume=True, text="pydoc"):
     """Submit the table and position cells of one model; returns a handle for :func:`finish`.
 
     ``sizes`` (real model): ``positions``, ``chunk_tokens``, ``prompts`` (default
-    :data:`REAL_DEFAULTS`). Codecs the model cannot take are kept with their reason.
+    :data:`REAL_DEFAULTS`); ``text``: the real model's text (a built-in name or a UTF-8 file,
+    :func:`kvquant_experiments.texts.load_text`). Codecs the model cannot take are kept with
+    their reason.
     """
     from kvquant_experiments.executor import submit_cells
     smoke = is_smoke() if smoke is None else smoke
     codecs = report_codecs(model_name, smoke) if codecs is None else list(codecs)
     ok, missing = available_codecs(model_name, codecs)
     if model_name != "tiny-mla":
-        sizes = {**(SMOKE_REAL if smoke else REAL_DEFAULTS), **(sizes or {})}
+        sizes = {**(SMOKE_REAL if smoke else REAL_DEFAULTS), **(sizes or {}), "text": text}
     else:
         sizes = {}
     flips_dir = Path(results_dir) / "flips"
     tables = submit_cells(table_cell, table_cells(model_name, ok, n_groups, **sizes), flips_dir,
                           table_stem, executor, resume, False)
-    positions = submit_cells(position_cell, position_cells(model_name, ok, smoke), flips_dir,
+    positions = submit_cells(position_cell, position_cells(model_name, ok, smoke,
+                                                           sizes.get("text", "pydoc")), flips_dir,
                              position_stem, executor, resume, False)
     return {"model": model_name, "codecs": ok, "unavailable": missing, "tables": tables,
             "positions": positions, "dir": flips_dir}

@@ -1,23 +1,26 @@
-"""Quality-per-byte frontier on SmolLM2-135M (issue 8): mean KLD from the f32 cache against bits
-per value, for uniform and K/V-split codec pairs, with the llama.cpp KV formats as baselines.
+"""Quality-per-byte frontier of a model (SmolLM2-135M by default; any name or GGUF path
+:func:`kvquant.models.load_model` takes): mean KLD from the f32 cache against bits per value, for
+uniform and K/V-split codec pairs, with the llama.cpp KV formats as baselines.
 
 Bits per value of a pair ``"K/V"`` = (K bytes + V bytes per row) x 8 / (2 x head_dim), side values
-(norms, scales) included; head_dim is 64 on SmolLM2. The numbers come from
-:func:`kvquant.flips.run_flips` (real text of ``pydoc_data.topics`` in prefill chunks; same-top-1,
-mean KLD, PPL ratio, all against the f32 cache on the same text; plus the engine's
-teacher-forced / greedy protocol on a few prompts).
+(norms, scales) included, head_dim the model's (64 on SmolLM2). The numbers come from
+:func:`kvquant_experiments.flip_runs.run_flips` (a text in prefill chunks: ``pydoc_data.topics``
+by default, any UTF-8 file with ``--text``; same-top-1, mean KLD, PPL ratio, all against the f32
+cache on the same text; plus the engine's teacher-forced / greedy protocol on a few prompts).
 
 Goals (issue 8): at <= 4.5 bits per value a mean KLD <= 0.02; at <= 8.5 bits a mean KLD at or
 under q8_0's (measured in the same run).
 
 Run::
 
-    PYTHONPATH=. python -m experiments.frontier            # default grid (55 pairs), ~12 min on 2 cores
-    PYTHONPATH=. python -m experiments.frontier --list     # configurations and their bits only
-    PYTHONPATH=. python -m experiments.frontier --plot-only data/results/frontier-....json
+    python -m kvquant_experiments.frontier                 # default grid (55 pairs), ~12 min on 2 cores
+    python -m kvquant_experiments.frontier --model PATH.gguf --text FILE
+    python -m kvquant_experiments.frontier --list          # configurations and their bits only
+    python -m kvquant_experiments.frontier --plot-only RUN/frontier-....json
 
-Writes ``data/results/frontier-smollm2-N<positions>-c<chunk>-p<prompts>.{json,csv,md}`` and
-``data/figures/frontier_smollm2.png``.
+Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,png}`` into
+``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
+the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
 """
 import argparse
 import json
@@ -44,7 +47,6 @@ __all__ = [
 ]
 
 MODEL = "smollm2"
-HEAD_DIM = 64
 BUDGET_LOW, KLD_GOAL_LOW = 4.5, 0.02   # bits per value, mean KLD (nats)
 BUDGET_HIGH = 8.5                      # bits per value; goal: KLD <= q8_0's
 LABEL_GAP = 0.075  # decades between stacked labels in the figure
@@ -98,7 +100,7 @@ BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
 # --------------------------------------------------------------------------------------------
 # Bits, families, front
 # --------------------------------------------------------------------------------------------
-def bits_per_value(pair_spec, head_dim=HEAD_DIM, tokens=None):
+def bits_per_value(pair_spec, head_dim, tokens=None):
     """(K bytes + V bytes per row) x 8 / (2 x head_dim), side values included.
 
     With ``tokens`` (the context length measured), the fixed cost of stream options is spread
@@ -190,17 +192,21 @@ def frontier_rows(result):
 # --------------------------------------------------------------------------------------------
 def run_frontier(configs=None, positions=DEFAULTS["positions"],
                  chunk_tokens=DEFAULTS["chunk_tokens"], prompts=DEFAULTS["prompts"],
-                 workers=None, progress=None, text="pydoc"):
-    """``run_flips`` on SmolLM2 over ``configs`` (pair specs); adds ``bits_per_value`` per row
-    (fixed costs of stream options spread over ``chunk_tokens`` rows, the context measured).
+                 workers=None, progress=None, text="pydoc", model=MODEL, scheduler=None,
+                 loaded=None):
+    """``run_flips`` of ``model`` (a name or GGUF path) over ``configs`` (pair specs) on
+    ``text`` (``loaded``: that model already built, run in this process); adds
+    ``bits_per_value`` per row (the model's head_dim; fixed costs of stream
+    options spread over ``chunk_tokens`` rows, the context measured).
 
     The bits per further token from the codecs are checked against the cache's bytes per token.
     """
-    from kvquant.flips import run_flips
+    from kvquant_experiments.flip_runs import run_flips
     configs = list(configs or DEFAULT_CONFIGS)
     t0 = time.perf_counter()
-    result = run_flips(MODEL, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
-                       n_prompts=prompts, workers=workers, progress=progress, text=text)
+    result = run_flips(model, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
+                       n_prompts=prompts, workers=workers, progress=progress, text=text,
+                       scheduler=scheduler, model=loaded)
     cfg = result["meta"]["model"]
     d = cfg["head_dim"]
     rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows
@@ -221,10 +227,16 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
     return result
 
 
+def _model_tag(result):
+    from kvquant_experiments.flip_runs import model_tag
+    meta = result["meta"]
+    return model_tag(meta.get("model_name", MODEL))
+
+
 def result_stem(result):
+    """``frontier-<model>-<text>-N<positions>-c<chunk tokens>-p<prompts>``."""
     t = result["meta"]["text"]
-    name = t.get("name", "pydoc")
-    return (f"frontier-smollm2{'' if name == 'pydoc' else '-' + name}-N{t['positions']}"
+    return (f"frontier-{_model_tag(result)}-{t.get('name', 'pydoc')}-N{t['positions']}"
             f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}")
 
 
@@ -253,12 +265,14 @@ def format_markdown(result):
     t, p = meta["text"], meta["protocol"]
     q8 = next((x for x in rows if x["codec"] == "q8_0"), None)
     q8r = next((x for x in rows if x["codec"] == "q8_0+rot"), None)
+    d = meta["model"]["head_dim"]
     lines = [
-        f"SmolLM2-135M, real text: {t['positions']} positions of {t['source']} in chunks of "
+        f"{meta['model']['model']}, real text: {t['positions']} positions of {t['source']} in "
+        f"chunks of "
         f"{t['chunk_tokens']} tokens; engine protocol: {p['prompts']} prompts x "
         f"{p['new_tokens']} greedy tokens. Against the f32 cache; PPL(f32) = "
         f"{result['rows'][0]['ppl_f32']:.3f}. "
-        f"Bits/value = (K + V bytes per row) x 8 / (2 x 64), side values included; the f32 "
+        f"Bits/value = (K + V bytes per row) x 8 / (2 x {d}), side values included; the f32 "
         f"offset and sink rows of stream options (@center, @sinks=N) spread over the "
         f"{t['chunk_tokens']} rows of a chunk. F: on the Pareto front; "
         f"goal: <= {BUDGET_LOW} bits and KLD <= {KLD_GOAL_LOW} (A), <= {BUDGET_HIGH} bits and "
@@ -399,12 +413,13 @@ def plot_frontier(result, out):
                 max(x["bits_per_value"] for x in rows) + 1.0)
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3, which="both")
-    ax.set_xlabel("bits per value (K and V averaged, side values included; head_dim 64)")
+    ax.set_xlabel("bits per value (K and V averaged, side values included; head_dim "
+                  f"{result['meta']['model']['head_dim']})")
     ax.set_ylabel("mean KL(p_f32 || p_codec) on real text (nats)")
     t = result["meta"]["text"]
-    text = "Python source" if t.get("name") == "code" else "pydoc prose"
-    ax.set_title(f"SmolLM2-135M KV cache: quality per byte ({text}, {t['positions']} positions, "
-                 f"chunks of {t['chunk_tokens']})", fontsize=10)
+    text = {"code": "Python source", "pydoc": "pydoc prose"}.get(t.get("name"), t.get("name"))
+    ax.set_title(f"{result['meta']['model']['model']} KV cache: quality per byte ({text}, "
+                 f"{t['positions']} positions, chunks of {t['chunk_tokens']})", fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
               title="named: the front and llama.cpp\nh = fp16 side values\n"
                     "@c = center, @cs = + 1 f32 sink,\n@cns = + normalize, w16 = + recent=16",
@@ -418,29 +433,33 @@ def plot_frontier(result, out):
 # Command line
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m experiments.frontier",
+    from kvquant_experiments.texts import TEXTS
+    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.frontier",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=MODEL,
+                   help="smollm2, another name load_model knows, or a GGUF file path")
     p.add_argument("--configs", default=None,
                    help="comma-separated pair specs (K/V); default: the built-in grid")
     p.add_argument("--positions", type=int, default=DEFAULTS["positions"])
     p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"])
     p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"],
                    help="prompts of the engine's teacher-forced / greedy protocol")
-    p.add_argument("--text", choices=("pydoc", "code"), default="pydoc",
-                   help="real text: pydoc_data.topics prose or stdlib Python source")
+    p.add_argument("--text", default="pydoc",
+                   help="a UTF-8 text file or a built-in text (" + ", ".join(TEXTS) + ")")
     p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
-    p.add_argument("--out", default=os.path.join("data", "results"))
+    p.add_argument("--scheduler", default=None,
+                   help="Dask scheduler address (tcp://host:8786), or 'serial'")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: ./frontier-<model>-<text>-N..-c..-p..)")
     p.add_argument("--figure", default=None,
-                   help="default: data/figures/frontier_smollm2[_<text>].png")
+                   help="figure path (default: <stem>.png in the output folder; the README's "
+                        "is data/figures/frontier_smollm2.png)")
     p.add_argument("--list", action="store_true", help="print configurations and bits, run nothing")
     p.add_argument("--plot-only", metavar="JSON", default=None,
                    help="redraw the figure, CSV and markdown table from a frontier JSON")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    if args.figure is None:
-        suffix = "" if args.text == "pydoc" else "_" + args.text
-        args.figure = os.path.join("data", "figures", f"frontier_smollm2{suffix}.png")
 
     if args.configs:
         from kvquant.codecs import split_spec_list
@@ -448,14 +467,18 @@ def main(argv=None):
     else:
         configs = list(DEFAULT_CONFIGS)
     if args.list:
+        from kvquant.models import load_model
+        head_dim = load_model(args.model).head_dim
         for c in configs:
-            print(f"{bits_per_value(c, tokens=args.chunk_tokens):5.2f}  {c}")
+            print(f"{bits_per_value(c, head_dim, tokens=args.chunk_tokens):5.2f}  {c}")
         return 0
     if args.plot_only:
         with open(args.plot_only) as f:
             result = json.load(f)
-        paths = write_frontier(result, os.path.dirname(os.path.abspath(args.plot_only)))[1:]
-        paths.append(plot_frontier(result, args.figure))
+        out = os.path.dirname(os.path.abspath(args.plot_only))
+        paths = write_frontier(result, out)[1:]
+        paths.append(plot_frontier(result, args.figure or os.path.join(
+            out, result_stem(result) + ".png")))
         print(format_markdown(result))
         for path in paths:
             print(f"wrote {path}")
@@ -465,11 +488,16 @@ def main(argv=None):
         if not args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    result = run_frontier(configs, positions=args.positions, chunk_tokens=args.chunk_tokens,
-                          prompts=args.prompts, workers=args.workers, progress=progress,
-                          text=args.text)
-    paths = write_frontier(result, args.out)
-    paths.append(plot_frontier(result, args.figure))
+    try:
+        result = run_frontier(configs, positions=args.positions, chunk_tokens=args.chunk_tokens,
+                              prompts=args.prompts, workers=args.workers, progress=progress,
+                              text=args.text, model=args.model, scheduler=args.scheduler)
+    except (ValueError, ImportError, OSError) as exc:
+        raise SystemExit(f"frontier: {exc}")
+    out = args.out or result_stem(result)
+    paths = write_frontier(result, out)
+    paths.append(plot_frontier(result, args.figure or os.path.join(
+        out, result_stem(result) + ".png")))
     print(format_markdown(result))
     for path in paths:
         print(f"wrote {path}")

@@ -116,19 +116,13 @@ def capture_real_rows(data_dir=None, model=None):
     ok, info = real_model_status()
     if not ok:
         raise ImportError(info)
-    from kvquant.flips import pydoc_text
+    from kvquant_experiments.texts import pydoc_text
     from kvquant.models import load_model
     model = model if model is not None else load_model("smollm2")
+    from kvquant_experiments.kv_rows import dump_kv, select_rows
     tokens = model.encode(pydoc_text()[:4000])[:REAL_TOKENS]
-    cache = model.new_cache("f32")
-    model.forward(tokens, cache, last_only=True)
-
-    def rows_of(name):  # kvquant.cache.QuantizedKVCache: one stream per layer and KV head
-        return np.concatenate([cache.stream(layer, name, head).decode()
-                               for layer in range(cache.n_layers)
-                               for head in range(cache.n_kv_heads)])
-
-    out = {"smollm2-k": rows_of("k"), "smollm2-v": rows_of("v")}
+    rows = select_rows(dump_kv(model, tokens))   # layers and heads pooled, in that order
+    out = {"smollm2-k": rows["k"], "smollm2-v": rows["v"]}
     if data_dir is not None:
         os.makedirs(data_dir, exist_ok=True)
         for kind, X in out.items():

@@ -15,6 +15,7 @@ __all__ = [
     "plot_flip_pareto",
     "plot_flip_strip",
     "plot_inner_products",
+    "plot_kld_by_position",
     "plot_speed_encode",
     "plot_speed_step",
 ]
@@ -327,4 +328,42 @@ def plot_rotation(x, rotated, out, title="a row before and after the rotation"):
     b.set_title("rotate(x): the outliers are spread")
     b.set_xlabel("coordinate")
     fig.suptitle(title)
+    return _save(fig, out)
+
+
+def plot_kld_by_position(result, out):
+    """Mean KL divergence from the f32 cache (log scale) against the position in the chunk, one
+    line per codec: where in the context a codec hurts. ``result``: a flip-table result (as
+    ``kvquant flips`` writes it) or its JSON path; its rows' ``by_position`` bins are drawn at
+    their centres (f32 itself, KL 0, is left out)."""
+    import matplotlib
+    if not isinstance(result, dict):
+        result = read_json(result)
+    rows = [r for r in result["rows"] if r.get("by_position") and r["codec"] != "f32"]
+    if not rows:
+        raise ValueError("the result has no per-position bins (a run without text positions)")
+    t = result["meta"]["text"]
+    with matplotlib.rc_context(_RC):
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(8.0, 4.2 + 0.22 * len(rows)), layout="constrained")
+        ax = fig.subplots()
+        cmap = matplotlib.colormaps["tab10" if len(rows) <= 10 else "tab20"]
+        for i, r in enumerate(rows):
+            b = r["by_position"]
+            e = b["edges"]
+            x = [(e[j] + e[j + 1] - 1) / 2 for j in range(len(b["n"]))]
+            y = [v if v and v > 0 else math.nan for v in b["kld_mean"]]
+            ax.plot(x, y, marker="o", ms=3, lw=1.3, color=cmap(i % cmap.N),
+                    label=f"{r['codec']}  (mean {r['kld_mean']:.2e})")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlim(0, t["chunk_tokens"])
+        ax.set_xlabel(f"position in the chunk (mean over bins of {e[1] - e[0]} positions)")
+        ax.set_ylabel("mean KL(p_f32 || p_codec) (nats)")
+        model = result["meta"]["model"]["model"]
+        n_chunks = len(t.get("chunk_starts", [])) or "?"
+        ax.set_title(f"{model}: KL divergence from the f32 cache by position\n"
+                     f"text '{t.get('name', t['source'])}': {t['positions']} positions in "
+                     f"{n_chunks} chunk(s) of {t['chunk_tokens']} tokens", fontsize=9)
+        fig.legend(loc="outside lower center", ncols=1, fontsize=7.5, frameon=False)
     return _save(fig, out)

@@ -14,7 +14,8 @@ Fitting on the sample itself favours the fixed splits (an in-sample fit); the re
 ``polar<b>:alloc=level`` and ``polar<b>`` (radius) run on the same rows for reference.
 
 ``python -m experiments.polar_widths [--dim 128] [--bits 4] [--rows 20000]`` writes
-``data/results/polar-fixed-widths-d<d>-b<b>-rows<n>.{md,json}`` (or under ``--out``).
+``polar-fixed-widths-d<d>-b<b>-rows<n>.{md,json}`` under ``--out`` (default: a folder of that
+name under the current directory).
 """
 import argparse
 import itertools
@@ -105,7 +106,9 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--rows", type=int, default=20000)
-    p.add_argument("--out", default="data/results")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: a folder named for the run, under the current "
+                        "directory)")
     args = p.parse_args(argv)
     d, b = args.dim, args.bits
     if d < 4 or d & (d - 1) or d > 512:
@@ -132,7 +135,8 @@ def main(argv=None):
               "splits": [{"widths": w, "bits": bits, "rel_l2": err} for err, w, bits in splits],
               "codecs": real, "seconds": round(time.perf_counter() - t0, 1),
               "environment": environment()}
-    stem = Path(args.out) / f"polar-fixed-widths-d{d}-b{b}-rows{args.rows}"
+    name = f"polar-fixed-widths-d{d}-b{b}-rows{args.rows}"
+    stem = Path(args.out or name) / name
     stem.parent.mkdir(parents=True, exist_ok=True)
     write_json(stem.with_suffix(".json"), result)
     text = (f"# Fixed polar widths per level, d = {d}, {b} bits ({budget} bits per row), "

@@ -48,8 +48,9 @@ Run::
     PYTHONPATH=. python -m experiments.probes --ideas reference,window --positions 4096 \
         --chunk-tokens 2048
 
-Writes ``data/results/probes-smollm2[-code]-N<positions>-c<chunk>[-<ideas>].{json,csv,md}``
-(the ideas are named when a run covers only some of them).
+Writes ``probes-smollm2-<text>-N<positions>-c<chunk>[-<ideas>].{json,csv,md}`` (the ideas are
+named when a run covers only some of them) into ``--out``, by default a folder of that name under
+the current directory. ``--text`` takes a UTF-8 file too; ``--scheduler`` a Dask cluster.
 """
 import argparse
 import functools
@@ -544,6 +545,7 @@ class ProbeModel:
 
     def __init__(self, model, probes):
         self.model = model
+        self.vocab_size = model.vocab_size
         self.probes = {p.name: p for p in probes}
 
     def new_cache(self, name):
@@ -554,30 +556,28 @@ class ProbeModel:
     def forward(self, tokens, cache, last_only=False):
         return self.model.forward(tokens, cache, last_only=last_only)
 
+    def forward_hidden(self, tokens, cache):
+        return self.model.forward_hidden(tokens, cache)
 
-_WORKER = {}
-
-
-def _init_worker(parent_pid):
-    from kvquant.flips import worker_setup
-    from kvquant.models import load_model
-    worker_setup(parent_pid)
-    _WORKER["model"] = ProbeModel(load_model(MODEL), PROBES)
+    def logits(self, hidden_rows):
+        return self.model.logits(hidden_rows)
 
 
-def _chunk_task(task):
-    from kvquant.flips import chunk_stats
-    chunk, names, ids = task
-    return chunk, chunk_stats(_WORKER["model"], names, ids)
+def probe_model(model):
+    """The model of the probes' tasks (a worker loads it once, see
+    :func:`kvquant_experiments.flip_runs.model_of`)."""
+    return ProbeModel(model, PROBES)
 
 
 def run_probes(probes=None, positions=DEFAULTS["positions"],
                chunk_tokens=DEFAULTS["chunk_tokens"], workers=None, progress=None,
-               text="pydoc"):
+               text="pydoc", scheduler=None):
     """Text metrics of every probe against the f32 cache on SmolLM2 (no greedy protocol).
 
-    Each chunk's probes run in two groups (tasks for ``workers`` processes, each with the model
-    and one BLAS thread); results as :func:`kvquant.flips.combine_chunks`, plus bits per value
+    Each chunk's probes run in two groups, tasks of the experiments' executor
+    (:func:`kvquant_experiments.flip_runs.run_chunks`: ``workers`` local processes, each with the
+    model and one BLAS thread, or a Dask cluster at ``scheduler``; ``text``: a built-in name or
+    a UTF-8 file); results as :func:`kvquant.flips.combine_chunks`, plus bits per value
     at the chunk's context and in the long-context limit, and the comparison with the probe's
     counterpart.
 
@@ -585,9 +585,11 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
     -------
     dict with ``meta`` and ``rows`` (one per probe, in the order given).
     """
-    import multiprocessing
-    from kvquant.flips import combine_chunks, text_chunks, text_tokens
+    from kvquant.flips import combine_chunks, text_chunks
     from kvquant.models import load_model
+    from kvquant_experiments.executor import open_executor
+    from kvquant_experiments.flip_runs import run_chunks
+    from kvquant_experiments.texts import text_tokens
     t0 = time.perf_counter()
     probes = list(probes or PROBES)
     if probes[0].name != "f32":
@@ -610,29 +612,21 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
         if abs(from_codecs - from_cache) > 1e-9:
             raise AssertionError(f"{p.name}: {from_codecs} bits from the codecs, {from_cache} "
                                  "from the cache")
-    tokens, source = text_tokens(model, text)
+    tokens, resolved = text_tokens(model, text)
+    source = resolved.source
     chunks = text_chunks(tokens, positions, chunk_tokens)
     described = model.describe()
-    del check, model
     workers = min(2, os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    groups = [names[i::2] for i in range(2)]
-    tasks = [(ci, g, ids) for ci, (_, ids) in enumerate(chunks) for g in groups]
-    parts = [[] for _ in chunks]
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(os.getpid(),)) as pool:
-        for done, (ci, stats) in enumerate(pool.imap_unordered(_chunk_task, tasks), 1):
-            parts[ci].append(stats)
-            if progress:
-                progress(f"task {done}/{len(tasks)} (chunk {ci + 1}, {len(stats['specs'])} "
-                         f"probes) done")
-    stats = []
-    for ci, chunk_parts in enumerate(parts):
-        merged = {"n": chunk_parts[0]["n"], "nll_f32": chunk_parts[0]["nll_f32"], "specs": {}}
-        for st in chunk_parts:
-            merged["specs"].update(st["specs"])
-        stats.append(merged)
+    if scheduler is None and workers == 1:
+        scheduler = "serial"
+    with open_executor(scheduler, workers) as ex:
+        task_model = ProbeModel(model, PROBES) if ex.kind == "serial" else (MODEL, probe_model)
+        stats = run_chunks(ex, task_model, names, chunks,
+                           1 if ex.kind == "serial" else 2, progress)
+        executor_description = ex.description
+    del check, model
     rows = combine_chunks(names, stats)
     by_name = {}
     for p, row in zip(probes, rows):
@@ -651,7 +645,7 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
     import kvquant
     meta = {
         "model": described,
-        "text": {"name": text, "source": source, "text_tokens": int(tokens.size),
+        "text": {**resolved.describe(), "text_tokens": int(tokens.size),
                  "positions": positions, "chunk_tokens": chunk_tokens,
                  "chunk_starts": [int(s) for s, _ in chunks]},
         "ideas": sorted({p.idea for p in probes if p.name != "f32"} or {"reference"}),
@@ -664,6 +658,7 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
                 "mse_side": "fp16 (tq<b-1>:side_dtype=f16)"},
         "kvquant": kvquant.__version__,
         "workers": workers,
+        "executor": executor_description,
         "wall_s": time.perf_counter() - t0,
     }
     return {"meta": meta, "rows": rows}
@@ -673,13 +668,13 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
 # Output
 # --------------------------------------------------------------------------------------------
 def result_stem(result):
-    """``probes-smollm2[-<text>]-N<positions>-c<chunk>[-<ideas>]``: the ideas are named when
+    """``probes-smollm2-<text>-N<positions>-c<chunk>[-<ideas>]``: the ideas are named when
     the run covered only some of them."""
     t = result["meta"]["text"]
     name = t.get("name", "pydoc")
     ideas = sorted(result["meta"].get("ideas", IDEA_TITLES))
     subset = "" if set(ideas) >= set(IDEA_TITLES) else "-" + "-".join(ideas)
-    return (f"probes-smollm2{'' if name == 'pydoc' else '-' + name}-N{t['positions']}"
+    return (f"probes-smollm2-{name}-N{t['positions']}"
             f"-c{t['chunk_tokens']}{subset}")
 
 
@@ -762,18 +757,21 @@ def write_probes(result, out_dir):
 # Command line
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m experiments.probes",
+    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.probes",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--text", choices=("pydoc", "code"), default="pydoc",
-                   help="real text: pydoc_data.topics prose or stdlib Python source")
+    p.add_argument("--text", default="pydoc",
+                   help="a UTF-8 text file or a built-in text (pydoc, code, docstrings)")
     p.add_argument("--positions", type=int, default=DEFAULTS["positions"])
     p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"])
     p.add_argument("--ideas", default=None,
                    help="comma-separated ideas to run (reference, counterpart, fp8, qjl, "
                         "outliers, window); default all; f32 always runs")
     p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
-    p.add_argument("--out", default=os.path.join("data", "results"))
+    p.add_argument("--scheduler", default=None,
+                   help="Dask scheduler address (tcp://host:8786), or 'serial'")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: ./probes-smollm2-<text>-N..-c..)")
     p.add_argument("--list", action="store_true", help="print the probes and bits, run nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -794,9 +792,13 @@ def main(argv=None):
         if not args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    result = run_probes(probes, positions=args.positions, chunk_tokens=args.chunk_tokens,
-                        workers=args.workers, progress=progress, text=args.text)
-    paths = write_probes(result, args.out)
+    try:
+        result = run_probes(probes, positions=args.positions, chunk_tokens=args.chunk_tokens,
+                            workers=args.workers, progress=progress, text=args.text,
+                            scheduler=args.scheduler)
+    except (ValueError, ImportError, OSError) as exc:
+        raise SystemExit(f"probes: {exc}")
+    paths = write_probes(result, args.out or result_stem(result))
     print(format_markdown(result))
     print(f"wall time {result['meta']['wall_s']:.0f} s")
     for path in paths:

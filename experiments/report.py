@@ -230,7 +230,7 @@ def _inner_section(res, out, figures):
 
 def _flip_section(model, title, short, res, out, figures, note=None):
     """``res``: :func:`kvquant_experiments.flip_report.finish` of the model."""
-    from kvquant.flips import format_markdown
+    from kvquant_experiments.flip_runs import format_markdown
 
     from kvquant_experiments import plots
     sec = Section(model, title, short)
@@ -248,6 +248,11 @@ def _flip_section(model, title, short, res, out, figures, note=None):
         plots.plot_flip_pareto(res["table_json"], figures / name)
         sec.figure(f"figures/{name}", f"{model}: KL divergence from the f32 cache against "
                                       "bits per value (Pareto front dashed)")
+    if "text" in table["meta"] and len(table["rows"]) > 1:
+        name = f"flips_{model}_kld_by_position.png"
+        plots.plot_kld_by_position(table, figures / name)
+        sec.figure(f"figures/{name}", f"{model}: mean KL divergence from the f32 cache by "
+                                      "position in the text chunks")
     name = f"flips_{model}_positions.png"
     plots.plot_flip_strip(res["positions_json"], figures / name)
     sec.figure(f"figures/{name}", f"{model}: per position, KL divergence from f32 (colour) "
@@ -373,7 +378,8 @@ def _real_wanted(real, smoke):
 
 
 def run_report(out="report", smoke=None, scheduler=None, workers=None, real="auto", full=False,
-               fresh=False, progress=True, figures_to=None, command=None, log=None):
+               fresh=False, progress=True, figures_to=None, command=None, log=None,
+               text="pydoc"):
     """Run every section and write ``out/REPORT.md``, ``out/figures``, ``out/data``.
 
     Parameters
@@ -394,6 +400,9 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         Recompute cells whose result files exist.
     figures_to : path, optional
         Also copy the headline figures there (e.g. ``data/figures`` for the README).
+    text : str
+        The real model's text: a built-in name or a UTF-8 file
+        (:func:`kvquant_experiments.texts.load_text`).
 
     Returns
     -------
@@ -438,8 +447,9 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         # The long model jobs first, so that they overlap the sweeps.
         if want_real:
             if full:
-                from kvquant.flips import DEFAULT_CHUNK_TOKENS, DEFAULT_CODECS, DEFAULT_POSITIONS
-                codecs = list(DEFAULT_CODECS["smollm2"])
+                from kvquant_experiments.flip_runs import (DEFAULT_CHUNK_TOKENS, DEFAULT_CODECS,
+                                                           DEFAULT_POSITIONS)
+                codecs = list(DEFAULT_CODECS["real"])
                 sizes = {"positions": DEFAULT_POSITIONS, "chunk_tokens": DEFAULT_CHUNK_TOKENS,
                          "prompts": 8}
             else:
@@ -447,7 +457,8 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
                 sizes = dict(flip_report.SMOKE_REAL if smoke else flip_report.REAL_DEFAULTS)
             handles["smollm2"] = guarded("real-model flips", flip_report.submit_model,
                                          "smollm2", data, ex, smoke=smoke, codecs=codecs,
-                                         sizes=sizes, n_groups=n_workers, resume=resume)
+                                         sizes=sizes, n_groups=n_workers, resume=resume,
+                                         text=text)
             log(f"real model: {sizes['positions']} text positions, {sizes['prompts']} prompts")
         handles["tiny-mla"] = guarded("tiny-model flips", flip_report.submit_model, "tiny-mla",
                                       data, ex, smoke=smoke, resume=resume)
@@ -504,9 +515,9 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
                  "before attention reads them. Run at the report's size; `kvquant report "
                  "--full` or `kvquant flips --model smollm2` for the full table. The last rows "
                  "carry stream options (`@center`, `@normalize`, `@sinks=1`; fp16 side values): "
-                 "the best of the quality-per-byte frontier (`python -m experiments.frontier`, "
-                 "goal: mean KLD <= 0.02 at <= 4.5 bits per value), beside the same options on "
-                 "llama.cpp's rotated q4_0.")
+                 "the best of the quality-per-byte frontier (`python -m "
+                 "kvquant_experiments.frontier`, goal: mean KLD <= 0.02 at <= 4.5 bits per "
+                 "value), beside the same options on llama.cpp's rotated q4_0.")
     sections = [
         section("distortion", lambda d: _distortion_section(d, out, figures), dist),
         section("codebooks", _codebook_section, dist),
@@ -632,6 +643,9 @@ def add_cli(subparsers):
     p.add_argument("--smoke", action="store_true", help="small grids (as KVQUANT_SMOKE=1)")
     p.add_argument("--fresh", action="store_true",
                    help="recompute cells whose result files already exist")
+    p.add_argument("--text", default="pydoc",
+                   help="the real model's text: a UTF-8 file or a built-in text (pydoc, code, "
+                        "docstrings)")
     p.add_argument("--figures-to", default=None,
                    help="also copy the headline figures there (the README's: data/figures)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -643,10 +657,12 @@ def cmd_report(args):
     command = "kvquant report" + "".join(
         f" {shlex.quote(a)}" for a in getattr(args, "_argv", []) or [])
     try:
+        from kvquant_experiments.texts import load_text
+        load_text(args.text)   # a bad --text fails here, before any sweep
         res = run_report(out=args.out, smoke=True if args.smoke else None,
                          scheduler=args.scheduler, workers=args.workers, real=args.real,
                          full=args.full, fresh=args.fresh, progress=not args.no_progress,
-                         figures_to=args.figures_to, command=command)
+                         figures_to=args.figures_to, command=command, text=args.text)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"kvquant report: {exc}")
     print(f"{res['report']}  ({res['seconds']:.0f} s, {len(res['unavailable'])} item(s) "

@@ -22,23 +22,44 @@ ALL_CODECS = ("f32", "kv8", "kv8-g32", *(f"tq{b}" for b in range(1, 9)), "tq4:co
               "q8_0", "q8_0+rot", "q4_0", "q4_0+rot")
 
 
+def _distortion_data(args):
+    """[(label, rows (n, dim))] of ``--data``: a .npy array, or a ``kvquant dump-kv`` .npz
+    (read by the research package) cut by --stream / --layer / --head."""
+    if str(args.data).endswith(".npz"):
+        try:
+            from kvquant_experiments.kv_rows import load_kv_rows, select_rows
+        except ImportError as exc:
+            raise SystemExit(f"kvquant distortion: reading .npz rows needs kvquant_experiments "
+                             f"({exc}); install kvquant from its source tree")
+        try:
+            rows, _ = load_kv_rows(args.data)
+            return list(select_rows(rows, args.stream, args.layer, args.head).items())
+        except ValueError as exc:
+            raise SystemExit(f"kvquant distortion: {exc}")
+    if args.stream or args.layer is not None or args.head is not None:
+        raise SystemExit("kvquant distortion: --stream, --layer and --head select rows of a "
+                         "`kvquant dump-kv` .npz file")
+    try:
+        X = np.load(args.data, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"kvquant distortion: cannot read {args.data!r} as a .npy array: {exc}")
+    if X.ndim != 2:
+        raise SystemExit(f"kvquant distortion: {args.data!r} holds shape {X.shape}; "
+                         "expected a 2-D array (n_rows, dim)")
+    return [(args.data, X)]
+
+
 def cmd_distortion(args):
     from kvquant import get_codec
     from kvquant.metrics import measure_distortion, measure_stream_distortion
 
     if args.data:
-        try:
-            X = np.load(args.data, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"kvquant distortion: cannot read {args.data!r} as a .npy array: {exc}")
-        if X.ndim != 2:
-            raise SystemExit(f"kvquant distortion: {args.data!r} holds shape {X.shape}; "
-                             "expected a 2-D array (n_rows, dim)")
-        dims = [X.shape[1]]
+        datasets = _distortion_data(args)
     else:
-        dims = args.dim
+        datasets = [(None, None)] * len(args.dim)
     results = []
-    for dim in dims:
+    for (label, X), dim in zip(datasets, [x.shape[1] for _, x in datasets] if args.data
+                               else args.dim):
         if not args.data:
             X = np.random.default_rng(args.seed).standard_normal((args.rows, dim)).astype(np.float32)
         every = args.codecs.strip().lower() == "all"
@@ -46,18 +67,20 @@ def cmd_distortion(args):
         for spec in ALL_CODECS if every else _parse_codecs(args.codecs):
             if "@" in spec:   # a stream spec: the codec inside a RowStream with its options
                 try:
-                    results.append(measure_stream_distortion(spec, X, n_threads=args.threads))
+                    row = measure_stream_distortion(spec, X, n_threads=args.threads)
                 except ValueError as exc:
                     raise SystemExit(f"kvquant distortion: {exc}")
-                continue
-            try:
-                codec = get_codec(spec, dim)
-            except ValueError as exc:
-                if every:   # "all" is every codec that can take this width
-                    skipped.append(spec)
-                    continue
-                raise SystemExit(f"kvquant distortion: {exc}")
-            row = measure_distortion(codec, X, n_threads=args.threads)
+            else:
+                try:
+                    codec = get_codec(spec, dim)
+                except ValueError as exc:
+                    if every:   # "all" is every codec that can take this width
+                        skipped.append(spec)
+                        continue
+                    raise SystemExit(f"kvquant distortion: {exc}")
+                row = measure_distortion(codec, X, n_threads=args.threads)
+            if label is not None:
+                row["data"], row["rows"] = label, int(X.shape[0])
             results.append(row)
         if skipped:
             print(f"kvquant distortion: width {dim} does not suit {', '.join(skipped)} "
@@ -66,10 +89,13 @@ def cmd_distortion(args):
         print(json.dumps({"rows": int(X.shape[0]), "seed": args.seed,
                           "data": args.data or "gaussian", "results": results}, indent=1))
         return 0
-    print(f"{'codec':<28} {'dim':>5} {'bits/val':>8} {'B/row':>6} {'ratio':>6} "
+    labelled = any("data" in r for r in results)
+    print(("{:<22} ".format("data") if labelled else "") +
+          f"{'codec':<28} {'dim':>5} {'bits/val':>8} {'B/row':>6} {'ratio':>6} "
           f"{'relL2 mean':>10} {'relL2 max':>10}")
     for r in results:
-        print(f"{r['codec']:<28} {r['dim']:>5} {r['bits_per_value']:>8.3f} {r['bytes_per_row']:>6} "
+        print(("{:<22} ".format(str(r.get("data", ""))[-22:]) if labelled else "") +
+              f"{r['codec']:<28} {r['dim']:>5} {r['bits_per_value']:>8.3f} {r['bytes_per_row']:>6} "
               f"{r['compression']:>6.2f} {r['rel_l2_mean']:>10.5f} {r['rel_l2_max']:>10.5f}")
     return 0
 
@@ -83,16 +109,33 @@ def cmd_info(args):
     return 0
 
 
-def cmd_report(args):
-    # The research layer is imported here only: the library never imports it, and a missing
-    # or broken kvquant_experiments must not break the other commands.
+def _research(module, command):
+    """``module.main`` of the research package, imported here only: the library never imports
+    it, and a missing or broken kvquant_experiments must not break the other commands."""
+    import importlib
     try:
-        from kvquant_experiments import report
+        return importlib.import_module(f"kvquant_experiments.{module}").main
     except ImportError as exc:
-        raise SystemExit(f"kvquant report: the research package kvquant_experiments is not "
+        raise SystemExit(f"kvquant {command}: the research package kvquant_experiments is not "
                          f"importable ({exc}); install kvquant from its source tree "
                          "(pip install -e '.[report]')")
-    return report.main(args.report_args)
+
+
+# Commands of the research package: name -> (module, help). Their options are parsed there
+# (prefix_chars: passed through as they are); `kvquant <command> --help` shows them.
+RESEARCH_COMMANDS = {
+    "report": ("report", "run the sweeps and tables, write report/REPORT.md "
+                         "(kvquant report --help)"),
+    "flips": ("flip_runs", "token-flip table of KV codecs on a model and a text "
+                           "(kvquant flips --help)"),
+    "dump-kv": ("kv_rows", "write a model's K (after RoPE) and V rows on a text to .npz "
+                           "(kvquant dump-kv --help)"),
+}
+
+
+def cmd_research(args):
+    module, _ = RESEARCH_COMMANDS[args.command]
+    return _research(module, args.command)(args.research_args)
 
 
 def _int_list(text):
@@ -115,7 +158,14 @@ def build_parser():
     p.add_argument("--dim", type=_int_list, default=[512], help="row width(s), comma-separated")
     p.add_argument("--rows", type=int, default=4096, help="Gaussian rows to draw")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", help="a .npy file of shape (n_rows, dim) to use instead")
+    p.add_argument("--data", help="rows to use instead: a .npy file of shape (n_rows, dim), "
+                                  "or a `kvquant dump-kv` .npz (each stream on its own)")
+    p.add_argument("--stream", default=None,
+                   help="with a dump-kv .npz: one stream (k, v; L, R on tiny-mla) or 'all'")
+    p.add_argument("--layer", type=int, default=None,
+                   help="with a dump-kv .npz: one layer (default: all, pooled)")
+    p.add_argument("--head", type=int, default=None,
+                   help="with a dump-kv .npz: one KV head (default: all, pooled)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_distortion)
@@ -123,16 +173,14 @@ def build_parser():
     p = sub.add_parser("info", help="build facts (OpenMP, threads)")
     p.set_defaults(func=cmd_info)
 
-    # Options are parsed by kvquant_experiments.report (prefix_chars: pass them through as is).
-    p = sub.add_parser("report", add_help=False, prefix_chars="\x00",
-                       help="run the sweeps and tables, write report/REPORT.md "
-                            "(kvquant report --help)")
-    p.add_argument("report_args", nargs="*")
-    p.set_defaults(func=cmd_report)
+    for name, (_, help_text) in RESEARCH_COMMANDS.items():
+        p = sub.add_parser(name, add_help=False, prefix_chars="\x00", help=help_text)
+        p.add_argument("research_args", nargs="*")
+        p.set_defaults(func=cmd_research)
 
     # each module that owns a command registers it (imported here: scipy etc. load lazily)
-    from kvquant import bench, budget, codebooks, flips, kvfile
-    for module in (codebooks, budget, bench, kvfile, flips):
+    from kvquant import bench, budget, codebooks, kvfile
+    for module in (codebooks, budget, bench, kvfile):
         module.add_cli(sub)
     return parser
 

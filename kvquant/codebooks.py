@@ -21,8 +21,10 @@ convergence is always declared by a plain Lloyd step that moves no level by ``to
 
 Storage. One JSON file per (dist, dim, bits) in ``kvquant/data/codebooks/``: Gaussian for bits
 1..8 and Beta for d = 16, 32, ..., 4096 and bits 1..8, written by :func:`regenerate` (the
-``kvquant codebooks fit`` command). :func:`load_codebook` reads them (checking a SHA-256 of the
-levels) and fits anything else on the fly.
+``kvquant codebooks fit`` command, which writes to ``--out``, by default ``./codebooks``; to
+install fitted codebooks, write them into ``kvquant/data/codebooks`` of a source tree and
+reinstall). :func:`load_codebook` reads them (checking a SHA-256 of the levels) and fits anything
+else on the fly.
 """
 import argparse
 import functools
@@ -805,7 +807,8 @@ def _parse_codebook(text, source):
         raise CodebookFileError(
             f"codebook file {source} fails its checksum: it records {data['checksum']}, its "
             f"levels hash to {cb.checksum}; the file is corrupted or was edited by hand "
-            f"(regenerate it with `kvquant codebooks fit`)"
+            f"(regenerate it with `kvquant codebooks fit ... --out kvquant/data/codebooks` in a "
+            "source tree, then reinstall)"
         )
     if data.get("identity", cb.identity) != cb.identity:
         raise CodebookFileError(
@@ -853,7 +856,8 @@ def _load_cached(dist, dim, bits):
         if not resource.is_file():
             raise CodebookFileError(
                 f"stored codebook {identity}.json is missing from the kvquant package data "
-                f"(broken install? regenerate with `kvquant codebooks fit --all`)"
+                f"(broken install? regenerate with `kvquant codebooks fit --all --out "
+                "kvquant/data/codebooks` in a source tree, then reinstall)"
             )
         cb = _parse_codebook(resource.read_text(encoding="utf-8"), resource)
         if (cb.dist, cb.dim, cb.bits) != (dist, dim, bits):
@@ -995,7 +999,7 @@ def add_cli(subparsers):
     """Register ``codebooks fit`` on an argparse subparsers object.
 
     ``kvquant codebooks fit [--dist gaussian,beta] [--dim 64,128] [--bits 1-8] [--all]
-    [--out DIR]``. The ``fit`` parser sets ``func``: call ``args.func(args)``, which returns an
+    [--out DIR]`` (default ``./codebooks``: never the installed package). The ``fit`` parser sets ``func``: call ``args.func(args)``, which returns an
     exit code (0) or exits through ``parser.error`` on bad arguments.
 
     Parameters
@@ -1023,7 +1027,10 @@ def add_cli(subparsers):
     fit.add_argument("--bits", default="1-8", help="bit widths, e.g. 4 or 1-8 or 2,4")
     fit.add_argument("--all", action="store_true",
                      help="every stored dimension: " + ",".join(map(str, STORED_BETA_DIMS)))
-    fit.add_argument("--out", default=str(DEFAULT_DATA_DIR), help="output folder")
+    fit.add_argument("--out", default="codebooks",
+                     help="output folder (the stored codebooks the codecs load live in "
+                          "kvquant/data/codebooks of the source tree: write there with --out "
+                          "to replace them, then reinstall)")
     fit.set_defaults(func=lambda args: _run_fit(args, fit))
     return parser
 

@@ -7,22 +7,25 @@ Two measurements, both against the same model with an f32 cache (REFERENCE.md §
   cache; count positions whose argmax equals the f32 argmax (X/32 on the tiny model). *Greedy*:
   the codec's run generates its own 20 tokens, compared position-wise with the reference (Y/20).
   On the real model the protocol runs over several prompts cut from ``pydoc_data.topics``.
-* **Real text** (the real model). Chunks of ``pydoc_data.topics`` (present in every Python; or,
-  with ``text="code"``, Python source of standard-library modules) are run in prefill; at every position, against the f32 cache: top-1 agreement ("same top p", as
+* **Real text** (a model with a tokenizer). Chunks of a text (:func:`text_chunks`) are run in
+  prefill; at every position, against the f32 cache: top-1 agreement ("same top p", as
   ``llama-perplexity --kl-divergence``), the KL divergence KL(p_f32 || p_codec) of the next-token
-  distribution (mean, 99th percentile, max) and the perplexity ratio PPL(codec) / PPL(f32) on the
-  text's own next tokens.
+  distribution (mean, 99th percentile, max, and by position in the chunk) and the perplexity
+  ratio PPL(codec) / PPL(f32) on the text's own next tokens (:func:`chunk_stats`,
+  :func:`combine_chunks`). Chunks may be as long as the model's trained context: the metrics are
+  computed in row blocks within a stated memory bound.
 
 Proportions carry Wilson 95% intervals. Positions of one chunk share a context, so they are not
 independent trials: the intervals are the usual nominal ones (as llama.cpp's standard errors).
 
 A codec configuration is a pair spec (:func:`kvquant.models.split_pair_spec`): ``"tq4"`` or
 ``"kv8/tq4"`` (K / V on Llama, L / R on the MLA model).
+
+This module holds the protocol and the metrics. Texts, whole runs over an executor, result files
+and the ``kvquant flips`` command are research code: ``kvquant_experiments.texts`` and
+``kvquant_experiments.flip_runs``.
 """
-import csv
-import json
 import math
-import os
 import time
 
 import numpy as np
@@ -31,48 +34,37 @@ from kvquant.metrics import wilson_interval
 from kvquant.models import cache_streams
 
 __all__ = [
-    "DEFAULT_CODECS",
-    "DEFAULT_POSITIONS",
-    "add_cli",
+    "METRIC_BLOCK_BYTES",
+    "chunk_stats",
+    "combine_chunks",
     "flip_protocol",
-    "format_markdown",
-    "run_flips",
+    "kl_rows",
+    "metric_block_rows",
+    "nll_rows",
+    "position_bins",
+    "protocol_prompts",
+    "text_chunks",
     "text_metrics",
-    "text_tokens",
-    "write_results",
 ]
 
-DEFAULT_CODECS = {
-    # R rows are 8 wide: the llama.cpp block formats (32 per block) go on L only.
-    "tiny-mla": [
-        "f32", "kv8", "kv8-g16", "kv8-g8", "kv8-g4", "tq2", "tq3", "tq4", "tq4:compat=colibri",
-        "polar3", "polar4", "polar6", "polar3:compat=colibri", "polar4:compat=colibri",
-        "polar6:compat=colibri", "q8_0/f32", "q4_0/f32", "q4_0+rot/f32", "tq4/f32", "f32/tq4",
-    ],
-    "smollm2": [
-        "f32", "kv8", "kv8-g32", "tq2", "tq3", "tq4", "tq4:compat=colibri",
-        "polar3", "polar4", "polar6", "polar3:compat=colibri", "polar4:compat=colibri",
-        "polar6:compat=colibri", "q8_0", "q4_0", "q4_0+rot", "kv8/tq4", "tq4/kv8", "q8_0/q4_0",
-    ],
-}
-# Real text: 10 chunks of 1024 tokens. 10240 positions put the Wilson 95% half-width of any
-# proportion under 0.97 points (p = 0.5; 0.59 points at p = 0.9).
-DEFAULT_POSITIONS = 10240
-DEFAULT_CHUNK_TOKENS = 1024
-DEFAULT_PROMPTS = {"tiny-mla": 1, "smollm2": 8}
 PROMPT_TOKENS = 12
 NEW_TOKENS = 20
-KLD_BLOCK = 256
+# One float64 (rows x vocab) block of the text metrics: 64 MiB (170 rows of SmolLM2's 49152).
+METRIC_BLOCK_BYTES = 1 << 26
+KLD_BLOCK = 256   # rows per block of kl_rows / nll_rows (the protocol's short sequences)
+POSITION_BINS = 32
 
 
 # --------------------------------------------------------------------------------------------
 # Small pieces
 # --------------------------------------------------------------------------------------------
 def log_softmax64(logits):
-    """log-probabilities in float64, rows of ``logits``."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+    """log-probabilities in float64, rows of ``logits`` (one float64 copy and one temporary)."""
+    x = np.array(logits, dtype=np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    e = np.exp(x)
+    x -= np.log(e.sum(axis=1, keepdims=True))
+    return x
 
 
 def kl_rows(ref_logits, logits):
@@ -189,53 +181,44 @@ def flip_protocol(model, pair_specs, prompts, n_new=NEW_TOKENS, progress=None):
 # --------------------------------------------------------------------------------------------
 # Real text
 # --------------------------------------------------------------------------------------------
-def pydoc_text():
-    """The text of ``pydoc_data.topics``, topics in sorted order, separated by blank lines."""
-    from pydoc_data.topics import topics
-    return "\n\n".join(topics[k].strip() for k in sorted(topics))
-
-
-# Pure-Python standard-library modules: source code, a second kind of real text beside the
-# reference prose of pydoc topics (so that a result is not tuned to one text). The file contents
-# depend on the Python version, which the results record.
-CODE_MODULES = ("argparse", "difflib", "textwrap", "fractions", "statistics", "calendar",
-                "shlex", "pprint", "dataclasses", "heapq", "string", "bisect", "enum")
-
-
-def stdlib_code_text():
-    """Source files of :data:`CODE_MODULES`, in that order, separated by blank lines."""
-    import importlib.util
-    parts = []
-    for name in CODE_MODULES:
-        with open(importlib.util.find_spec(name).origin, encoding="utf-8") as f:
-            parts.append(f.read().strip())
-    return "\n\n".join(parts)
-
-
-TEXTS = {
-    "pydoc": ("pydoc_data.topics", pydoc_text),
-    "code": ("Python standard-library source (" + ", ".join(CODE_MODULES) + ")",
-             stdlib_code_text),
-}
-
-
-def text_tokens(model, text="pydoc"):
-    """Token ids of one of the :data:`TEXTS` (``"pydoc"``: reference prose; ``"code"``: Python
-    source) and its description."""
-    if text not in TEXTS:
-        raise ValueError(f"text {text!r} is not one of {sorted(TEXTS)}")
-    source, load = TEXTS[text]
-    return model.encode(load()), source
-
-
 def text_chunks(tokens, n_positions, chunk_tokens):
-    """Chunks of ``chunk_tokens`` + 1 tokens spread evenly over ``tokens`` (the last may be
-    shorter so that the positions add up to ``n_positions``); returns a list of (start, ids)."""
+    """Cut a text's token ids into the prefill chunks of the text metrics.
+
+    ``ceil(n_positions / chunk_tokens)`` chunks of ``chunk_tokens`` + 1 tokens (inputs and their
+    next tokens) start at even strides over ``tokens``; the last chunk is shorter when needed so
+    that the positions add up to ``n_positions``. Chunks never overlap.
+
+    Parameters
+    ----------
+    tokens : ndarray of int, shape (n_tokens,)
+        The whole text, encoded.
+    n_positions : int
+        Positions to measure (predictions), >= 1.
+    chunk_tokens : int
+        Context of one chunk (one prefill from an empty cache), >= 1.
+
+    Returns
+    -------
+    list of (int, ndarray)
+        (start index in ``tokens``, ids of shape (length + 1,)) per chunk.
+
+    Raises
+    ------
+    ValueError
+        A count below 1, or a text too short for the positions asked (the message gives the
+        tokens needed and those the text has).
+    """
+    tokens = np.asarray(tokens)
+    n_positions, chunk_tokens = int(n_positions), int(chunk_tokens)
+    if n_positions < 1 or chunk_tokens < 1:
+        raise ValueError(f"positions and chunk tokens must be >= 1, got {n_positions} and "
+                         f"{chunk_tokens}")
     n_chunks = math.ceil(n_positions / chunk_tokens)
     if n_chunks * (chunk_tokens + 1) > tokens.size:
         raise ValueError(
             f"{n_positions} positions in chunks of {chunk_tokens} need "
-            f"{n_chunks * (chunk_tokens + 1)} tokens; the text has {tokens.size}"
+            f"{n_chunks * (chunk_tokens + 1)} tokens; the text has {tokens.size}: give a "
+            "longer text, fewer positions or shorter chunks"
         )
     stride = tokens.size // n_chunks
     chunks = []
@@ -246,56 +229,125 @@ def text_chunks(tokens, n_positions, chunk_tokens):
     return chunks
 
 
-def chunk_stats(model, pair_specs, ids):
+def metric_block_rows(vocab_size, block_bytes=METRIC_BLOCK_BYTES):
+    """Rows per block of the text metrics: one float64 (rows, vocab_size) array in
+    ``block_bytes`` (at least one row)."""
+    return max(1, int(block_bytes) // (8 * int(vocab_size)))
+
+
+def chunk_stats(model, pair_specs, ids, block_rows=None):
     """One text chunk: ids[:-1] run in one prefill from an empty cache, ids[1:] the targets.
 
-    Returns {"n", "nll_f32", "specs": {spec: {"same", "kld" (per position), "nll", "seconds"}}}.
+    The model runs once per spec to its final hidden rows (``model.forward_hidden``, f32 cache
+    first as the reference); then, per block of rows, the reference's logits are computed once
+    and each spec's from its hidden rows (``model.logits``), and the block's metrics taken.
+
+    Memory: the hidden rows, (1 + specs) x n x hidden float32, and per block of B rows at most
+    five arrays of B x vocab of 8 bytes or less (the reference's log-probabilities and
+    probabilities in float64, one spec's float32 logits, its float64 log-probabilities and one
+    temporary). With the default B (:func:`metric_block_rows`: B x vocab x 8 bytes <=
+    :data:`METRIC_BLOCK_BYTES` = 64 MiB) that is under 320 MiB, whatever the chunk's length.
+
+    Parameters
+    ----------
+    model : a kvquant model (``new_cache``, ``forward_hidden``, ``logits``, ``vocab_size``)
+    pair_specs : list of str
+    ids : ndarray of int, shape (n + 1,)
+    block_rows : int, optional
+        Rows per block (default :func:`metric_block_rows` of the vocabulary).
+
+    Returns
+    -------
+    dict
+        ``{"n", "nll_f32", "reference_s", "specs": {spec: {"same" (count), "same_at" (bool per
+        position), "kld" (float64 per position), "nll" (sum), "seconds"}}}``; position i
+        predicts ids[i + 1] from ids[:i + 1].
     """
+    ids = np.asarray(ids)
     inputs, targets = ids[:-1], ids[1:]
-    ref = model.forward(inputs, model.new_cache("f32"))
-    ref_top = ref.argmax(axis=1)
-    # The f32 distributions, once per chunk (float64, in row blocks).
-    blocks = [slice(i, i + KLD_BLOCK) for i in range(0, inputs.size, KLD_BLOCK)]
-    ref_lp = [log_softmax64(ref[b]) for b in blocks]
-    ref_p = [np.exp(lp) for lp in ref_lp]
-    rows = np.arange(inputs.size)
-    out = {"n": int(inputs.size), "specs": {},
-           "nll_f32": float(-sum(lp[rows[b] - b.start, targets[b]].sum()
-                                 for b, lp in zip(blocks, ref_lp)))}
+    n = int(inputs.size)
+    B = metric_block_rows(model.vocab_size) if block_rows is None else int(block_rows)
+    if B < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    t0 = time.perf_counter()
+    hidden = {"f32": model.forward_hidden(inputs, model.new_cache("f32"))}
+    reference_s = time.perf_counter() - t0
+    specs = {}
     for spec in pair_specs:
         t0 = time.perf_counter()
-        logits = ref if spec == "f32" else model.forward(inputs, model.new_cache(spec))
-        kld = np.empty(inputs.size)
-        nll = 0.0
-        for b, lp_ref, p_ref in zip(blocks, ref_lp, ref_p):
-            lp = lp_ref if spec == "f32" else log_softmax64(logits[b])
-            kld[b] = np.maximum((p_ref * (lp_ref - lp)).sum(axis=1), 0.0)
-            nll -= lp[rows[b] - b.start, targets[b]].sum()
-        out["specs"][spec] = {
-            "same": int((logits.argmax(axis=1) == ref_top).sum()),
-            "kld": kld,
-            "nll": float(nll),
-            "seconds": time.perf_counter() - t0,
-        }
-    return out
+        if spec != "f32":
+            hidden[spec] = model.forward_hidden(inputs, model.new_cache(spec))
+        specs[spec] = {"same": 0, "same_at": np.empty(n, dtype=bool), "kld": np.empty(n),
+                       "nll": 0.0, "seconds": time.perf_counter() - t0}
+    nll_f32 = 0.0
+    for b0 in range(0, n, B):
+        b = slice(b0, min(b0 + B, n))
+        rows, tgt = np.arange(b.stop - b.start), targets[b]
+        ref = model.logits(hidden["f32"][b])
+        ref_top = ref.argmax(axis=1)
+        lp_ref = log_softmax64(ref)
+        del ref
+        p_ref = np.exp(lp_ref)
+        nll_ref = -lp_ref[rows, tgt].sum()
+        nll_f32 += nll_ref
+        for spec, st in specs.items():
+            t0 = time.perf_counter()
+            if spec == "f32":   # the reference itself: KL 0, same top everywhere
+                st["same_at"][b] = True
+                st["kld"][b] = 0.0
+                st["nll"] += nll_ref
+            else:
+                logits = model.logits(hidden[spec][b])
+                st["same_at"][b] = logits.argmax(axis=1) == ref_top
+                lp = log_softmax64(logits)
+                del logits
+                st["nll"] -= lp[rows, tgt].sum()
+                np.subtract(lp_ref, lp, out=lp)
+                lp *= p_ref
+                st["kld"][b] = np.maximum(lp.sum(axis=1), 0.0)
+                del lp
+            st["seconds"] += time.perf_counter() - t0
+    for st in specs.values():
+        st["same"] = int(st["same_at"].sum())
+        st["nll"] = float(st["nll"])
+    return {"n": n, "nll_f32": float(nll_f32), "reference_s": reference_s, "specs": specs}
 
 
-def combine_chunks(pair_specs, stats):
+def position_bins(max_positions, n_bins=POSITION_BINS):
+    """Edges of the position bins of :func:`combine_chunks`: bins of ``ceil(max_positions /
+    n_bins)`` positions from 0 (the last one may be shorter), as ints."""
+    max_positions = int(max_positions)
+    width = max(1, math.ceil(max_positions / max(1, int(n_bins))))
+    return list(range(0, max_positions, width)) + [max_positions]
+
+
+def combine_chunks(pair_specs, stats, n_bins=POSITION_BINS):
     """Rows of same-top-p, KL divergence and perplexity ratio from :func:`chunk_stats` results.
 
     Returns
     -------
     list of dict, one per spec: ``same_top`` (proportion), ``kld_mean``, ``kld_p99``,
-    ``kld_max``, ``ppl``, ``ppl_f32``, ``ppl_ratio``, ``mean_ln_ppl_ratio``, ``text_s``.
+    ``kld_max``, ``ppl``, ``ppl_f32``, ``ppl_ratio``, ``mean_ln_ppl_ratio``, ``text_s``, and
+    ``by_position``: the positions in a chunk cut into equal bins (:func:`position_bins`),
+    with ``edges`` (bin i holds positions edges[i] <= p < edges[i + 1], position p predicting
+    the token after p + 1 of context), ``n``, ``kld_mean`` and ``same_top`` (fraction) per bin.
     """
     n_pos = sum(st["n"] for st in stats)
     nll_ref = sum(st["nll_f32"] for st in stats)
     ppl_ref = math.exp(nll_ref / n_pos)
+    edges = position_bins(max(st["n"] for st in stats), n_bins)
+    pos = np.concatenate([np.arange(st["n"]) for st in stats])
+    which = np.searchsorted(edges, pos, side="right") - 1
+    counts = np.bincount(which, minlength=len(edges) - 1)
     rows = []
     for spec in pair_specs:
         per = [st["specs"][spec] for st in stats]
         kld = np.concatenate([p["kld"] for p in per])
+        same_at = np.concatenate([p["same_at"] for p in per])
         nll = sum(p["nll"] for p in per)
+        with np.errstate(invalid="ignore"):
+            bin_kld = np.bincount(which, weights=kld, minlength=counts.size) / counts
+            bin_same = np.bincount(which, weights=same_at, minlength=counts.size) / counts
         rows.append({
             "codec": spec,
             "same_top": proportion(sum(p["same"] for p in per), n_pos),
@@ -307,334 +359,37 @@ def combine_chunks(pair_specs, stats):
             "ppl_ratio": math.exp((nll - nll_ref) / n_pos),
             "mean_ln_ppl_ratio": (nll - nll_ref) / n_pos,
             "text_s": float(sum(p["seconds"] for p in per)),
+            "by_position": {"edges": edges, "n": counts.tolist(),
+                            "kld_mean": bin_kld.tolist(), "same_top": bin_same.tolist()},
         })
     return rows
 
 
-def text_metrics(model, pair_specs, chunks, progress=None):
+def text_metrics(model, pair_specs, chunks, progress=None, block_rows=None):
     """Same-top-p, KL divergence and perplexity ratio of each spec against the f32 cache, over
-    ``chunks`` (a list of (start, ids)) in this process; see :func:`combine_chunks`."""
+    ``chunks`` (a list of (start, ids), :func:`text_chunks`) in this process; see
+    :func:`combine_chunks`.
+
+    Examples
+    --------
+    >>> chunks = text_chunks(model.encode(text), 2048, 512)
+    >>> rows = text_metrics(model, ["f32", "tq4"], chunks)
+    """
     stats = []
     for ci, (_, ids) in enumerate(chunks):
-        stats.append(chunk_stats(model, pair_specs, ids))
+        stats.append(chunk_stats(model, pair_specs, ids, block_rows=block_rows))
         if progress:
             progress(f"text chunk {ci + 1}/{len(chunks)} ({ids.size - 1} positions) done")
     return combine_chunks(pair_specs, stats)
 
 
-# --------------------------------------------------------------------------------------------
-# Worker processes: each loads the model once and runs whole chunks or groups of codecs with one
-# BLAS thread (two processes on two cores beat one process with two BLAS threads, whose small
-# products and thread hand-offs lose more than they gain).
-# --------------------------------------------------------------------------------------------
-_WORKER = {}
-
-
-def worker_setup(parent_pid):
-    """What a pool worker running a model does first: leave when its parent is gone (a worker
-    outlives a parent killed by a signal) and hold BLAS to one thread (the pool is the
-    parallelism)."""
-    import threading
-    from threadpoolctl import threadpool_limits
-
-    def watch_parent():
-        while True:
-            time.sleep(2.0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
-    _WORKER["blas"] = threadpool_limits(limits=1, user_api="blas")
-
-
-def _init_worker(model_name, parent_pid):
-    from kvquant.models import load_model
-    worker_setup(parent_pid)
-    _WORKER["model"] = load_model(model_name)
-
-
-def _worker_task(task):
-    kind, index, args = task
-    if kind == "protocol":
-        return kind, index, flip_protocol(_WORKER["model"], *args)
-    return kind, index, chunk_stats(_WORKER["model"], *args)
-
-
-def _run_pool(model_name, workers, codecs, prompts, chunks, progress):
-    """The protocol (codecs split in ``workers`` groups) and the text chunks in worker
-    processes; returns (protocol result, chunk stats in chunk order)."""
-    import multiprocessing
-
-    groups = [g for g in (codecs[i::workers] for i in range(workers)) if g]
-    tasks = [("protocol", i, (g, prompts, NEW_TOKENS)) for i, g in enumerate(groups)]
-    tasks += [("chunk", i, (codecs, ids)) for i, (_, ids) in enumerate(chunks)]
-    proto = [None] * len(groups)
-    stats = [None] * len(chunks)
-    ctx = multiprocessing.get_context("spawn")
-    # Leaving the block (normally or on an exception, Ctrl-C included) terminates the workers.
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(model_name, os.getpid())) as pool:
-        for kind, index, result in pool.imap_unordered(_worker_task, tasks):
-            if kind == "protocol":
-                proto[index] = result
-                if progress:
-                    progress("protocol: " + ", ".join(
-                        f"{r['codec']} TF {r['tf']['k']}/{r['tf']['n']} greedy "
-                        f"{r['greedy']['k']}/{r['greedy']['n']}" for r in result["rows"]))
-            else:
-                stats[index] = result
-                if progress:
-                    progress(f"text chunk {index + 1}/{len(chunks)} done")
-    by_spec = {r["codec"]: r for part in proto for r in part["rows"]}
-    return {"references": proto[0]["references"], "rows": [by_spec[c] for c in codecs]}, stats
-
-
-# --------------------------------------------------------------------------------------------
-# The whole table
-# --------------------------------------------------------------------------------------------
 def protocol_prompts(model_name, tokens=None, n_prompts=1):
-    """The engine's prompt on the tiny model; windows of the text on the real one."""
+    """The engine's prompt on the tiny model; ``n_prompts`` windows of ``PROMPT_TOKENS`` tokens
+    of the text on a real one, half a stride away from the text chunks' starts."""
     if model_name == "tiny-mla":
         from kvquant.models.tiny_mla import ORACLE_PROMPT
         if n_prompts != 1:
             raise ValueError("the tiny model's protocol has one prompt (the engine's)")
         return [list(ORACLE_PROMPT)]
-    # Half a stride away from the text chunks' starts, so prompts are not chunk openings.
     stride = tokens.size // n_prompts
     return [tokens[i * stride + stride // 2:][:PROMPT_TOKENS].tolist() for i in range(n_prompts)]
-
-
-def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUNK_TOKENS,
-              n_prompts=None, workers=None, model=None, progress=None, text="pydoc"):
-    """Build the flip table of ``model_name`` ("tiny-mla" or "smollm2").
-
-    Parameters
-    ----------
-    codecs : list of str, optional
-        Pair specs; default :data:`DEFAULT_CODECS` of the model. ``f32`` is always included.
-    positions : int, optional
-        Real-text positions (smollm2 only); default :data:`DEFAULT_POSITIONS`; 0 skips them.
-    chunk_tokens : int
-        Tokens per text chunk (one prefill each).
-    n_prompts : int, optional
-        Prompts of the engine's protocol (1 on the tiny model; default 8 on smollm2).
-    workers : int, optional
-        Worker processes for smollm2 (each loads the model, ~1 GB, and uses one BLAS thread);
-        1 runs everything in this process. Default: 1 when ``model`` is given, else the number
-        of cores, at most 2.
-    model : optional
-        An already built model (saves the load; the workers, if any, load their own).
-    text : {"pydoc", "code"}
-        The real text (smollm2): reference prose of ``pydoc_data.topics`` or Python source of
-        standard-library modules (:data:`TEXTS`).
-
-    Returns
-    -------
-    dict: ``meta`` (model, protocol, versions, elapsed) and ``rows`` (one per spec).
-    """
-    from kvquant.models import load_model
-    t_start = time.perf_counter()
-    codecs = list(codecs or DEFAULT_CODECS[model_name])
-    if "f32" not in codecs:
-        codecs.insert(0, "f32")
-    if len(set(codecs)) != len(codecs):
-        raise ValueError(f"a codec is listed twice in {codecs}")
-    if workers is None and model is not None:
-        workers = 1
-    model = model if model is not None else load_model(model_name)
-    # Fail on a bad spec before any long run.
-    for spec in codecs:
-        model.new_cache(spec)
-    n_prompts = DEFAULT_PROMPTS[model_name] if n_prompts is None else int(n_prompts)
-    if model_name == "tiny-mla":
-        if positions:
-            raise ValueError("--positions applies to the real model; the tiny model runs the "
-                             "engine's protocol only (its weights are random: no text)")
-        positions, tokens, workers = 0, None, 1
-    else:
-        positions = DEFAULT_POSITIONS if positions is None else int(positions)
-        tokens, source = text_tokens(model, text)
-        workers = min(2, os.cpu_count() or 1) if workers is None else int(workers)
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    prompts = protocol_prompts(model_name, tokens, n_prompts)
-    chunks = text_chunks(tokens, positions, chunk_tokens) if positions else []
-    if workers == 1:
-        proto = flip_protocol(model, codecs, prompts, NEW_TOKENS, progress=progress)
-        stats = []
-        for ci, (_, ids) in enumerate(chunks):
-            stats.append(chunk_stats(model, codecs, ids))
-            if progress:
-                progress(f"text chunk {ci + 1}/{len(chunks)} done")
-    else:
-        proto, stats = _run_pool(model_name, workers, codecs, prompts, chunks, progress)
-    rows = proto["rows"]
-    meta = {
-        "model": model.describe(),
-        "protocol": {
-            "prompts": len(prompts),
-            "prompt_tokens": len(prompts[0]),
-            "new_tokens": NEW_TOKENS,
-            "references": proto["references"],
-        },
-    }
-    if positions:
-        meta["text"] = {"name": text, "source": source, "text_tokens": int(tokens.size),
-                        "positions": positions, "chunk_tokens": chunk_tokens,
-                        "chunk_starts": [int(s) for s, _ in chunks]}
-        for row, text_row in zip(rows, combine_chunks(codecs, stats)):
-            assert row["codec"] == text_row["codec"]
-            row.update({k: v for k, v in text_row.items() if k != "codec"})
-    import kvquant
-    meta["kvquant"] = kvquant.__version__
-    meta["numpy"] = np.__version__
-    meta["workers"] = workers
-    meta["elapsed_s"] = time.perf_counter() - t_start
-    f32_bytes = next(r["bytes_per_token"] for r in rows if r["codec"] == "f32")
-    for r in rows:
-        r["compression"] = f32_bytes / r["bytes_per_token"]
-    return {"meta": meta, "rows": rows}
-
-
-# --------------------------------------------------------------------------------------------
-# Output
-# --------------------------------------------------------------------------------------------
-def _frac(p):
-    return f"{p['k']}/{p['n']} [{100 * p['lo']:.0f}, {100 * p['hi']:.0f}]"
-
-
-def _pct(p):
-    return f"{100 * p['p']:.2f} [{100 * p['lo']:.2f}, {100 * p['hi']:.2f}]"
-
-
-def _streams(row):
-    (na, a), (nb, b) = row["streams"].items()
-    return a if a == b else f"{na.upper()} {a} / {nb.upper()} {b}"
-
-
-def format_markdown(result):
-    """The table as markdown (Wilson 95% intervals in brackets, in percent)."""
-    meta, rows = result["meta"], result["rows"]
-    has_text = "text" in meta
-    lines = []
-    proto = meta["protocol"]
-    head = (f"Model {meta['model']['model']}; engine protocol: {proto['prompts']} prompt(s) of "
-            f"{proto['prompt_tokens']} tokens + {proto['new_tokens']} greedy tokens")
-    if has_text:
-        t = meta["text"]
-        head += (f"; real text: {t['positions']} positions of {t['source']} in chunks of "
-                 f"{t['chunk_tokens']} tokens")
-    lines.append(head + f". Attention: {meta['model']['attention']}.")
-    lines.append("")
-    cols = ["codec", "B/token", "ratio", "TF agree", "greedy agree", "TF KLD"]
-    if has_text:
-        cols += ["same top % [95% CI]", "mean KLD", "p99 KLD", "PPL ratio"]
-    lines.append("| " + " | ".join(cols) + " |")
-    lines.append("|" + "---|" * len(cols))
-    for r in rows:
-        cells = [_streams(r), str(r["bytes_per_token"]), f"{r['compression']:.2f}",
-                 _frac(r["tf"]), _frac(r["greedy"]), f"{r['tf_kld_mean']:.2e}"]
-        if has_text:
-            cells += [_pct(r["same_top"]), f"{r['kld_mean']:.2e}", f"{r['kld_p99']:.2e}",
-                      f"{r['ppl_ratio']:.4f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    if has_text:
-        lines.append("")
-        lines.append(f"PPL(f32) = {rows[0]['ppl_f32']:.3f}.")
-    return "\n".join(lines)
-
-
-def result_stem(result):
-    meta = result["meta"]
-    name = "tiny-mla" if meta["model"]["model"] == "tiny-mla" else "smollm2"
-    stem = f"flips-{name}-p{meta['protocol']['prompts']}"
-    if "text" in meta:
-        name = meta["text"].get("name", "pydoc")
-        stem += ("" if name == "pydoc" else f"-{name}") + \
-            f"-N{meta['text']['positions']}-c{meta['text']['chunk_tokens']}"
-    return stem
-
-
-CSV_COLUMNS = ["codec", "streams", "bytes_per_token", "compression", "tf_k", "tf_n",
-               "tf_lo", "tf_hi", "greedy_k", "greedy_n", "greedy_lo", "greedy_hi", "tf_kld_mean",
-               "same_top_k", "same_top_n", "same_top_lo", "same_top_hi", "kld_mean", "kld_p99",
-               "kld_max", "ppl", "ppl_f32", "ppl_ratio"]
-
-
-def write_results(result, out_dir):
-    """Write ``<stem>.json`` and ``<stem>.csv`` in ``out_dir``; returns the two paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, result_stem(result))
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in result["rows"]:
-            flat = dict(r)
-            flat["streams"] = " ".join(f"{k}={v}" for k, v in r["streams"].items())
-            for key in ("tf", "greedy", "same_top"):
-                if key in r:
-                    for part in ("k", "n", "lo", "hi"):
-                        flat[f"{key}_{part}"] = r[key][part]
-            w.writerow(flat)
-    return stem + ".json", stem + ".csv"
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-def cmd_flips(args):
-    import sys
-    from kvquant.codecs import split_spec_list
-    codecs = split_spec_list(args.codecs) if args.codecs else None
-
-    def progress(msg):
-        if not args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-    try:
-        result = run_flips(args.model, codecs=codecs, positions=args.positions,
-                           chunk_tokens=args.chunk_tokens, n_prompts=args.prompts,
-                           workers=args.workers, progress=progress, text=args.text)
-    except (ValueError, ImportError) as exc:
-        raise SystemExit(f"kvquant flips: {exc}")
-    paths = () if args.no_write else write_results(result, args.out)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(format_markdown(result))
-        for p in paths:
-            print(f"wrote {p}")
-    return 0
-
-
-def add_cli(sub):
-    """Register ``kvquant flips``."""
-    p = sub.add_parser(
-        "flips", help="token-flip table of KV codecs on the tiny MLA model or SmolLM2",
-        description="Teacher-forced and greedy agreement with the f32 cache (the engine's "
-                    "protocol), and on the real model same-top-p, KL divergence and perplexity "
-                    "ratio over pydoc_data.topics; Wilson 95%% intervals.")
-    p.add_argument("--model", choices=("tiny-mla", "smollm2"), default="tiny-mla")
-    p.add_argument("--codecs", default=None,
-                   help="comma-separated specs (options may follow, as in "
-                        "tq3:codebook=gaussian,side=unbiased); 'A/B' gives K/V (or L/R) "
-                        "different codecs; default: the model's list")
-    p.add_argument("--positions", type=int, default=None,
-                   help=f"real-text positions on smollm2 (default {DEFAULT_POSITIONS}; 0: none)")
-    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
-                   help="tokens per text chunk (one prefill each)")
-    p.add_argument("--text", choices=sorted(TEXTS), default="pydoc",
-                   help="real text on smollm2: pydoc_data.topics prose or stdlib Python source")
-    p.add_argument("--prompts", type=int, default=None,
-                   help="prompts of the engine's protocol (smollm2; default 8)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="worker processes on smollm2 (default: cores, at most 2; 1: none)")
-    p.add_argument("--out", default=os.path.join("data", "results"),
-                   help="folder for the CSV/JSON results")
-    p.add_argument("--no-write", action="store_true", help="write no files")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.set_defaults(func=cmd_flips)
-    return p

@@ -62,3 +62,16 @@ def test_distortion_unreadable_data(tmp_path):
     bad.write_text("not numpy")
     res = run("distortion", "--data", str(bad))
     assert res.returncode != 0 and "cannot read" in res.stderr
+
+
+def test_codebooks_fit_writes_under_the_working_directory(tmp_path):
+    import kvquant.codebooks as cb
+    before = sorted(p.name for p in cb.DEFAULT_DATA_DIR.iterdir())
+    res = subprocess.run([sys.executable, "-m", "kvquant.cli", "codebooks", "fit", "--dist",
+                          "gaussian", "--bits", "2"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    written = tmp_path / "codebooks" / "gaussian-b2.json"
+    stored = cb.DEFAULT_DATA_DIR / "gaussian-b2.json"
+    assert json.loads(written.read_text())["levels"] == json.loads(stored.read_text())["levels"]
+    assert sorted(p.name for p in cb.DEFAULT_DATA_DIR.iterdir()) == before

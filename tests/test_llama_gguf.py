@@ -13,7 +13,12 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the model extra (gguf) is not installed")
 pytest.importorskip("tokenizers", reason="the model extra (tokenizers) is not installed")
 
+from _experiments_env import ensure_importable  # noqa: E402
+
+ensure_importable()
+
 from kvquant import flips  # noqa: E402
+from kvquant_experiments import flip_runs, texts  # noqa: E402
 from kvquant.models.llama_gguf import (LlamaGGUF, load_smollm2, rope_adjacent,  # noqa: E402
                                        smollm2_path)
 
@@ -391,7 +396,7 @@ def test_smollm2_matches_transformers(smollm2, oracle):
     # Fixture: tools/compare_transformers_gguf.py (transformers' own GGUF loading, float32).
     assert oracle["gguf_bytes"] == os.path.getsize(smollm2_path())
     assert oracle["tokenizer"]["identical_with_digit_split"]
-    pydoc_ids = smollm2.encode(flips.pydoc_text()[20000:40000])[:256].tolist()
+    pydoc_ids = smollm2.encode(texts.pydoc_text()[20000:40000])[:256].tolist()
     assert pydoc_ids == oracle["texts"]["pydoc"]["ids"]
     for label, t in oracle["texts"].items():
         logits = smollm2.forward(t["ids"], smollm2.new_cache("f32"))
@@ -406,7 +411,7 @@ def test_smollm2_matches_transformers(smollm2, oracle):
 @pytest.mark.slow
 @needs_smollm2
 def test_smollm2_flip_table_small(smollm2):
-    result = flips.run_flips("smollm2", codecs=["f32", "q8_0", "q4_0"], positions=256,
+    result = flip_runs.run_flips("smollm2", codecs=["f32", "q8_0", "q4_0"], positions=256,
                              chunk_tokens=128, n_prompts=2, workers=1, model=smollm2)
     rows = {r["codec"]: r for r in result["rows"]}
     assert rows["f32"]["same_top"]["k"] == 256 and rows["f32"]["kld_mean"] == 0
@@ -414,4 +419,4 @@ def test_smollm2_flip_table_small(smollm2):
     assert rows["q8_0"]["same_top"]["p"] > 0.95
     assert abs(rows["q8_0"]["ppl_ratio"] - 1) < 0.01
     assert rows["q4_0"]["kld_mean"] > rows["q8_0"]["kld_mean"] > 0
-    assert "same top" in flips.format_markdown(result)
+    assert "same top" in flip_runs.format_markdown(result)

@@ -395,7 +395,7 @@ def test_run_probes_on_smollm2(tmp_path):
     assert rows["tq4 recent=16"]["kld_mean"] < 1e-9 < rows["tq4"]["kld_mean"]
     assert rows["tq4 recent=16"]["bits_per_value"] == 32.0
     paths = probes.write_probes(result, tmp_path)
-    stem = "probes-smollm2-N16-c16-fp8-reference-window"
+    stem = "probes-smollm2-pydoc-N16-c16-fp8-reference-window"
     assert [p.rsplit("/", 1)[1] for p in paths] == [stem + ".json", stem + ".csv", stem + ".md"]
 
 
@@ -405,7 +405,7 @@ def test_result_names_carry_the_text_and_a_subset_of_ideas():
         "probes-smollm2-code-N2048-c512"
     meta["text"]["name"] = "pydoc"
     assert probes.result_stem({"meta": dict(meta, ideas=["window", "reference"])}) == \
-        "probes-smollm2-N2048-c512-reference-window"
+        "probes-smollm2-pydoc-N2048-c512-reference-window"
 
 
 @pytest.mark.parametrize("W", [1, 5])

@@ -7,7 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from kvquant import flips
+from _experiments_env import ensure_importable
+
+ensure_importable()
+
+from kvquant import flips  # noqa: E402
+from kvquant_experiments import flip_runs, texts  # noqa: E402
 from kvquant.cache import QuantizedKVCache
 from kvquant.codecs.base import Codec
 from kvquant.metrics import wilson_interval
@@ -179,7 +184,7 @@ def test_other_seed_other_weights():
 
 # -- the flip protocol and the command -----------------------------------------------------------
 def test_flip_protocol_table(model, oracle):
-    result = flips.run_flips("tiny-mla", codecs=["f32", "kv8", "tq2", "tq4/f32"], model=model)
+    result = flip_runs.run_flips("tiny-mla", codecs=["f32", "kv8", "tq2", "tq4/f32"], model=model)
     rows = {r["codec"]: r for r in result["rows"]}
     ref = result["meta"]["protocol"]["references"][0]
     assert ref["full_ids"] == oracle["full_ids"] and ref["tf_pred"] == oracle["tf_pred"]
@@ -192,7 +197,7 @@ def test_flip_protocol_table(model, oracle):
     assert rows["kv8"]["bytes_per_token"] == 5 * (32 + 4 + 8 + 4)
     lo, hi = wilson_interval(rows["kv8"]["tf"]["k"], 32)
     assert (rows["kv8"]["tf"]["lo"], rows["kv8"]["tf"]["hi"]) == (lo, hi)
-    text = flips.format_markdown(result)
+    text = flip_runs.format_markdown(result)
     assert "| L tq4 / R f32 |" in text and "32/32 [89, 100]" in text
 
 
@@ -243,14 +248,14 @@ def test_text_chunks_cover_the_positions():
 
 
 def test_pydoc_text_is_there():
-    text = flips.pydoc_text()
+    text = texts.pydoc_text()
     assert len(text) > 400_000 and "assert" in text
 
 
 def test_chunk_stats_agree_with_the_plain_formulas(model, monkeypatch):
-    monkeypatch.setattr(flips, "KLD_BLOCK", 16)   # several row blocks, the last one partial
     ids = np.random.default_rng(4).integers(0, 256, 41)
-    st = flips.chunk_stats(model, ["f32", "tq3"], ids)
+    # several row blocks, the last one partial
+    st = flips.chunk_stats(model, ["f32", "tq3"], ids, block_rows=16)
     ref = model.forward(ids[:-1], model.new_cache("f32"))
     q = model.forward(ids[:-1], model.new_cache("tq3"))
     assert st["n"] == 40

@@ -206,6 +206,32 @@ class LlamaGGUF:
     def new_cache(self, pair_spec="f32"):
         return new_llama_cache(self.config, pair_spec)
 
+    context_length = property(lambda self: self.config.context_length)
+    n_layers = property(lambda self: self.config.n_layers)
+    n_kv_heads = property(lambda self: self.config.n_kv_heads)
+    head_dim = property(lambda self: self.config.head_dim)
+
+    def forward_hidden(self, tokens, cache):
+        """As :meth:`forward` (prefill), but returns the final hidden rows after the output norm,
+        float32 (n_tokens, hidden_size); :meth:`logits` turns rows of them into logits."""
+        tokens = self._check_tokens(tokens)
+        pos = len(cache) + np.arange(tokens.size)
+
+        def attend(li, q, k, v):
+            cache.append(li, n_threads=CACHE_THREADS, k=k, v=v)
+            if tokens.size == 1:
+                return cache.attend(li, q[0], scale=self._scale, n_threads=CACHE_THREADS)[None]
+            if self.prefill == "block":
+                return cache.attend_prefill(li, q, scale=self._scale, n_threads=CACHE_THREADS)
+            return self._consumer_prefill(cache, li, q, pos)
+
+        x = self._layers(tokens, pos, attend)
+        return rms_norm(x, self.output_norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden_rows):
+        """Logits (m, vocab_size) float32 of rows from :meth:`forward_hidden`."""
+        return hidden_rows @ self.output.T
+
     def forward(self, tokens, cache, last_only=False):
         """Run tokens after those already in ``cache``.
 

@@ -199,8 +199,22 @@ class TinyMLA:
     def new_cache(self, pair_spec="f32"):
         return new_mla_cache(self.config, pair_spec)
 
-    def forward(self, tokens, cache):
+    context_length = 4096   # random weights, no trained context: a nominal bound for chunks
+    n_layers = property(lambda self: self.config.n_layers)
+    n_kv_heads = 1
+    head_dim = property(lambda self: self.config.kv_lora_rank)
+
+    def forward(self, tokens, cache, last_only=False):
         """Run tokens after those already in ``cache``; returns logits (n_tokens, vocab) float32."""
+        x = self.forward_hidden(tokens, cache)
+        return self.logits(x[-1:] if last_only else x)
+
+    def logits(self, hidden_rows):
+        """Logits (m, vocab) float32 of rows from :meth:`forward_hidden`."""
+        return hidden_rows @ self.lm_head_t
+
+    def forward_hidden(self, tokens, cache):
+        """The final hidden rows (n_tokens, hidden_size) after the output norm, float32."""
         cfg = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
@@ -240,8 +254,7 @@ class TinyMLA:
             x = x + ctx @ lw["o_t"]
             h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
             x = x + (silu(h @ lw["gate_t"]) * (h @ lw["up_t"])) @ lw["down_t"]
-        x = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
-        return x @ self.lm_head_t
+        return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
 
     @staticmethod
     def _windowed_prefill(cache, layer, q_abs, q_rope, start, scale):
