@@ -13,13 +13,13 @@ import os
 
 import numpy as np
 
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange
 from libc.math cimport sqrtf
 from libc.stdint cimport uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 
-from kvquant._kernels._common cimport fwht
+from kvquant._kernels._common cimport fwht, kvq_unrotate_row_safe
 
 cdef extern from "simd.h":
     ctypedef struct kvq_params:
@@ -247,13 +247,16 @@ cdef void _rotate_rows(const float[:, ::1] X, const float[::1] signs, float[:, :
 
 cdef void _unrotate_rows_inplace(float[:, ::1] Y, const float[::1] signs,
                                  int n_threads) noexcept nogil:
-    """D (H y) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation."""
-    cdef int64_t r, i, m = Y.shape[0], n = Y.shape[1]
+    """D (H y) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation, safe
+    from the butterflies' overflow (kvq_unrotate_row_safe: the same bits when they do not)."""
+    cdef int64_t r, m = Y.shape[0], n = Y.shape[1]
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
-    for r in prange(m, schedule="static", num_threads=_threads_for(m * n * 8, n_threads)):
-        fwht(&Y[r, 0], n)
-        for i in range(n):
-            Y[r, i] = Y[r, i] * inv_sqrt_n * signs[i]
+    cdef float* copy
+    with parallel(num_threads=_threads_for(m * n * 8, n_threads)):
+        copy = <float*>malloc(n * sizeof(float))
+        for r in prange(m, schedule="static"):
+            kvq_unrotate_row_safe(&Y[r, 0], &signs[0], n, inv_sqrt_n, copy)
+        free(copy)
 
 
 # -- f32 -----------------------------------------------------------------------------------------

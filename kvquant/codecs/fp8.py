@@ -25,6 +25,10 @@ class FP8Codec(Codec):
     """
 
     family = "kv8"
+    inert_rule = ("stores them as the engine does: a NaN element becomes 0 and the rest of its "
+                  "row stays live; a row (kv8-g<N>: a group) holding an inf or an element above "
+                  "3.4e38 is stored as zero bytes with scale 1")
+    limit_rule = "have an element above 3.4e38 (the engine's limit, the float 3.4e38f)"
 
     def __init__(self, dim, group=None, nonfinite="raise"):
         super().__init__(dim, nonfinite)

@@ -18,6 +18,7 @@ llama.cpp's q8_0.
 to three decimals, the norm as radius, nibble order element 2j low / 2j+1 high, f32 side values
 (so not with ``side_dtype="f16"``).
 """
+import math
 import re
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import lloyd as _lloyd
 from kvquant.codebooks import levels_checksum, load_codebook
-from kvquant.codecs.base import SIDE_DTYPES, Codec
+from kvquant.codecs.base import F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 # The engine's 4-bit levels (Gaussian Lloyd-Max, Max 1960, three decimals), positive half.
@@ -114,9 +115,24 @@ class LloydCodec(Codec):
         for arr in (self.levels, self.boundaries):
             arr.flags.writeable = False
         self.rotation = HadamardRotation(self.dim, self.seed)
+        self._set_range(float(np.abs(self.levels).max()))
         self.code_bytes = (self.dim * self.bits + 7) // 8
         self.n_side = 1
         self.spec = self._canonical_spec(codebook)
+
+    def _set_range(self, max_level):
+        """The magnitude contract (module docstring): ``range_rule`` and ``safe_norm``."""
+        decoded = max(max_level, 1.0)
+        if self.compat:
+            self.range_rule = (
+                "the engine's float32 rotation overflows (its partial sums reach sqrt(n) times "
+                "the norm) or the decoded norm passes 3.4e38; the engine would store it as garbage")
+            self.safe_norm = min(FLT_MAX / (math.sqrt(self.dim) * 1.001), ROW_LIMIT / decoded)
+        else:
+            self.range_rule = "its decoded norm (side x rms of its levels) passes 3.4e38"
+            self.safe_norm = None if self.side_kind == "unbiased" else ROW_LIMIT / decoded
+        if self.side_dtype == "f16":
+            self.safe_norm = None if self.safe_norm is None else F16_MAX
 
     def _canonical_spec(self, codebook):
         opts = []

@@ -72,7 +72,7 @@ import numpy as np
 
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import polar as _polar
-from kvquant.codecs.base import SIDE_DTYPES, Codec
+from kvquant.codecs.base import F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 MIN_BITS, MAX_BITS = 2, 6
@@ -370,6 +370,13 @@ class PolarCodec(Codec):
         self.compat = compat
         self.alloc = None if compat else (alloc or "radius")
         self.rotation = HadamardRotation(self.dim, self.seed)
+        if compat:
+            self.range_rule = ("the engine's float32 rotation overflows (its partial sums reach "
+                               "sqrt(n) times the norm); the engine would store it as garbage")
+            self.safe_norm = min(FLT_MAX / (math.sqrt(self.dim) * 1.001), ROW_LIMIT)
+        else:
+            # rotated on a scaled copy: every norm up to the limit (f16 sides: up to 65504)
+            self.safe_norm = F16_MAX if side_dtype == "f16" else ROW_LIMIT
         self.n_levels = n_levels = self.dim.bit_length() - 1
         counts = [0] + [self.dim >> level for level in range(1, n_levels + 1)]
         level_bits = [0, self.bits] + [max(self.bits - 1, 1)] * (n_levels - 1)
