@@ -23,7 +23,7 @@ ALL_CODECS = ("f32", "kv8", "kv8-g32", *(f"tq{b}" for b in range(1, 9)), "tq4:co
 
 
 def cmd_distortion(args):
-    from kvquant import get_codec
+    from kvquant.codecs import WIDTH_RULE, get_codec
     from kvquant.metrics import measure_distortion, measure_stream_distortion
 
     if args.data:
@@ -61,7 +61,7 @@ def cmd_distortion(args):
             results.append(row)
         if skipped:
             print(f"kvquant distortion: width {dim} does not suit {', '.join(skipped)} "
-                  "(power-of-two or multiple-of-32 widths only); skipped", file=sys.stderr)
+                  f"({WIDTH_RULE}); skipped", file=sys.stderr)
     if args.json:
         print(json.dumps({"rows": int(X.shape[0]), "seed": args.seed,
                           "data": args.data or "gaussian", "results": results}, indent=1))

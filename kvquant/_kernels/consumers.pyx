@@ -168,7 +168,20 @@ def set_simd(mode):
     return previous
 
 
-set_simd(os.environ.get("KVQUANT_SIMD", "auto") or "auto")
+def _simd_from_environment():
+    """Apply ``KVQUANT_SIMD`` (unset or empty: auto); a value that is not a path this CPU runs
+    stops the import with a message naming the variable and the values it takes."""
+    mode = os.environ.get("KVQUANT_SIMD", "") or "auto"
+    try:
+        set_simd(mode.strip().lower())
+    except ValueError as exc:
+        raise ImportError(
+            f"environment variable KVQUANT_SIMD={mode!r} is not valid: it takes auto, portable, "
+            f"avx512 or avx512vbmi, and this CPU runs up to {SIMD_NAMES[_cpu_level]!r} ({exc}); "
+            "unset it for the automatic choice") from None
+
+
+_simd_from_environment()
 
 
 # -- drivers -----------------------------------------------------------------------------------

@@ -323,6 +323,17 @@ class Codec:
         np.matmul(W, X, out=out)
 
 
+# Which widths each family takes (kv8 takes any width).
+WIDTH_RULE = ("tq<b>, polar<b> and the +rot codecs need a power-of-two width (>= 2), q8_0/q4_0 "
+              "a multiple of 32, kv8-g<N> a multiple of N; kv8 takes any width")
+
+
+def codecs_for_width(dim):
+    """The codecs to suggest for a width the rotated codecs refuse: kv8, and q8_0/q4_0 when
+    their 32-value blocks divide it."""
+    return "kv8 (or q8_0/q4_0)" if dim % 32 == 0 else "kv8"
+
+
 def _show_rows(rows):
     return ", ".join(str(i) for i in rows[:10]) + (" ..." if rows.size > 10 else "")
 
