@@ -20,6 +20,8 @@ import pytest
 from kvquant import get_codec
 from kvquant.codecs.base import ROW_LIMIT
 
+from _simd import simd_path  # noqa: F401 (fixture)
+
 F32 = np.float32
 FLT_MAX = float(np.finfo(F32).max)
 LIMIT = ROW_LIMIT                                       # 3.4e38f = 3.39999995e38
@@ -259,3 +261,37 @@ def test_unchanged_bits_for_ordinary_rows():
     # numpy's cos/sin may differ from libm's in the last place
     norms = np.linalg.norm(X.astype(np.float64), axis=1, keepdims=True)
     assert np.all(np.abs(D - D_ref) <= 1e-5 * norms)
+
+
+@pytest.mark.parametrize("spec", ["tq4", "tq8", "tq4:compat=colibri", "tq3:side=unbiased",
+                                  "polar4", "polar4:alloc=level", "polar4:compat=colibri",
+                                  "kv8-g32", "q4_0+rot"])
+def test_huge_rows_give_the_same_bits_for_any_threads_and_simd_path(spec, simd_path):
+    """The overflow guards (scaled copies at encode, decode and the context's unrotation) keep
+    results independent of the thread count and of the consumers' instruction set."""
+    from _simd import as_bits, reads_on_every_path
+    rng = np.random.default_rng(7)
+    n, T = 512, 256                           # enough work for two threads
+    codec = get_codec(spec, n, nonfinite="inert")
+    X = rng.standard_normal((T, n))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    X *= 10.0 ** rng.uniform(-30, math.log10(LIMIT), (T, 1))   # norms from 1e-30 to the limit
+    X[::7] = 0
+    X[::7, 3] = LIMIT                         # one-hot rows at the limit: decode needs the guard
+    X = X.astype(F32)
+    enc1, enc2 = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
+    assert np.array_equal(enc1.codes, enc2.codes) and np.array_equal(as_bits(enc1.side),
+                                                                      as_bits(enc2.side))
+    D = codec.decode(enc1, n_threads=1)
+    assert np.array_equal(as_bits(D), as_bits(codec.decode(enc1, n_threads=2)))
+    assert np.all(np.isfinite(D))
+    Q = rng.standard_normal((3, n))
+    Q /= np.abs(Q).sum(axis=1, keepdims=True)
+    W = rng.random((3, T))
+    W /= W.sum(axis=1, keepdims=True)
+    reads = reads_on_every_path(simd_path, codec, enc1, Q, W)
+    s, c = reads["portable"]
+    assert np.all(np.isfinite(s)) and np.all(np.isfinite(c))
+    simd_path("auto")
+    assert np.array_equal(as_bits(codec.context(enc1, W, n_threads=1)),
+                          as_bits(codec.context(enc1, W, n_threads=2)))
