@@ -6,7 +6,12 @@ The engine sizes its pool as (REFERENCE.md §1.6)
 
 where row_bytes sums the rows one token adds to one layer (every stream and KV head, side values
 included) and extra_f32 counts float32 values per token outside the layers (e.g. indexer rows).
-Byte sizes use decimal units (1 GB = 10^9 B) as the reference figures do; ``GiB`` is also accepted.
+A stream spec (``tq4@recent=16``, ``polar4@center,sinks=4``; kvquant.stream_options) adds what
+its stream holds besides the codes, as the cache's streams hold it: the first N rows in float32
+instead of codes (``sinks``), float32 copies of the W last rows (``recent``), one float32 vector
+for ``center`` and one for ``normalize``; ``"kv8/tq4"`` gives one spec per stream (K/V, L/R).
+Byte sizes use decimal units (1 GB = 10^9 B) as the reference figures do; ``GiB`` is also
+accepted. A size given as a string needs its unit.
 """
 import json
 import re

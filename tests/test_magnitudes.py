@@ -295,3 +295,28 @@ def test_huge_rows_give_the_same_bits_for_any_threads_and_simd_path(spec, simd_p
     simd_path("auto")
     assert np.array_equal(as_bits(codec.context(enc1, W, n_threads=1)),
                           as_bits(codec.context(enc1, W, n_threads=2)))
+
+
+@pytest.mark.parametrize("spec", ["tq1:side=unbiased", "tq3:side=unbiased", "tq4", "tq8",
+                                  "tq4:compat=colibri", "polar3", "polar4:compat=colibri"])
+def test_norms_up_to_the_limit(spec):
+    """Norms on a fine grid up to the limit: each row is refused or decodes to its own scale
+    (an unbiased side value can exceed the norm: it must never pass the limit and decode as an
+    inert row)."""
+    rng = np.random.default_rng(11)
+    n = 64
+    codec = get_codec(spec, n)
+    G = rng.standard_normal((200, n))
+    G /= np.linalg.norm(G, axis=1, keepdims=True)
+    norms = np.linspace(0.9, 1.0, 200) * LIMIT
+    X = (G * norms[:, None]).astype(F32)
+    for i in range(X.shape[0]):
+        try:
+            enc = codec.encode(X[i:i + 1])
+        except ValueError:
+            assert codec.safe_norm is None or norms[i] > codec.safe_norm
+            continue
+        d = codec.decode(enc)[0].astype(np.float64)
+        x1 = (X[i].astype(np.float64) * 2.0**-127).astype(F32)
+        expect = codec.decode(codec.encode(x1[None]))[0].astype(np.float64) * 2.0**127
+        assert np.all(np.isfinite(d)) and np.linalg.norm(d - expect) <= 1e-5 * norms[i], i

@@ -99,11 +99,13 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
             else:
                 side[r] = radius
             if not (side[r] <= safe_side):
-                # decoded norm = side * rms(level[c]); refuse the row if it passes ROW_LIMIT
+                # decoded norm = side * rms(level[c]); refuse the row if it or the side value
+                # itself (an unbiased side may exceed the norm) passes ROW_LIMIT
                 lev2 = 0.0
                 for i in range(n):
                     lev2 = lev2 + <double>levels[c[i]] * <double>levels[c[i]]
-                if not (<double>side[r] * sqrt(lev2 / n) <= <double>ROW_LIMIT):
+                if not (side[r] <= ROW_LIMIT
+                        and <double>side[r] * sqrt(lev2 / n) <= <double>ROW_LIMIT):
                     status[r] = ROW_RANGE
                     memset(&codes[r, 0], 0, code_bytes)
                     side[r] = 0.0
