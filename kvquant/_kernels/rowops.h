@@ -145,7 +145,8 @@ static int kvq_unrotate_row_safe(float *y, const float *signs, int64_t n, float 
                                  float *copy)
 {
     int64_t i;
-    const int risky = kvq_max_abs(y, n) > (FLT_MAX / 4.0f) / (float)n;
+    /* (no copy: memory was short; the row is left as the plain arithmetic gives it) */
+    const int risky = copy != NULL && kvq_max_abs(y, n) > (FLT_MAX / 4.0f) / (float)n;
     if (risky)
         memcpy(copy, y, (size_t)n * sizeof(float));
     kvq_fwht(y, n);
