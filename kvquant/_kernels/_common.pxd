@@ -19,6 +19,8 @@ cdef extern from "rowops.h" nogil:
     int kvq_all_finite(const float* y, Py_ssize_t n)
     int kvq_unrotate_row_safe(float* y, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float* copy)
+    void kvq_rotate_row_safe(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
+                             float* out)
     void kvq_rotate_scale_row_prescaled(const float* x, const float* signs, Py_ssize_t n,
                                         float inv_sqrt_n, float to_unit, float pre, float* y)
 

@@ -19,7 +19,7 @@ from libc.stdint cimport uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 
-from kvquant._kernels._common cimport fwht, kvq_unrotate_row_safe
+from kvquant._kernels._common cimport kvq_rotate_row_safe, kvq_unrotate_row_safe
 
 cdef extern from "simd.h":
     ctypedef struct kvq_params:
@@ -247,15 +247,12 @@ cdef inline object _partials(int64_t T, int64_t m, int64_t d):
 
 cdef void _rotate_rows(const float[:, ::1] X, const float[::1] signs, float[:, ::1] out,
                        int n_threads) noexcept nogil:
-    """H (D x) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation."""
-    cdef int64_t r, i, m = X.shape[0], n = X.shape[1]
+    """H (D x) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation (safe
+    from the butterflies' overflow the same way)."""
+    cdef int64_t r, m = X.shape[0], n = X.shape[1]
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
     for r in prange(m, schedule="static", num_threads=_threads_for(m * n * 8, n_threads)):
-        for i in range(n):
-            out[r, i] = X[r, i] * signs[i]
-        fwht(&out[r, 0], n)
-        for i in range(n):
-            out[r, i] = out[r, i] * inv_sqrt_n
+        kvq_rotate_row_safe(&X[r, 0], &signs[0], n, inv_sqrt_n, &out[r, 0])
 
 
 cdef void _unrotate_rows_inplace(float[:, ::1] Y, const float[::1] signs,

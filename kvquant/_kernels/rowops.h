@@ -162,6 +162,28 @@ static int kvq_unrotate_row_safe(float *y, const float *signs, int64_t n, float 
     return 1;
 }
 
+/* out = H (D x) * inv_sqrt_n (the engine's rotation: signs, butterflies, x 1/sqrtf(n)), with the
+ * guard of kvq_unrotate_row_safe: a row whose butterflies overflow is recomputed from x scaled by
+ * 2^-64 and scaled back (the same bits wherever the plain arithmetic is finite). */
+KVQ_CLONES
+static void kvq_rotate_row_safe(const float *x, const float *signs, int64_t n, float inv_sqrt_n,
+                                float *out)
+{
+    int64_t i;
+    for (i = 0; i < n; i++)
+        out[i] = x[i] * signs[i];
+    kvq_fwht(out, n);
+    for (i = 0; i < n; i++)
+        out[i] = out[i] * inv_sqrt_n;
+    if (kvq_all_finite(out, n) || !(kvq_max_abs(x, n) > (FLT_MAX / 4.0f) / (float)n))
+        return;
+    for (i = 0; i < n; i++)
+        out[i] = (x[i] * signs[i]) * KVQ_PRESCALE;
+    kvq_fwht(out, n);
+    for (i = 0; i < n; i++)
+        out[i] = (out[i] * inv_sqrt_n) * KVQ_UNSCALE;
+}
+
 /* Codes of `bits` bits, LSB first through a bit cursor (element i at bits [i*bits, (i+1)*bits));
  * byte-aligned widths get straight-line loops. */
 KVQ_CLONES
