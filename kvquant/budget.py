@@ -236,9 +236,9 @@ def stream_costs(shape, spec):
         b = row_bytes(_codec_spec(codec_spec, stream), stream.dim)
         if b is None:
             return None
+        vectors = int(bool(options.get("center"))) + int(bool(options.get("normalize")))
         costs.append(StreamCost(b, stream.dim, int(options.get("sinks", 0)),
-                                int(options.get("recent", 0)),
-                                int(bool(options.get("center"))) + int(bool(options.get("normalize")))))
+                                int(options.get("recent", 0)), vectors))
     return costs
 
 
