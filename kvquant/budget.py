@@ -6,14 +6,22 @@ The engine sizes its pool as (REFERENCE.md §1.6)
 
 where row_bytes sums the rows one token adds to one layer (every stream and KV head, side values
 included) and extra_f32 counts float32 values per token outside the layers (e.g. indexer rows).
-Byte sizes use decimal units (1 GB = 10^9 B) as the reference figures do; ``GiB`` is also accepted.
+A stream spec (``tq4@recent=16``, ``polar4@center,sinks=4``; kvquant.stream_options) adds what
+its stream holds besides the codes, as the cache's streams hold it: the first N rows in float32
+instead of codes (``sinks``), float32 copies of the W last rows (``recent``), one float32 vector
+for ``center`` and one for ``normalize``; ``"kv8/tq4"`` gives one spec per stream (K/V, L/R).
+Byte sizes use decimal units (1 GB = 10^9 B) as the reference figures do; ``GiB`` is also
+accepted. A size given as a string needs its unit.
 """
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.codecs import get_codec
+from kvquant.codecs import get_codec, split_spec_list
+# Stream options (the one import of them here: the module may move with the streams).
+from kvquant.stream_options import parse_stream_spec
 
 
 @dataclass(frozen=True)
@@ -71,30 +79,47 @@ DEFAULT_CODECS = ("f32", "kv8", "kv8-g32", "tq8", "tq6", "tq4", "tq3", "tq2",
                   "polar6", "polar5", "polar4", "polar3", "polar2", "q8_0", "q4_0")
 DEFAULT_CONTEXTS = (32768, 131072, 262144)
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text):
-    """``"64GB"`` -> 64e9, ``"64GiB"`` -> 64 * 2^30, ``"1.5e9"`` -> 1.5e9 (returns an int)."""
+def parse_bytes(text, name="a size"):
+    """``"64GB"`` -> 64e9, ``"64GiB"`` -> 64 * 2^30, ``"1.5e9B"`` -> 1.5e9 (returns an int).
+
+    A string needs a unit (B, kB, MB, GB, TB or KiB, MiB, GiB, TiB): ``"64"`` is refused rather
+    than read as 64 bytes; only ``"0"`` may go without one. An int or float is a byte count.
+    ``name`` (e.g. ``"--ram"``) opens the error message.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"{name}: cannot read {text!r} as a size")
     if isinstance(text, (int, float)):
-        value, unit = float(text), ""
+        value, unit = float(text), "b"
     else:
-        m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read {text!r} as a size: use e.g. 64GB, 512MiB or 1e9")
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or (m.group(2) and m.group(2).lower() not in _UNITS):
+            raise ValueError(f"{name}: cannot read {text!r} as a size; use e.g. 64GB, 512MiB or "
+                             "1e9B")
         value, unit = float(m.group(1)), m.group(2).lower()
-    if value < 0:
-        raise ValueError(f"a size must not be negative, got {text!r}")
+        if not unit:
+            if value != 0:
+                raise ValueError(f"{name} {text!r} has no unit: write e.g. {m.group(1)}GB "
+                                 f"(10^9 bytes), {m.group(1)}GiB (2^30 bytes) or "
+                                 f"{m.group(1)}B (bytes)")
+            unit = "b"
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name}: a size must be a finite number >= 0, got {text!r}")
     return int(value * _UNITS[unit])
 
 
 def parse_tokens(text):
-    """``"256k"`` -> 262144, ``"1M"`` -> 1048576, ``"4096"`` -> 4096."""
+    """``"256k"`` -> 262144, ``"1M"`` -> 1048576, ``"4096"`` -> 4096 (at least 1)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
     if not m:
         raise ValueError(f"cannot read {text!r} as a token count: use e.g. 4096, 128k or 1M")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
+    n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
+    if n < 1:
+        raise ValueError(f"a context must be at least 1 token, got {text!r}")
+    return n
 
 
 def format_bytes(n):
@@ -138,34 +163,98 @@ def load_shape(model):
 
 
 def row_bytes(spec, dim):
-    """Stored bytes of one row (side values included), or None when the codec cannot take
-    the width (e.g. a rotated codec on a width that is not a power of two)."""
+    """Stored bytes of one coded row (side values included), or None when the codec cannot take
+    the width (e.g. a rotated codec on a width that is not a power of two) or is unknown."""
     try:
         return get_codec(spec, dim).bytes_per_row
     except ValueError:
         return None
 
 
-def _stream_spec(spec, stream):
+@dataclass(frozen=True)
+class StreamCost:
+    """What one stream of rows of width ``dim`` costs: ``row_bytes`` per coded row, plus the
+    float32 rows and vectors its stream options keep (kvquant.stream_options): the first
+    ``sinks`` rows in float32 instead of codes, float32 copies of the ``recent`` last rows
+    (besides their codes), and ``vectors`` float32 vectors (the offset of ``center``, the scales
+    of ``normalize``)."""
+    row_bytes: int
+    dim: int
+    sinks: int = 0
+    recent: int = 0
+    vectors: int = 0
+
+    def bytes_at(self, n_rows):
+        """Bytes held at ``n_rows`` rows (the formula of the cache's streams)."""
+        exact = min(n_rows, self.sinks)
+        window = min(n_rows - exact, self.recent)
+        vectors = self.vectors if n_rows else 0
+        return (n_rows - exact) * self.row_bytes + 4 * self.dim * (exact + window + vectors)
+
+    @property
+    def fixed_bytes(self):
+        """What the options add to ``n_rows * row_bytes`` once the sinks and window are full."""
+        n = self.sinks + self.recent
+        return self.bytes_at(max(n, 1)) - max(n, 1) * self.row_bytes
+
+
+def _codec_spec(spec, stream):
     base, _, options = spec.partition(":")
     if not stream.grouped_scales and re.fullmatch(r"kv8-g\d+", base):
         return "kv8" + (":" + options if options else "")
     return spec
 
 
-def layer_row_bytes(shape, spec):
-    """Bytes one token adds to one layer (every stream and KV head), or None."""
-    total = 0
-    for s in load_shape(shape).streams:
-        b = row_bytes(_stream_spec(spec, s), s.dim)
+def stream_specs(shape, spec):
+    """The spec of each stream of ``shape``: one spec for every stream, or one per stream
+    separated by ``/`` (``"kv8/tq4"``: K (or L) in kv8, V (or R) in tq4). Each may carry stream
+    options after ``@`` (``"tq4@recent=16"``)."""
+    shape = load_shape(shape)
+    parts = [p.strip() for p in spec.split("/")]
+    if len(parts) == 1:
+        return parts * len(shape.streams)
+    if len(parts) != len(shape.streams) or not all(parts):
+        raise ValueError(
+            f"{spec!r} gives {len(parts)} stream specs separated by '/', but {shape.name} has "
+            f"{len(shape.streams)} streams ({', '.join(s.name for s in shape.streams)}): give "
+            "one spec for all of them or one per stream")
+    return parts
+
+
+def stream_costs(shape, spec):
+    """One StreamCost per stream of ``shape``, or None when a codec cannot take its width.
+
+    Raises
+    ------
+    ValueError
+        Bad stream options (``@...``) or a ``/`` list that does not match the streams.
+    """
+    shape = load_shape(shape)
+    costs = []
+    for stream, part in zip(shape.streams, stream_specs(shape, spec)):
+        codec_spec, options = parse_stream_spec(part)
+        b = row_bytes(_codec_spec(codec_spec, stream), stream.dim)
         if b is None:
             return None
-        total += s.count * b
-    return total
+        vectors = int(bool(options.get("center"))) + int(bool(options.get("normalize")))
+        costs.append(StreamCost(b, stream.dim, int(options.get("sinks", 0)),
+                                int(options.get("recent", 0)), vectors))
+    return costs
+
+
+def layer_row_bytes(shape, spec):
+    """Bytes one token adds to one layer (every stream and KV head) once the sinks and windows
+    are full, or None."""
+    shape = load_shape(shape)
+    costs = stream_costs(shape, spec)
+    if costs is None:
+        return None
+    return sum(s.count * c.row_bytes for s, c in zip(shape.streams, costs))
 
 
 def token_bytes(shape, spec):
-    """Bytes one token adds to the pool of one slot (all cached layers and extra rows)."""
+    """Bytes one token adds to the pool of one slot (all cached layers and extra rows) once the
+    sinks and recent windows are full."""
     shape = load_shape(shape)
     per_layer = layer_row_bytes(shape, spec)
     if per_layer is None:
@@ -173,19 +262,60 @@ def token_bytes(shape, spec):
     return shape.cached_layers * per_layer + 4 * shape.extra_f32_per_token
 
 
+def fixed_bytes(shape, spec):
+    """Bytes of one slot's pool that do not grow with the context, once its sinks and windows
+    are full: float32 sinks in place of their codes, window copies, offsets and scales (0 for a
+    plain codec)."""
+    shape = load_shape(shape)
+    costs = stream_costs(shape, spec)
+    if costs is None:
+        return None
+    return shape.cached_layers * sum(s.count * c.fixed_bytes for s, c in zip(shape.streams, costs))
+
+
 def pool_bytes(shape, spec, context, slots=1):
-    """slots x [(n_layers + extra_layers) x context x row_bytes + context x extra f32 rows]."""
-    per_token = token_bytes(shape, spec)
-    return None if per_token is None else int(slots) * int(context) * per_token
+    """slots x [(n_layers + extra_layers) x (the streams' bytes at ``context`` rows) + context x
+    extra f32 rows]; a plain codec's stream holds context x row_bytes."""
+    shape = load_shape(shape)
+    costs = stream_costs(shape, spec)
+    if costs is None:
+        return None
+    context = int(context)
+    per_layer = sum(s.count * c.bytes_at(context) for s, c in zip(shape.streams, costs))
+    return int(slots) * (shape.cached_layers * per_layer + 4 * context * shape.extra_f32_per_token)
+
+
+def room_bytes(ram_bytes, reserve_bytes=0):
+    """RAM left for the pool; a reserve above the RAM is an error."""
+    ram, reserve = parse_bytes(ram_bytes, "--ram"), parse_bytes(reserve_bytes, "--reserve")
+    if reserve > ram:
+        raise ValueError(f"the reserve ({format_bytes(reserve)}) is larger than the RAM "
+                         f"({format_bytes(ram)}): nothing is left for the pool; lower --reserve "
+                         "or raise --ram")
+    return ram - reserve
 
 
 def max_context(shape, spec, ram_bytes, slots=1, reserve_bytes=0):
-    """The longest context whose pool fits in ram_bytes - reserve_bytes (0 if none does)."""
+    """The longest context whose pool fits in ram_bytes - reserve_bytes (0 if not even one token
+    fits; a reserve above the RAM raises ValueError)."""
+    shape = load_shape(shape)
     per_token = token_bytes(shape, spec)
     if per_token is None:
         return None
-    room = parse_bytes(ram_bytes) - parse_bytes(reserve_bytes)
-    return max(0, room // (int(slots) * per_token))
+    room = room_bytes(ram_bytes, reserve_bytes)
+    slots = _check_slots(slots)
+    most_sinks = max(c.sinks for c in stream_costs(shape, spec))
+    lo, hi = 0, room // (slots * per_token) + most_sinks + 1   # pool(hi) > room
+    while hi - lo > 1:   # the pool grows with the context: the last context that fits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if pool_bytes(shape, spec, mid, slots) <= room else (lo, mid)
+    return lo
+
+
+def _check_slots(slots):
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"--slots must be a positive integer, got {slots!r}")
+    return slots
 
 
 def available_codecs(specs, shape):
@@ -195,7 +325,8 @@ def available_codecs(specs, shape):
 
 def budget_table(shape, specs=DEFAULT_CODECS, ram_bytes="64GB", contexts=DEFAULT_CONTEXTS,
                  slots=1, reserve_bytes=0):
-    """One dict per codec: bytes per layer row, per token, pool at each context, longest context."""
+    """One dict per codec: bytes per layer row and per token (once sinks and windows are full),
+    the fixed bytes of stream options per slot, the pool at each context, the longest context."""
     shape = load_shape(shape)
     f32 = token_bytes(shape, "f32")
     rows = []
@@ -205,9 +336,11 @@ def budget_table(shape, specs=DEFAULT_CODECS, ram_bytes="64GB", contexts=DEFAULT
             "codec": spec,
             "layer_row_bytes": layer_row_bytes(shape, spec),
             "token_bytes": per_token,
+            "fixed_bytes": fixed_bytes(shape, spec),
             "compression": f32 / per_token,
             "pool_bytes": {int(c): pool_bytes(shape, spec, c, slots) for c in contexts},
             "max_context": max_context(shape, spec, ram_bytes, slots, reserve_bytes),
+            "first_token_bytes": pool_bytes(shape, spec, 1, slots),
         })
     return rows
 
@@ -217,23 +350,40 @@ def format_table(shape, rows, ram_bytes, slots, reserve_bytes=0):
     contexts = list(rows[0]["pool_bytes"]) if rows else []
     streams = " + ".join(f"{s.count}x{s.name}[{s.dim}]" if s.count > 1 else f"{s.name}[{s.dim}]"
                          for s in shape.streams)
+    ram, reserve = parse_bytes(ram_bytes, "--ram"), parse_bytes(reserve_bytes, "--reserve")
     lines = [f"model {shape.name}: {shape.n_layers} layers"
              + (f" (+{shape.extra_layers} in the pool)" if shape.extra_layers else "")
              + f", per layer and token {streams}"
              + (f", +{shape.extra_f32_per_token} f32 per token" if shape.extra_f32_per_token else ""),
-             f"RAM {format_bytes(parse_bytes(ram_bytes))}"
-             + (f" minus {format_bytes(parse_bytes(reserve_bytes))} reserved"
-                if parse_bytes(reserve_bytes) else "") + f", {slots} slot(s)", ""]
-    header = (f"| {'codec':<10} | {'B/layer-row':>11} | {'B/token':>10} | {'vs f32':>6} | "
+             f"RAM {format_bytes(ram)}"
+             + (f" minus {format_bytes(reserve)} reserved" if reserve else "")
+             + f", {slots} slot(s)", ""]
+    width = max([10] + [len(r["codec"]) for r in rows])
+    fixed = any(r["fixed_bytes"] for r in rows)
+    header = (f"| {'codec':<{width}} | {'B/layer-row':>11} | {'B/token':>10} | "
+              + (f"{'fixed B/slot':>12} | " if fixed else "") + f"{'vs f32':>6} | "
               + " | ".join(f"{'pool @ ' + _tokens(c):>13}" for c in contexts)
               + f" | {'longest context':>15} |")
     lines += [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
+    short = []
     for r in rows:
+        longest = f"{r['max_context']:,}" if r["max_context"] else "none fits"
+        if not r["max_context"]:
+            short.append(f"{r['codec']} needs {format_bytes(r['first_token_bytes'])} for its "
+                         f"first token")
         lines.append(
-            f"| {r['codec']:<10} | {r['layer_row_bytes']:>11} | {r['token_bytes']:>10} | "
-            f"{r['compression']:>5.2f}x | "
+            f"| {r['codec']:<{width}} | {r['layer_row_bytes']:>11} | {r['token_bytes']:>10} | "
+            + (f"{r['fixed_bytes']:>12,} | " if fixed else "") + f"{r['compression']:>5.2f}x | "
             + " | ".join(f"{format_bytes(r['pool_bytes'][c]):>13}" for c in contexts)
-            + f" | {r['max_context']:>15,} |")
+            + f" | {longest:>15} |")
+    if fixed:
+        lines += ["", "B/layer-row and B/token are what each token adds once the sinks and the "
+                      "recent windows are full; fixed B/slot is what the stream options keep "
+                      "besides (float32 sinks in place of their codes, window copies, offsets "
+                      "and scales), counted in the pool and the longest context."]
+    if short:
+        lines += ["", f"Not even one token fits in {format_bytes(ram - reserve)}: "
+                      + "; ".join(short) + "."]
     if shape.note:
         lines += ["", shape.note]
     return "\n".join(lines)
@@ -245,20 +395,36 @@ def _tokens(n):
 
 # -- command line ----------------------------------------------------------------------------
 
+def _fail(message):
+    """One line on stderr, exit status 2 (a usage error), no traceback."""
+    print(f"kvquant budget: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def cmd_budget(args):
     try:
         shape = load_shape(args.model)
         contexts = [parse_tokens(c) for c in args.contexts.split(",") if c.strip()]
-        specs = [s.strip() for s in args.codecs.split(",") if s.strip()] if args.codecs \
-            else list(DEFAULT_CODECS)
-        parse_bytes(args.ram), parse_bytes(args.reserve)
+        if not contexts:
+            raise ValueError(f"--contexts {args.contexts!r} names no context; use e.g. 32k,128k")
+        specs = split_spec_list(args.codecs) if args.codecs else list(DEFAULT_CODECS)
+        if not specs:
+            raise ValueError(f"--codecs {args.codecs!r} names no codec")
+        _check_slots(args.slots)
+        room_bytes(args.ram, args.reserve)
+        missing = []
+        for spec in specs:
+            try:
+                if token_bytes(shape, spec) is None:
+                    missing.append(spec)
+            except ValueError as exc:   # a bad stream option or '/' list: its own message
+                raise ValueError(f"--codecs {spec!r}: {exc}") from None
     except ValueError as exc:
-        raise SystemExit(f"kvquant budget: {exc}")
-    if args.codecs:
-        missing = [s for s in specs if token_bytes(shape, s) is None]
-        if missing:
-            raise SystemExit(f"kvquant budget: codec(s) {missing} unknown or unable to take the "
-                             f"widths of {shape.name}")
+        _fail(exc)
+    if args.codecs and missing:
+        _fail(f"codec(s) {', '.join(missing)} unknown or unable to take the widths of "
+              f"{shape.name} ({', '.join(str(s.dim) for s in shape.streams)}); see "
+              "`kvquant info` and the README's codec section")
     rows = budget_table(shape, specs, args.ram, contexts, args.slots, args.reserve)
     if args.json:
         print(json.dumps({"model": shape.to_json(), "ram_bytes": parse_bytes(args.ram),
@@ -276,13 +442,20 @@ def add_cli(sub):
                    help=f"a preset ({', '.join(sorted(MODELS))}), a JSON file or a JSON string "
                         "with n_layers, streams [{name, dim, count}], extra_layers, "
                         "extra_f32_per_token")
-    p.add_argument("--ram", default="64GB", help="RAM for the pool, e.g. 64GB or 48GiB")
-    p.add_argument("--reserve", default="0", help="RAM kept for other things (weights), e.g. 20GB")
+    p.add_argument("--ram", default="64GB",
+                   help="RAM for the pool, with a unit: e.g. 64GB (10^9 B) or 48GiB (2^30 B)")
+    p.add_argument("--reserve", default="0",
+                   help="RAM kept for other things (weights), with a unit, e.g. 20GB; at most "
+                        "--ram")
     p.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS),
                    help="contexts at which to print the pool size, e.g. 32k,128k,256k")
     p.add_argument("--slots", type=int, default=1, help="concurrent sequences")
     p.add_argument("--codecs", default=None,
-                   help="comma-separated codec specs (default: every available family)")
+                   help="comma-separated specs (default: every available family). A piece that "
+                        "starts with an option (key=value, center, normalize) continues the spec "
+                        "before it: 'tq3:codebook=gaussian,side=unbiased,kv8' is two specs. "
+                        "Stream options after '@' (tq4@recent=16, polar4@center,sinks=4) are "
+                        "counted; 'kv8/tq4' gives one spec per stream (K/V or L/R)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_budget)
     return p

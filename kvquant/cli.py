@@ -50,7 +50,7 @@ def _distortion_data(args):
 
 
 def cmd_distortion(args):
-    from kvquant import get_codec
+    from kvquant.codecs import WIDTH_RULE, get_codec
     from kvquant.metrics import measure_distortion, measure_stream_distortion
 
     if args.data:
@@ -84,7 +84,7 @@ def cmd_distortion(args):
             results.append(row)
         if skipped:
             print(f"kvquant distortion: width {dim} does not suit {', '.join(skipped)} "
-                  "(power-of-two or multiple-of-32 widths only); skipped", file=sys.stderr)
+                  f"({WIDTH_RULE}); skipped", file=sys.stderr)
     if args.json:
         print(json.dumps({"rows": int(X.shape[0]), "seed": args.seed,
                           "data": args.data or "gaussian", "results": results}, indent=1))

@@ -978,6 +978,17 @@ def _run_fit(args, parser):
         dists = [s.strip() for s in args.dist.split(",")] if args.dist else None
         bits_list = _parse_int_list(args.bits, "--bits", allow_ranges=True)
         dims = _parse_int_list(args.dim, "--dim", allow_ranges=False) if args.dim else None
+        # every value is checked before what is missing, so the message names the bad one
+        lo, hi = BITS_RANGE
+        for bits in bits_list:
+            if not lo <= bits <= hi:
+                raise ValueError(f"--bits {bits} is out of range: bit widths are {lo}..{hi}")
+        for dist in dists or ():
+            if dist not in DISTS:
+                raise ValueError(f"--dist {dist!r} is not one of {', '.join(DISTS)}")
+        for dim in dims or ():
+            if dim < 2:
+                raise ValueError(f"--dim {dim} is out of range: dimensions are integers >= 2")
         if args.all:
             if dims is not None:
                 raise ValueError("--all fits the stored dims; do not combine it with --dim")

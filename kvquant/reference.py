@@ -9,6 +9,11 @@ import scipy.linalg
 
 # -- fp8 e4m3fn ------------------------------------------------------------------------------
 
+# The engine's inert threshold: a row whose norm (fp8: a group's amax) is above the float literal
+# 3.4e38f (= 3.39999995e38, a little below FLT_MAX) is stored inert (docs/engine-arithmetic.md §8).
+ROW_LIMIT = np.float32(3.4e38)
+
+
 def e4m3_values():
     """Decode value of each of the 256 codes by the format's definition (NaN codes -> nan)."""
     vals = np.empty(256, dtype=np.float64)
@@ -66,7 +71,7 @@ def fp8_encode_rows(X, group=None):
         # NaN elements never raise amax (they encode to 0x00 later); an inf makes the group inert
         absG = np.abs(G)
         amax = np.where(np.isnan(absG), np.float32(0), absG).max(axis=2)
-        live = (amax > np.float32(1e-35)) & (amax <= np.finfo(np.float32).max)
+        live = (amax > np.float32(1e-35)) & (amax <= ROW_LIMIT)
         scale = np.where(live, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
         inv = np.where(live, np.float32(448.0) / amax, np.float32(0.0)).astype(np.float32)
         scaled = (G * inv[:, :, None]).astype(np.float32)
@@ -142,7 +147,7 @@ def tq_encode_rows(X, levels, bits, seed=0x9E3779B9, unbiased=False):
     levels = np.asarray(levels, dtype=np.float64)
     norm = np.sqrt((X * X).sum(axis=1))
     radius = norm.astype(np.float32)
-    live = np.isfinite(radius) & (radius > np.float32(1e-35))
+    live = (radius > np.float32(1e-35)) & (radius <= ROW_LIMIT)
     safe = np.where(live, norm, 1.0)
     Y = rotate(np.where(live[:, None], X, 0.0), seed) * np.sqrt(n) / safe[:, None]
     dist = np.abs(Y[:, :, None] - levels[None, None, :])
@@ -186,7 +191,7 @@ def engine_tq4_encode_rows(X, levels):
     n_rows, n = X.shape
     lev = np.asarray(levels, dtype=np.float32)
     norm = np.sqrt((X.astype(np.float64) ** 2).sum(axis=1)).astype(np.float32)
-    live = (norm > np.float32(1e-35)) & (norm <= np.finfo(np.float32).max)
+    live = (norm > np.float32(1e-35)) & (norm <= ROW_LIMIT)
     signs = sign_vector(n).astype(np.float32)
     Y = fwht_f32(np.where(live[:, None], X, 0) * signs)
     sqrtf_n = np.sqrt(np.float32(n))
@@ -241,7 +246,7 @@ def kv8_context(codes, scales, W, group=None):
 
 def _tq_steps(side, n):
     r = np.asarray(side, np.float64).reshape(-1)
-    live = (r > 0) & (r <= np.finfo(np.float32).max)
+    live = (r > 0) & (r <= ROW_LIMIT)
     return np.where(live, r, 0.0) / np.sqrt(n)
 
 
@@ -321,7 +326,7 @@ def polar_engine_encode_rows(X, bits, seed=0x9E3779B9):
     X = np.asarray(X, dtype=np.float32)
     n_rows, n = X.shape
     norm = np.sqrt((X.astype(np.float64) ** 2).sum(axis=1)).astype(np.float32)
-    live = (norm > f32(1e-35)) & (norm <= np.finfo(np.float32).max)
+    live = (norm > f32(1e-35)) & (norm <= ROW_LIMIT)
     Y = fwht_f32(np.where(live[:, None], X, 0) * sign_vector(n, seed).astype(np.float32))
     Y = (Y * (f32(1.0) / np.sqrt(f32(n)))).astype(np.float32)
     codes, widths = [], []
@@ -361,7 +366,7 @@ def polar_engine_decode_rows(packed, radius, bits, n, seed=0x9E3779B9):
         else:
             lo, two_w = _engine_polar_grid(level, b)
             thetas.append(lo + ((q + f32(0.5)) * two_w) / f32(2**b))
-    live = (radius > 0) & (radius <= np.finfo(np.float32).max)
+    live = (radius > 0) & (radius <= ROW_LIMIT)
     cur = np.where(live, radius, 0).astype(np.float32)[:, None]
     for theta in reversed(thetas):
         nxt = np.empty((n_rows, 2 * cur.shape[1]), np.float32)
@@ -405,7 +410,7 @@ def polar_lloyd_encode_rows(X, centroids, log2_cos2, log2_sin2, gains, level_tot
     n_levels = n.bit_length() - 1
     norm = np.sqrt((X * X).sum(axis=1))
     radius = norm.astype(np.float32)
-    live = (radius > np.float32(1e-35)) & np.isfinite(radius)
+    live = (radius > np.float32(1e-35)) & (radius <= ROW_LIMIT)
     Y = rotate(np.where(live[:, None], X, 0.0), seed)
     angles = _polar_forward(Y)
     codes, widths = [None] * n_levels, [None] * n_levels
@@ -441,7 +446,7 @@ def polar_lloyd_decode_rows(packed, radius, centroids, log2_cos2, log2_sin2, gai
     n_levels = n.bit_length() - 1
     flat = np.unpackbits(np.asarray(packed, np.uint8), axis=1, bitorder="little")
     starts = np.concatenate([[0], np.cumsum(level_totals[1:n_levels + 1])])
-    live = (radius > 0) & (radius <= np.finfo(np.float32).max)
+    live = (radius > 0) & (radius <= ROW_LIMIT)
     cur = np.where(live, radius, 0.0)[:, None]
     weight = np.zeros((n_rows, 1), np.int64)
     for level in range(n_levels, 0, -1):

@@ -80,9 +80,11 @@ class HadamardRotation:
         return out[0] if one_row else out
 
     def rotate(self, X, n_threads=None):
-        """H (D x) / sqrt(n) for each row of X, shape (n_rows, dim) or (dim,)."""
+        """H (D x) / sqrt(n) for each row of X, shape (n_rows, dim) or (dim,). Float32, safe from
+        the butterflies' overflow (a row whose partial sums would pass FLT_MAX is computed on a
+        copy scaled by 2^-64): finite wherever the exact result is."""
         return self._apply(_rotation_kernels.rotate_rows, X, n_threads)
 
     def unrotate(self, Y, n_threads=None):
-        """D (H y) / sqrt(n), the inverse of rotate."""
+        """D (H y) / sqrt(n), the inverse of rotate (overflow-safe as rotate)."""
         return self._apply(_rotation_kernels.unrotate_rows, Y, n_threads)

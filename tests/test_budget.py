@@ -43,7 +43,9 @@ def test_pool_formula_with_slots_and_extra_rows():
     assert budget.pool_bytes(shape, "kv8", 1000, slots=3) == 3 * 1000 * per_token
     assert budget.max_context(shape, "kv8", 3 * 1000 * per_token, slots=3) == 1000
     assert budget.max_context(shape, "kv8", 3 * 1000 * per_token - 1, slots=3) == 999
-    assert budget.max_context(shape, "kv8", "1GB", reserve_bytes="2GB") == 0
+    assert budget.max_context(shape, "kv8", "1GB", reserve_bytes="1GB") == 0
+    with pytest.raises(ValueError, match=r"reserve \(2 GB\) is larger than the RAM \(1 GB\)"):
+        budget.max_context(shape, "kv8", "1GB", reserve_bytes="2GB")
 
 
 def test_grouped_scales_apply_to_the_latent_only():
@@ -60,7 +62,8 @@ def test_smollm2_and_widths_a_codec_cannot_take():
 
 
 @pytest.mark.parametrize("text, value", [("64GB", 64 * 10**9), ("48GiB", 48 * 2**30),
-                                         ("1.5e9", 1_500_000_000), ("512", 512)])
+                                         ("1.5e9B", 1_500_000_000), ("512B", 512), ("0", 0),
+                                         (512, 512), ("0.5 kB", 500)])
 def test_parse_bytes(text, value):
     assert budget.parse_bytes(text) == value
 
@@ -68,6 +71,10 @@ def test_parse_bytes(text, value):
 def test_parse_errors():
     with pytest.raises(ValueError, match="size"):
         budget.parse_bytes("lots")
+    with pytest.raises(ValueError, match=r"--ram '64' has no unit: write e.g. 64GB"):
+        budget.parse_bytes("64", "--ram")
+    with pytest.raises(ValueError, match="size"):
+        budget.parse_bytes("-5GB")
     with pytest.raises(ValueError, match="token count"):
         budget.parse_tokens("12x")
     assert budget.parse_tokens("256k") == 262144
@@ -93,5 +100,74 @@ def test_cli_json_and_custom_shape(capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["rows"][0]["token_bytes"] == 2 * 68
     assert data["rows"][0]["max_context"] == 10**6 // 136
-    with pytest.raises(SystemExit, match="unknown or unable"):
+    with pytest.raises(SystemExit) as exc:
         main(["budget", "--model", str(shape), "--codecs", "tq9"])
+    assert exc.value.code == 2 and "unknown or unable" in capsys.readouterr().err
+
+
+def test_codecs_split_outside_spec_options(capsys):
+    """A comma inside a spec's options does not start a new spec."""
+    assert main(["budget", "--codecs", "tq3:codebook=gaussian,side=unbiased,kv8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["codec"] for r in rows] == ["tq3:codebook=gaussian,side=unbiased", "kv8"]
+    # tq3 at 512 and 64: 192 + 4 and 24 + 4 bytes
+    assert rows[0]["layer_row_bytes"] == (192 + 4) + (24 + 4)
+
+
+def test_stream_options_are_counted():
+    """recent=W keeps float32 copies of the last W rows besides their codes, sinks=N the first
+    N rows in float32 instead of codes, center/normalize one float32 vector each: counted
+    per layer, stream and KV head, as the cache's streams hold them."""
+    shape = budget.load_shape(json.dumps({
+        "name": "m", "n_layers": 2, "extra_layers": 1,
+        "streams": [{"name": "k", "dim": 64, "count": 2}, {"name": "v", "dim": 64, "count": 2}]}))
+    tq4 = 32 + 4                                              # tq4 row of 64: codes + radius
+    per_token = 3 * 4 * tq4
+    for spec, per_stream_fixed in [("tq4", 0), ("tq4@recent=16", 16 * 256),
+                                   ("tq4@sinks=4", 4 * (256 - tq4)),
+                                   ("tq4@center,normalize", 2 * 256),
+                                   ("tq4@center,sinks=2,recent=8", 256 + 2 * (256 - tq4) + 8 * 256)]:
+        assert budget.token_bytes(shape, spec) == per_token, spec
+        fixed = 3 * 4 * per_stream_fixed                      # 3 cached layers x 4 rows
+        assert budget.fixed_bytes(shape, spec) == fixed, spec
+        assert budget.pool_bytes(shape, spec, 1000, slots=2) == 2 * (1000 * per_token + fixed)
+        room = 2 * (1000 * per_token + fixed)
+        assert budget.max_context(shape, spec, room, slots=2) == 1000, spec
+        assert budget.max_context(shape, spec, room - 1, slots=2) == 999, spec
+    # before the window is full the stream holds fewer copies: 3 rows, recent=16
+    assert budget.pool_bytes(shape, "tq4@recent=16", 3) == 3 * 4 * 3 * (tq4 + 256)
+    # one spec per stream: k in kv8, v in tq4 with a window
+    assert budget.token_bytes(shape, "kv8/tq4@recent=4") == 3 * (2 * 68 + 2 * tq4)
+    assert budget.fixed_bytes(shape, "kv8/tq4@recent=4") == 3 * 2 * 4 * 256
+
+
+def test_no_quiet_zero_context(capsys):
+    assert main(["budget", "--ram", "1kB", "--codecs", "kv8"]) == 0
+    out = capsys.readouterr().out
+    assert "none fits" in out and "Not even one token fits in 1 kB: kv8 needs 46.1 kB" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ram", "64"], "--ram '64' has no unit"),
+    (["--ram", "lots"], "cannot read 'lots' as a size"),
+    (["--reserve", "20"], "--reserve '20' has no unit"),
+    (["--ram", "64GB", "--reserve", "80GB"], "reserve (80 GB) is larger than the RAM (64 GB)"),
+    (["--slots", "0"], "--slots must be a positive integer, got 0"),
+    (["--slots", "-3"], "--slots must be a positive integer, got -3"),
+    (["--contexts", "0"], "a context must be at least 1 token"),
+    (["--contexts", ","], "names no context"),
+    (["--contexts", "12x"], "cannot read '12x' as a token count"),
+    (["--codecs", "tq9"], "codec(s) tq9 unknown or unable"),
+    (["--codecs", "side=unbiased,tq4"], "follows no spec"),
+    (["--codecs", "tq4@bogus=1"], "unknown stream option 'bogus'"),
+    (["--codecs", "tq4@recent=-1"], "recent"),
+    (["--codecs", "kv8/tq4/f32"], "gives 3 stream specs"),
+    (["--model", "no-such-model"], "unknown model"),
+    (["--model", '{"n_layers": 3}'], "bad model shape"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["budget"] + argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvquant budget: ") and message in err, err

@@ -378,3 +378,21 @@ def test_cli_rejects_bad_arguments(argv, tmp_path):
     with pytest.raises(SystemExit):
         args.func(args)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bits", "9"], "--bits 9 is out of range: bit widths are 1..8"),
+    (["--dist", "beta", "--dim", "64", "--bits", "0-3"], "--bits 0 is out of range"),
+    (["--dist", "cauchy", "--dim", "64"], "--dist 'cauchy' is not one of"),
+    (["--dist", "beta", "--dim", "1"], "--dim 1 is out of range"),
+    (["--bits", "x"], "--bits takes"),
+])
+def test_cli_names_the_bad_value_first(argv, message, tmp_path, capsys):
+    """A bad value is named even when other arguments are missing (--bits 9 alone is about the
+    bits, not about the missing --dist)."""
+    parser = _cli()
+    args = parser.parse_args(["codebooks", "fit"] + argv + ["--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        args.func(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]

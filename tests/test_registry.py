@@ -77,3 +77,65 @@ def test_inert_rows_are_zero_for_every_codec(spec):
     assert np.all(out[1] == 0) and np.all(np.isfinite(out))
     with pytest.raises(ValueError, match="rows 1"):
         get_codec(spec, 64).encode(X)
+
+
+def test_encoded_rows_index_like_numpy():
+    import numpy as np
+    codec = get_codec("tq4", 64)
+    enc = codec.encode(np.random.default_rng(0).standard_normal((64, 64)))
+    assert enc[-1].n_rows == 1 and np.array_equal(enc[-1].codes, enc.codes[63:64])
+    assert np.array_equal(enc[5].codes, enc.codes[5:6]) and np.array_equal(enc[-64].side, enc.side[:1])
+    for bad in (64, 100, -65):
+        with pytest.raises(IndexError, match=f"row index {bad} is out of range for 64"):
+            enc[bad]
+    assert enc[60:100].n_rows == 4 and enc[::-2].n_rows == 32
+    assert np.array_equal(enc[[3, -1]].codes, enc.codes[[3, 63]])
+    mask = np.zeros(64, bool)
+    mask[[1, 2]] = True
+    assert enc[mask].n_rows == 2
+    with pytest.raises(IndexError):
+        enc[[64]]
+
+
+def test_width_messages_state_the_real_rule():
+    from kvquant.codecs import WIDTH_RULE
+    with pytest.raises(ValueError, match=r"width.*got 48; use kv8 for width 48$"):
+        get_codec("tq4", 48)
+    with pytest.raises(ValueError, match=r"use kv8 for width 48$"):
+        get_codec("polar4", 48)
+    # 96 = 3 x 32 suits q8_0 / q4_0, not the rotated codecs
+    with pytest.raises(ValueError, match=r"use kv8 \(or q8_0/q4_0\) for width 96"):
+        get_codec("tq4", 96)
+    get_codec("q8_0", 96)
+    assert "q8_0/q4_0 a multiple of 32" in WIDTH_RULE and "power-of-two" in WIDTH_RULE
+
+
+def test_distortion_all_states_the_width_rule(capsys):
+    from kvquant.cli import main
+    assert main(["distortion", "--codecs", "all", "--dim", "96", "--rows", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "width 96 does not suit tq1" in err and "q8_0/q4_0 a multiple of 32" in err
+    assert "q8_0," not in err.split("does not suit")[1].split("(")[0]   # q8_0 takes 96
+
+
+def test_kv8_inert_message_states_the_engines_rule():
+    import numpy as np
+    X = np.ones((2, 64), np.float32)
+    X[1, 3] = np.nan
+    with pytest.raises(ValueError, match="a NaN element becomes 0 and the rest of its row stays live"):
+        get_codec("kv8", 64).encode(X)
+    out = get_codec("kv8", 64, nonfinite="inert").roundtrip(X)
+    assert out[1, 3] == 0 and np.all(out[1, np.arange(64) != 3] == 1)   # the rest stays live
+
+
+def test_bad_simd_environment_fails_the_import_by_name():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, KVQUANT_SIMD="sse9")
+    res = subprocess.run([sys.executable, "-c", "import kvquant"], env=env, capture_output=True,
+                         text=True)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert "KVQUANT_SIMD='sse9' is not valid" in last
+    assert "auto, portable, avx512 or avx512vbmi" in last

@@ -1,4 +1,6 @@
 """Randomized Hadamard rotation (REFERENCE.md §1.2) against the numpy reference."""
+import math
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,26 @@ def test_row_norms_in_double(rng):
     out = np.empty(100)
     rotation_kernels.row_norms(X, out, 2)
     assert np.allclose(out, np.linalg.norm(X.astype(np.float64), axis=1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 64, 4096])
+def test_huge_rows_rotate_without_overflow(n):
+    """The float32 butterflies of x0 = x1 = 2e38 (or a constant row) overflow; the rotation then
+    runs on a copy scaled by 2^-64: exactly 2^64 times the rotation of the scaled row, and the
+    matrix reference in float64 to rounding."""
+    rng = np.random.default_rng(n)
+    rot = HadamardRotation(n)
+    X = rng.standard_normal((3, n))
+    X[0] = 0
+    X[0, :2] = 2e38
+    X[1] = 3e38 / math.sqrt(n)
+    X[2] *= 1e37 / np.abs(X[2]).max()
+    X = X.astype(np.float32)
+    small = (X.astype(np.float64) * 2.0**-64).astype(np.float32)
+    Y = rot.rotate(X)
+    assert np.all(np.isfinite(Y))
+    assert np.array_equal(Y, rot.rotate(small) * np.float32(2.0**64))
+    assert np.allclose(Y, reference.rotate(X.astype(np.float64)), rtol=0, atol=1e-5 * 3e38)
+    back = rot.unrotate(Y)
+    assert np.array_equal(back, rot.unrotate(rot.rotate(small)) * np.float32(2.0**64))
+    assert np.allclose(back, X, rtol=0, atol=1e-5 * 3e38)

@@ -13,13 +13,13 @@ import os
 
 import numpy as np
 
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange
 from libc.math cimport sqrtf
 from libc.stdint cimport uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 
-from kvquant._kernels._common cimport fwht
+from kvquant._kernels._common cimport kvq_rotate_row_safe, kvq_unrotate_row_safe
 
 cdef extern from "simd.h":
     ctypedef struct kvq_params:
@@ -168,7 +168,20 @@ def set_simd(mode):
     return previous
 
 
-set_simd(os.environ.get("KVQUANT_SIMD", "auto") or "auto")
+def _simd_from_environment():
+    """Apply ``KVQUANT_SIMD`` (unset or empty: auto); a value that is not a path this CPU runs
+    stops the import with a message naming the variable and the values it takes."""
+    mode = os.environ.get("KVQUANT_SIMD", "") or "auto"
+    try:
+        set_simd(mode.strip().lower())
+    except ValueError as exc:
+        raise ImportError(
+            f"environment variable KVQUANT_SIMD={mode!r} is not valid: it takes auto, portable, "
+            f"avx512 or avx512vbmi, and this CPU runs up to {SIMD_NAMES[_cpu_level]!r} ({exc}); "
+            "unset it for the automatic choice") from None
+
+
+_simd_from_environment()
 
 
 # -- drivers -----------------------------------------------------------------------------------
@@ -234,26 +247,26 @@ cdef inline object _partials(int64_t T, int64_t m, int64_t d):
 
 cdef void _rotate_rows(const float[:, ::1] X, const float[::1] signs, float[:, ::1] out,
                        int n_threads) noexcept nogil:
-    """H (D x) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation."""
-    cdef int64_t r, i, m = X.shape[0], n = X.shape[1]
+    """H (D x) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation (safe
+    from the butterflies' overflow the same way)."""
+    cdef int64_t r, m = X.shape[0], n = X.shape[1]
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
     for r in prange(m, schedule="static", num_threads=_threads_for(m * n * 8, n_threads)):
-        for i in range(n):
-            out[r, i] = X[r, i] * signs[i]
-        fwht(&out[r, 0], n)
-        for i in range(n):
-            out[r, i] = out[r, i] * inv_sqrt_n
+        kvq_rotate_row_safe(&X[r, 0], &signs[0], n, inv_sqrt_n, &out[r, 0])
 
 
 cdef void _unrotate_rows_inplace(float[:, ::1] Y, const float[::1] signs,
                                  int n_threads) noexcept nogil:
-    """D (H y) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation."""
-    cdef int64_t r, i, m = Y.shape[0], n = Y.shape[1]
+    """D (H y) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation, safe
+    from the butterflies' overflow (kvq_unrotate_row_safe: the same bits when they do not)."""
+    cdef int64_t r, m = Y.shape[0], n = Y.shape[1]
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
-    for r in prange(m, schedule="static", num_threads=_threads_for(m * n * 8, n_threads)):
-        fwht(&Y[r, 0], n)
-        for i in range(n):
-            Y[r, i] = Y[r, i] * inv_sqrt_n * signs[i]
+    cdef float* copy
+    with parallel(num_threads=_threads_for(m * n * 8, n_threads)):
+        copy = <float*>malloc(n * sizeof(float))
+        for r in prange(m, schedule="static"):
+            kvq_unrotate_row_safe(&Y[r, 0], &signs[0], n, inv_sqrt_n, copy)
+        free(copy)
 
 
 # -- f32 -----------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
  *   score_t = tree16(lanes of q~_i * x~_ti)                     (simd.h order)
  *   acc~_i  = acc~_i + x~'_ti, rows in order, where x~' is the row rebuilt from w_t * r_t
  *             (the weight folded into the radius: one multiply per row instead of one per element)
- * Inert rows (radius not in (0, FLT_MAX]) score 0 and add nothing.
+ * Inert rows (radius not in (0, 3.4e38f]) score 0 and add nothing.
  *
  * The portable path is polarops.h's rebuild. The AVX-512 path (fixed-width modes: compat and
  * alloc=level, n >= 32) computes the same products:

@@ -1,6 +1,7 @@
 /* Row kernels of the rotated Lloyd codecs (tq<b>, b = 1..8): codes packed LSB first (element i at
  * bits [i*b, (i+1)*b)), one side value r per row, x^ = unrotate(levels[c] * step) with
- * step = r / sqrtf(n) (0 for an inert row: r not > 0 or not finite), as the decoder computes it.
+ * step = r / sqrtf(n) (0 for an inert row: r not in (0, 3.4e38f], the engine's inert threshold), as
+ * the decoder computes it.
  *
  * The query arrives rotated (q~ = rotate(q)), so nothing here touches the rotation:
  *   score_t = tree16(lanes of q~_i * levels[c_ti]) * step_t      (simd.h order)
@@ -16,7 +17,7 @@
 
 static inline float kvq_tq_step(float r, float sqrtf_n)
 {
-    return (r > 0.0f && r <= FLT_MAX) ? r / sqrtf_n : 0.0f;
+    return (r > 0.0f && r <= 3.4e38f) ? r / sqrtf_n : 0.0f;
 }
 
 /* Codes of one row, LSB first, into c[0..n). */

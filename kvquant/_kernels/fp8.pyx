@@ -1,7 +1,8 @@
 # fp8 e4m3fn (OCP) with one f32 scale per group of elements (per row when group == width).
 # Encoding follows the engine (REFERENCE.md §1.1; the group encoder is in fp8ops.h): round half to
-# even, saturate to +-448, NaN -> 0, never emit 0x7F/0xFF; a group whose amax is not > 1e-35 or is
-# infinite is inert (zero bytes, scale 1); elements are multiplied by 448/amax, scale = amax/448.
+# even, saturate to +-448, NaN -> 0, never emit 0x7F/0xFF; a group whose amax is not > 1e-35 or
+# exceeds 3.4e38f (the engine's literal) is inert (zero bytes, scale 1); elements are multiplied by
+# 448/amax, scale = amax/448.
 from cython.parallel cimport prange
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memcpy
@@ -47,19 +48,21 @@ def encode_rows(const float[:, ::1] X,      # IN  (n_rows, d)
                 Py_ssize_t group,           # elements per scale; divides d
                 uint8_t[:, ::1] codes,      # OUT (n_rows, d)
                 float[:, ::1] scales,       # OUT (n_rows, d // group)
-                uint8_t[::1] nonfinite,     # OUT (n_rows,) 1 where the row had NaN/inf
+                uint8_t[::1] status,        # OUT (n_rows,) 1: a NaN/inf, 2: a group amax > 3.4e38f
                 int n_threads):
     cdef Py_ssize_t n_rows = X.shape[0], d = X.shape[1]
     cdef Py_ssize_t n_groups = d // group
     cdef Py_ssize_t r, g, start
+    cdef int st
     if n_rows == 0:
         return
     for r in prange(n_rows, nogil=True, schedule="static", num_threads=n_threads):
-        nonfinite[r] = 0
+        status[r] = 0
         for g in range(n_groups):
             start = g * group
-            if kvq_fp8_encode_group(&X[r, start], group, &codes[r, start], &scales[r, g]):
-                nonfinite[r] = 1
+            st = kvq_fp8_encode_group(&X[r, start], group, &codes[r, start], &scales[r, g])
+            if st == 1 or (st == 2 and status[r] == 0):
+                status[r] = <uint8_t>st
 
 
 def decode_rows(const uint8_t[:, ::1] codes,  # IN  (n_rows, d)

@@ -42,9 +42,11 @@ static inline uint8_t kvq_e4m3_encode(float f)
 }
 
 /* Encode n elements with one scale (the engine's row quantizer): amax ignores NaN (the comparison
- * is false) and an inf raises it past FLT_MAX; a group whose amax is not > 1e-35 or exceeds FLT_MAX
- * is inert (zero bytes, scale 1). Elements are multiplied by 448/amax; scale = amax/448.
- * Returns 1 when the group held a NaN or inf. */
+ * is false) and an inf raises it past every float; a group whose amax is not > 1e-35 or exceeds
+ * 3.4e38f (the engine's literal, 3.39999995e38, a little below FLT_MAX) is inert (zero bytes,
+ * scale 1). Elements are multiplied by 448/amax; scale = amax/448.
+ * Returns 1 when the group held a NaN or inf, 2 when it is finite but its amax exceeds 3.4e38f,
+ * else 0. */
 KVQ_FP8_CLONES
 static int kvq_fp8_encode_group(const float *x, int64_t n, uint8_t *codes, float *scale)
 {
@@ -56,11 +58,11 @@ static int kvq_fp8_encode_group(const float *x, int64_t n, uint8_t *codes, float
         bad |= !(a <= FLT_MAX);
         amax = a > amax ? a : amax;
     }
-    if (!(amax > 1e-35f) || amax > FLT_MAX) {
+    if (!(amax > 1e-35f) || amax > 3.4e38f) {
         for (i = 0; i < n; i++)
             codes[i] = 0;
         *scale = 1.0f;
-        return bad;
+        return bad ? 1 : (amax > 3.4e38f ? 2 : 0);
     }
     inv = 448.0f / amax;
     for (i = 0; i < n; i++)

@@ -3,6 +3,10 @@
 # The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
 # decoder divides the radius by sqrtf(n).
+# Magnitudes (docs/engine-arithmetic.md §8): a row whose butterflies overflow is refused under
+# compat (ROW_RANGE: the engine would store garbage) and otherwise rotated from a copy scaled by
+# 2^-64 (the same codes as exact arithmetic); a row whose decoded norm would pass 3.4e38f is
+# refused (ROW_RANGE), so that every stored row decodes and reads finite.
 from cython.parallel cimport parallel, prange
 from libc.math cimport sqrt, sqrtf
 from libc.float cimport FLT_MAX
@@ -10,7 +14,8 @@ from libc.stdint cimport uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-from kvquant._kernels._common cimport live_radius
+from kvquant._kernels._common cimport (
+    PRESCALE, ROW_LIMIT, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, live_radius)
 
 
 cdef extern from "rowops.h" nogil:
@@ -20,7 +25,7 @@ cdef extern from "rowops.h" nogil:
     void kvq_pack_codes(const uint8_t* code, Py_ssize_t n, int bits, uint8_t* out)
     void kvq_unpack_codes(const uint8_t* packed, Py_ssize_t n, int bits, uint8_t* code)
     void kvq_decode_row(const uint8_t* code, Py_ssize_t n, const float* levels, float step,
-                        const float* signs, float inv_sqrt_n, float* out)
+                        const float* signs, float inv_sqrt_n, float* out, float* copy)
     void kvq_nearest_codes(const float* y, Py_ssize_t n, const float* bnd, int n_bnd,
                            uint8_t* code)
     void kvq_nearest_by_distance(const float* y, Py_ssize_t n, const float* levels, int n_levels,
@@ -44,13 +49,19 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
     cdef int n_bnd = boundaries.shape[0], n_levels = levels.shape[0]
     cdef float sqrtf_n = sqrtf(<float>n)
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf_n
-    cdef double norm2, dot
-    cdef float radius, to_unit
+    cdef double norm2, dot, lev2
+    cdef float radius, to_unit, max_level = 0.0
     cdef float* y
     cdef float* scratch
     cdef uint8_t* c
     if n_rows == 0:
         return
+    for i in range(n_levels):
+        max_level = max(max_level, abs(levels[i]))
+    # Below `safe` the rotation's partial sums (at most sqrt(n) x the norm) cannot overflow; below
+    # `safe_side` the decoded norm (at most side x the largest level) cannot pass ROW_LIMIT.
+    cdef float safe = (FLT_MAX / <float>4.0) / sqrtf_n
+    cdef float safe_side = ROW_LIMIT / max(max_level, <float>1.0)
     with nogil, parallel(num_threads=n_threads):
         y = <float*>malloc(n * sizeof(float))
         scratch = <float*>malloc(n * sizeof(float))
@@ -65,6 +76,15 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
                 continue
             to_unit = sqrtf_n / radius
             kvq_rotate_scale_row(&X[r, 0], &signs[0], n, inv_sqrt_n, to_unit, y)
+            if radius > safe and not kvq_all_finite(y, n):
+                if by_distance:
+                    # the engine's float32 rotation overflows: it would store garbage codes
+                    status[r] = ROW_RANGE
+                    memset(&codes[r, 0], 0, code_bytes)
+                    side[r] = 0.0
+                    continue
+                kvq_rotate_scale_row_prescaled(&X[r, 0], &signs[0], n, inv_sqrt_n,
+                                               sqrtf_n / (radius * PRESCALE), PRESCALE, y)
             if by_distance:
                 kvq_nearest_by_distance(y, n, &levels[0], n_levels, scratch, c)
             else:
@@ -78,6 +98,17 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
                 side[r] = <float>(n * <double>radius / dot) if dot > 0.0 else radius
             else:
                 side[r] = radius
+            if not (side[r] <= safe_side):
+                # decoded norm = side * rms(level[c]); refuse the row if it or the side value
+                # itself (an unbiased side may exceed the norm) passes ROW_LIMIT
+                lev2 = 0.0
+                for i in range(n):
+                    lev2 = lev2 + <double>levels[c[i]] * <double>levels[c[i]]
+                if not (side[r] <= ROW_LIMIT
+                        and <double>side[r] * sqrt(lev2 / n) <= <double>ROW_LIMIT):
+                    status[r] = ROW_RANGE
+                    memset(&codes[r, 0], 0, code_bytes)
+                    side[r] = 0.0
         free(y)
         free(scratch)
         free(c)
@@ -96,15 +127,18 @@ def decode_rows(const uint8_t[:, ::1] codes,    # IN  (n_rows, ceil(n*bits/8))
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf_n
     cdef float step
     cdef uint8_t* c
+    cdef float* copy
     if n_rows == 0:
         return
     with nogil, parallel(num_threads=n_threads):
         c = <uint8_t*>malloc(n * sizeof(uint8_t))
+        copy = <float*>malloc(n * sizeof(float))
         for r in prange(n_rows, schedule="static"):
             kvq_unpack_codes(&codes[r, 0], n, bits, c)
-            if not (side[r] > 0.0) or side[r] > FLT_MAX:
+            if not (side[r] > 0.0) or side[r] > ROW_LIMIT:
                 step = 0.0   # inert row (also a damaged side value: never decoded as data)
             else:
                 step = side[r] / sqrtf_n
-            kvq_decode_row(c, n, &levels[0], step, &signs[0], inv_sqrt_n, &out[r, 0])
+            kvq_decode_row(c, n, &levels[0], step, &signs[0], inv_sqrt_n, &out[r, 0], copy)
         free(c)
+        free(copy)

@@ -13,6 +13,9 @@
 # The decoder rebuilds rows with polarops.h from cos/sin tables (angle_tables), as the attention
 # consumers do (consumers_polar.h).
 # The norm is accumulated in double and is the stored radius; the inert rule is the engine's.
+# Magnitudes (docs/engine-arithmetic.md §8): a row whose butterflies overflow is refused in grid
+# (compat) mode (ROW_RANGE: the engine would store garbage) and otherwise rotated from a copy
+# scaled by 2^-64 (the angles do not depend on the scale); the decoder unrotates overflow-safe.
 from cython.parallel cimport parallel, prange
 from libc.math cimport atan2f, hypotf, floorf, cosf, sinf, sqrt, sqrtf, isfinite, NAN
 from libc.float cimport FLT_MAX
@@ -20,7 +23,9 @@ from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
-from kvquant._kernels._common cimport fwht, live_radius
+from kvquant._kernels._common cimport (
+    PRESCALE, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, kvq_unrotate_row_safe,
+    live_radius)
 
 cdef extern from "rowops.h" nogil:
     double kvq_sum_squares(const float* x, Py_ssize_t n, int in_index_order)
@@ -164,6 +169,8 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
     if n_rows == 0:
         return
     engine_grid(n_levels, grid_lo, grid_two_w)
+    # below `safe` the rotation's partial sums (at most sqrt(n) x the norm) cannot overflow
+    cdef float safe = (FLT_MAX / <float>4.0) / sqrtf(<float>n)
     with nogil, parallel(num_threads=n_threads):
         y = <float*>malloc(n * sizeof(float))
         ang = <float*>malloc(n * sizeof(float))
@@ -184,6 +191,14 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 side[r] = 0.0
                 continue
             kvq_rotate_scale_row(&X[r, 0], &signs[0], n, inv_sqrt_n, <float>1.0, y)
+            if radius > safe and not kvq_all_finite(y, n):
+                if mode == MODE_ENGINE_GRID:
+                    # the engine's float32 rotation overflows: it would store garbage codes
+                    status[r] = ROW_RANGE
+                    side[r] = 0.0
+                    continue
+                kvq_rotate_scale_row_prescaled(&X[r, 0], &signs[0], n, inv_sqrt_n, <float>1.0,
+                                               PRESCALE, y)
             # forward transform: level 1 at ang[0 .. n/2), then each level after the previous
             rlen = n
             off = 0
@@ -300,6 +315,7 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
     cdef kvq_polar_layout L
     cdef kvq_polar_scratch* scratch
     cdef float* buf
+    cdef float* copy
     if n_rows == 0:
         return
     polar_layout(&L, n, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab, log2_cos2,
@@ -308,6 +324,11 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
         # assigned in the parallel block: one scratch per thread
         scratch = <kvq_polar_scratch*>malloc(sizeof(kvq_polar_scratch))
         if scratch != NULL and kvq_polar_scratch_alloc(scratch, n) != 0:
+            free(scratch)
+            scratch = NULL
+        copy = <float*>malloc(n * sizeof(float))
+        if copy == NULL and scratch != NULL:
+            kvq_polar_scratch_free(scratch)
             free(scratch)
             scratch = NULL
         for r in prange(n_rows, schedule="static"):
@@ -319,12 +340,11 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
                     buf[i] = 0.0 if scratch != NULL else NAN
                 continue
             kvq_polar_rebuild_row(&L, &codes[r, 0], side[r], scratch, buf)
-            fwht(buf, n)
-            for i in range(n):
-                buf[i] = buf[i] * inv_sqrt_n * signs[i]
+            kvq_unrotate_row_safe(buf, &signs[0], n, inv_sqrt_n, copy)
         if scratch != NULL:
             kvq_polar_scratch_free(scratch)
             free(scratch)
+        free(copy)
 
 
 # -- the engine's grids, exposed for tests ---------------------------------------------------

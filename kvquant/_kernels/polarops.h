@@ -369,10 +369,11 @@ static inline void kvq_polar_rebuild_row(const kvq_polar_layout* L, const uint8_
     kvq_polar_rebuild_levels(L, row, r, 1, s, buf);
 }
 
-/* The decoder's rule for a stored radius: anything not in (0, FLT_MAX] is an inert row. */
+/* The decoder's rule for a stored radius: anything not in (0, 3.4e38f] (the engine's inert
+ * threshold, KVQ_ROW_LIMIT of rowops.h) is an inert row. */
 static inline int kvq_polar_live(float r)
 {
-    return r > 0.0f && r <= 3.40282346638528859812e+38f;
+    return r > 0.0f && r <= 3.4e38f;
 }
 
 #endif /* KVQ_POLAROPS_H */

@@ -5,8 +5,10 @@
  * give the same bits: they differ in speed only. */
 #ifndef KVQ_ROWOPS_H
 #define KVQ_ROWOPS_H
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -82,6 +84,104 @@ static void kvq_rotate_scale_row(const float *x, const float *signs, int64_t n, 
     kvq_fwht(y, n);
     for (i = 0; i < n; i++)
         y[i] = (y[i] * inv_sqrt_n) * to_unit;
+}
+
+/* ---- magnitudes (docs/engine-arithmetic.md §8) ----------------------------------------------
+ * KVQ_ROW_LIMIT is the engine's inert threshold, the float literal 3.4e38f = 3.39999995e38 (a
+ * little below FLT_MAX): a row whose norm (fp8: amax) is above it is never stored live. The float32
+ * butterflies of a row whose largest magnitude is big enough can overflow even below it (partial
+ * sums reach sqrt(n) times the norm); such rows are computed on a copy scaled by 2^-64 and scaled
+ * back. A power-of-two scale commutes with every rounding away from subnormals, so the result is
+ * the same bits as the plain arithmetic wherever the plain arithmetic is finite. */
+#define KVQ_ROW_LIMIT 3.4e38f
+#define KVQ_PRESCALE 5.42101086242752217e-20f   /* 2^-64 */
+#define KVQ_UNSCALE 18446744073709551616.0f      /* 2^64 */
+
+/* 1 when every element is finite. */
+KVQ_CLONES
+static int kvq_all_finite(const float *y, int64_t n)
+{
+    int64_t i;
+    int ok = 1;
+    for (i = 0; i < n; i++)
+        ok &= fabsf(y[i]) <= FLT_MAX;
+    return ok;
+}
+
+/* The largest |y_i| (0 for NaN elements). */
+KVQ_CLONES
+static float kvq_max_abs(const float *y, int64_t n)
+{
+    int64_t i;
+    float m = 0.0f;
+    for (i = 0; i < n; i++) {
+        float a = fabsf(y[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* y = ((H(D (x * pre))) * inv_sqrt_n) * to_unit: kvq_rotate_scale_row on the row scaled by pre
+ * (2^-64, for rows whose butterflies overflow; the caller scales to_unit to match). */
+KVQ_CLONES
+static void kvq_rotate_scale_row_prescaled(const float *x, const float *signs, int64_t n,
+                                           float inv_sqrt_n, float to_unit, float pre, float *y)
+{
+    int64_t i;
+    for (i = 0; i < n; i++)
+        y[i] = (x[i] * signs[i]) * pre;
+    kvq_fwht(y, n);
+    for (i = 0; i < n; i++)
+        y[i] = (y[i] * inv_sqrt_n) * to_unit;
+}
+
+/* y = D (H y) * inv_sqrt_n in place (the engine's unrotation: butterflies, x 1/sqrtf(n), signs).
+ * When the butterflies could overflow (max|y| > FLT_MAX / (4 n)) and do, the row is recomputed
+ * from a copy scaled by 2^-64 and scaled back: the same bits whenever the plain arithmetic is
+ * finite, the exact result (as long as it is below FLT_MAX) otherwise. `copy` holds n floats.
+ * Returns 1 when the scaled path ran. */
+KVQ_CLONES
+static int kvq_unrotate_row_safe(float *y, const float *signs, int64_t n, float inv_sqrt_n,
+                                 float *copy)
+{
+    int64_t i;
+    /* (no copy: memory was short; the row is left as the plain arithmetic gives it) */
+    const int risky = copy != NULL && kvq_max_abs(y, n) > (FLT_MAX / 4.0f) / (float)n;
+    if (risky)
+        memcpy(copy, y, (size_t)n * sizeof(float));
+    kvq_fwht(y, n);
+    for (i = 0; i < n; i++)
+        y[i] = y[i] * inv_sqrt_n * signs[i];
+    if (!risky || kvq_all_finite(y, n))
+        return 0;
+    for (i = 0; i < n; i++)
+        y[i] = copy[i] * KVQ_PRESCALE;
+    kvq_fwht(y, n);
+    for (i = 0; i < n; i++)
+        y[i] = ((y[i] * inv_sqrt_n) * signs[i]) * KVQ_UNSCALE;
+    return 1;
+}
+
+/* out = H (D x) * inv_sqrt_n (the engine's rotation: signs, butterflies, x 1/sqrtf(n)), with the
+ * guard of kvq_unrotate_row_safe: a row whose butterflies overflow is recomputed from x scaled by
+ * 2^-64 and scaled back (the same bits wherever the plain arithmetic is finite). */
+KVQ_CLONES
+static void kvq_rotate_row_safe(const float *x, const float *signs, int64_t n, float inv_sqrt_n,
+                                float *out)
+{
+    int64_t i;
+    for (i = 0; i < n; i++)
+        out[i] = x[i] * signs[i];
+    kvq_fwht(out, n);
+    for (i = 0; i < n; i++)
+        out[i] = out[i] * inv_sqrt_n;
+    if (kvq_all_finite(out, n) || !(kvq_max_abs(x, n) > (FLT_MAX / 4.0f) / (float)n))
+        return;
+    for (i = 0; i < n; i++)
+        out[i] = (x[i] * signs[i]) * KVQ_PRESCALE;
+    kvq_fwht(out, n);
+    for (i = 0; i < n; i++)
+        out[i] = (out[i] * inv_sqrt_n) * KVQ_UNSCALE;
 }
 
 /* Codes of `bits` bits, LSB first through a bit cursor (element i at bits [i*bits, (i+1)*bits));
@@ -199,17 +299,16 @@ static void kvq_unpack_codes(const uint8_t *packed, int64_t n, int bits, uint8_t
 }
 
 /* x = D (H (levels[code] * step)) * inv_sqrt_n: the engine's decoder (level times radius/sqrt(n),
- * then the butterflies, the 1/sqrt(n) and the signs). */
+ * then the butterflies, the 1/sqrt(n) and the signs), overflow-safe (kvq_unrotate_row_safe;
+ * `copy` holds n floats). */
 KVQ_CLONES
 static void kvq_decode_row(const uint8_t *code, int64_t n, const float *levels, float step,
-                           const float *signs, float inv_sqrt_n, float *out)
+                           const float *signs, float inv_sqrt_n, float *out, float *copy)
 {
     int64_t i;
     for (i = 0; i < n; i++)
         out[i] = levels[code[i]] * step;
-    kvq_fwht(out, n);
-    for (i = 0; i < n; i++)
-        out[i] = out[i] * inv_sqrt_n * signs[i];
+    kvq_unrotate_row_safe(out, signs, n, inv_sqrt_n, copy);
 }
 
 /* The engine's rule: the first level at the strictly smallest float distance (ties go down). */

@@ -9,12 +9,12 @@ Each family module exposes ``parse(base, dim, options)`` returning a codec or No
 import re
 
 from kvquant.codecs import fp8, ggml, identity, lloyd, polar
-from kvquant.codecs.base import Codec, EncodedRows
+from kvquant.codecs.base import WIDTH_RULE, Codec, EncodedRows
 
 _FAMILIES = (identity.parse, fp8.parse, lloyd.parse, polar.parse, ggml.parse)
 _INT_OPTIONS = ("seed", "group", "bits")
 
-__all__ = ["Codec", "EncodedRows", "get_codec", "parse_spec", "split_spec_list"]
+__all__ = ["WIDTH_RULE", "Codec", "EncodedRows", "get_codec", "parse_spec", "split_spec_list"]
 
 
 def parse_spec(spec):

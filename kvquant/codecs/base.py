@@ -10,8 +10,14 @@ NONFINITE_POLICIES = ("raise", "inert")
 # fp16-exact values and costs 2 bytes each in sizes and files.
 SIDE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
 # Row status of the encoders (kvquant/_kernels/_common.pxd), plus one of the Python layer.
-ROW_OK, ROW_NONFINITE, ROW_NORM_OVERFLOW = 0, 1, 2
+ROW_OK, ROW_NONFINITE, ROW_NORM_OVERFLOW = 0, 1, 2   # NORM_OVERFLOW: norm (kv8: amax) > ROW_LIMIT
 ROW_SIDE_OVERFLOW = 3  # side value above the fp16 maximum (side_dtype="f16")
+ROW_RANGE = 4          # finite, but the codec's float32 arithmetic cannot carry the row
+# The engine's inert threshold, the float literal 3.4e38f (= 3.39999995e38, a little below
+# FLT_MAX): no codec stores a row whose norm (kv8: an element) is above it.
+ROW_LIMIT = float(np.float32(3.4e38))
+FLT_MAX = float(np.finfo(np.float32).max)
+F16_MAX = 65504.0
 
 
 def side_dtype_of_spec(spec):
@@ -61,9 +67,18 @@ class EncodedRows:
         return self.codes.nbytes + self.side.size * SIDE_DTYPES[self.side_dtype].itemsize
 
     def __getitem__(self, rows):
-        """A subset of rows (slice, index array or mask); always 2-D."""
-        if isinstance(rows, (int, np.integer)):
-            rows = slice(int(rows), int(rows) + 1 if rows != -1 else None)
+        """A subset of rows (slice, index array or boolean mask, as numpy indexes the first axis);
+        always 2-D: an integer ``i`` gives the one row ``i`` (negative from the end), and an index
+        out of range raises IndexError."""
+        if isinstance(rows, (int, np.integer)) and not isinstance(rows, (bool, np.bool_)):
+            i = int(rows)
+            n = self.codes.shape[0]
+            if not -n <= i < n:
+                raise IndexError(f"row index {i} is out of range for {n} encoded rows")
+            i %= n
+            rows = slice(i, i + 1)
+        elif isinstance(rows, tuple):
+            raise IndexError("EncodedRows take one index (rows), not a tuple")
         return EncodedRows(self.codes[rows], self.side[rows], self.spec, self.dim)
 
 
@@ -71,7 +86,8 @@ class Codec:
     """Base class: subclasses set ``dim``, ``spec``, ``code_bytes``, ``n_side`` and implement
     ``_encode(X32, n_threads) -> (codes, side, status)`` and ``_decode(enc, n_threads)``.
 
-    ``status`` is a uint8 array per row: 0 ok, 1 the row held NaN/inf, 2 its norm overflows f32.
+    ``status`` is a uint8 array per row: 0 ok, 1 the row held NaN/inf, 2 its norm (kv8: an
+    element) is above ROW_LIMIT, 4 its float32 arithmetic cannot carry it (``range_rule``).
 
     A subclass whose codes do not depend on the side values may set ``side_dtype = "f16"``:
     ``encode`` then rounds the side values to fp16 (nearest even) after ``_encode``; a value that
@@ -81,6 +97,13 @@ class Codec:
     family = "base"
     engine_tag = None  # the engine's format tag where this codec is one of its tiers
     side_dtype = "f32"
+    # what nonfinite="inert" does with a refused row (error messages)
+    inert_rule = "stores them as inert zero rows (zero codes, side value 0), as the engine does"
+    # what a row above ROW_LIMIT is (status ROW_NORM_OVERFLOW)
+    limit_rule = "have a norm above 3.4e38 (the engine's limit, the float 3.4e38f)"
+    # why a row is ROW_RANGE, and norms that are always accepted (None: no simple bound)
+    range_rule = "its float32 arithmetic overflows"
+    safe_norm = None
 
     def __init__(self, dim, nonfinite="raise"):
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -88,7 +111,7 @@ class Codec:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}: 'raise' rejects rows "
-                "with NaN/inf, 'inert' stores them as zero rows as the engine does"
+                f"with NaN/inf (or beyond the codec's range), 'inert' {self.inert_rule}"
             )
         self.dim = int(dim)
         self.nonfinite = nonfinite
@@ -186,18 +209,24 @@ class Codec:
         if bad.size == 0 or self.nonfinite == "inert":
             return
         kinds = set(status[bad].tolist())
+        range_text = f"are beyond {self.spec}'s float32 range ({self.range_rule}"
+        if self.safe_norm is not None:
+            range_text += f"; rows of norm up to {self.safe_norm:.4g} always encode"
+        range_text += ")"
         reasons = ((ROW_NONFINITE, "contain NaN or inf"),
-                   (ROW_NORM_OVERFLOW, "have a norm that overflows float32"),
+                   (ROW_NORM_OVERFLOW, self.limit_rule),
+                   (ROW_RANGE, range_text),
                    (ROW_SIDE_OVERFLOW, "have a side value above the float16 maximum 65504"))
         what = " or ".join(text for code, text in reasons if code in kinds)
         fix = "Clean them"
+        if kinds & {ROW_NORM_OVERFLOW, ROW_RANGE}:
+            fix = "Clean or scale them down"
         if ROW_SIDE_OVERFLOW in kinds:
             fix = ("Clean or scale them down (side_dtype=f16 holds side values up to 65504), "
                    "use side_dtype=f32")
         raise ValueError(
             f"{bad.size} row(s) {what} (rows {_show_rows(bad)}); nothing was stored. {fix}, or "
-            f"build the codec with nonfinite='inert' to store them as inert zero rows as the "
-            f"engine does"
+            f"build the codec with nonfinite='inert', which {self.inert_rule}"
         )
 
     # -- public API --------------------------------------------------------------------------
@@ -292,6 +321,17 @@ class Codec:
     def _context(self, codes, side, W, out, n_threads):
         X = self._decode(codes, side, n_threads)
         np.matmul(W, X, out=out)
+
+
+# Which widths each family takes (kv8 takes any width).
+WIDTH_RULE = ("tq<b>, polar<b> and the +rot codecs need a power-of-two width (>= 2), q8_0/q4_0 "
+              "a multiple of 32, kv8-g<N> a multiple of N; kv8 takes any width")
+
+
+def codecs_for_width(dim):
+    """The codecs to suggest for a width the rotated codecs refuse: kv8, and q8_0/q4_0 when
+    their 32-value blocks divide it."""
+    return "kv8 (or q8_0/q4_0)" if dim % 32 == 0 else "kv8"
 
 
 def _show_rows(rows):

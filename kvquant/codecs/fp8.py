@@ -2,6 +2,13 @@
 
 ``kv8`` keeps one scale per row (scale = max|x| / 448), as the engine's KV8 tier; ``kv8-g<N>`` one
 scale per N consecutive elements (the engine's KV8_GS=N, applied here to any row).
+
+Magnitudes: a group (the whole row for ``kv8``) whose largest element is above 1e-35 and at most
+3.4e38 (the engine's float 3.4e38f) is stored live, its elements within |x|/16 + scale 2^-10; one
+whose largest element is not above 1e-35 is zero bytes with scale 1, as the engine. A row holding
+NaN/inf or an element above 3.4e38 raises ``ValueError`` naming the rows; under
+``nonfinite="inert"`` it is stored as the engine stores it: a NaN element becomes 0 and the rest
+of its row stays live, a group holding an inf or an element above 3.4e38 is zeros with scale 1.
 """
 import re
 
@@ -25,6 +32,10 @@ class FP8Codec(Codec):
     """
 
     family = "kv8"
+    inert_rule = ("stores them as the engine does: a NaN element becomes 0 and the rest of its "
+                  "row stays live; a row (kv8-g<N>: a group) holding an inf or an element above "
+                  "3.4e38 is stored as zero bytes with scale 1")
+    limit_rule = "have an element above 3.4e38 (the engine's limit, the float 3.4e38f)"
 
     def __init__(self, dim, group=None, nonfinite="raise"):
         super().__init__(dim, nonfinite)

@@ -21,13 +21,14 @@ first (and its inverse after decoding), as llama.cpp does for quantized caches s
 
 Rows that no block format can hold are refused (or stored inert with ``nonfinite="inert"``): rows
 with NaN/inf, and rows whose block scale overflows fp16 (|d| >= 65520, e.g. |x| >= 524160 for
-q4_0), which ggml would store as an infinite scale.
+q4_0), which ggml would store as an infinite scale. Blocks so small that their scale is an fp16
+subnormal lose precision, and a block whose scale rounds to 0 (|d| < 2^-25) decodes as zeros, as
+in llama.cpp.
 """
 import re
 
 import numpy as np
 
-from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import ggml as _ggml
 from kvquant.codecs.base import Codec
@@ -117,15 +118,6 @@ class GGMLCodec(Codec):
     def _context(self, codes, side, W, out, n_threads):
         _consumers.context_ggml(codes, self._bits, self.rotate, self._signs, W, out, n_threads)
 
-    # Consumers: the block scale factored out of each block's sum (folded into the weight of the
-    # context); +rot rotates the query once and unrotates the context once.
-    def _scores(self, codes, side, Q, out, n_threads):
-        _consumers.scores_ggml(codes, 8 if self.kind == "q8_0" else 4, self.rotate, self._signs,
-                               Q, out, n_threads)
-
-    def _context(self, codes, side, W, out, n_threads):
-        _consumers.context_ggml(codes, 8 if self.kind == "q8_0" else 4, self.rotate,
-                                self._signs, W, out, n_threads)
 
 
 def parse(base, dim, options):

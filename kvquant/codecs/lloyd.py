@@ -17,7 +17,17 @@ llama.cpp's q8_0.
 ``compat="colibri"`` (4 bits only) is the engine's codec bit for bit: its 16 Gaussian levels rounded
 to three decimals, the norm as radius, nibble order element 2j low / 2j+1 high, f32 side values
 (so not with ``side_dtype="f16"``).
+
+Magnitudes (README "Codecs", docs/engine-arithmetic.md §8): a row is stored live when its norm is
+above 1e-35 (else a zero row, as the engine) and at most 3.4e38 (the engine's float 3.4e38f;
+above: ``ValueError`` naming the rows, or inert under ``nonfinite="inert"``). A row whose float32
+rotation would overflow is rotated from a copy scaled by 2^-64 (the same codes as the row at an
+ordinary scale); under ``compat`` it is refused instead, since the engine stores it as garbage. A
+row whose decoded norm (side x rms of its levels) would pass 3.4e38 is refused too. So every
+stored row decodes, scores and gives context finite; ``safe_norm`` is the norm up to which every
+finite row encodes (None for ``side=unbiased``, whose side value has no simple bound).
 """
+import math
 import re
 
 import numpy as np
@@ -25,7 +35,8 @@ import numpy as np
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import lloyd as _lloyd
 from kvquant.codebooks import levels_checksum, load_codebook
-from kvquant.codecs.base import SIDE_DTYPES, Codec
+from kvquant.codecs.base import (F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec,
+                                 codecs_for_width)
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 # The engine's 4-bit levels (Gaussian Lloyd-Max, Max 1960, three decimals), positive half.
@@ -71,7 +82,7 @@ class LloydCodec(Codec):
         if not is_power_of_two(self.dim) or self.dim < 2:
             raise ValueError(
                 f"tq{bits} needs a power-of-two row width (the Hadamard rotation), got {self.dim}; "
-                f"use kv8 (or q8_0/q4_0) for width {self.dim}"
+                f"use {codecs_for_width(self.dim)} for width {self.dim}"
             )
         if codebook not in CODEBOOKS:
             raise ValueError(f"codebook={codebook!r} is not one of {CODEBOOKS}")
@@ -114,9 +125,24 @@ class LloydCodec(Codec):
         for arr in (self.levels, self.boundaries):
             arr.flags.writeable = False
         self.rotation = HadamardRotation(self.dim, self.seed)
+        self._set_range(float(np.abs(self.levels).max()))
         self.code_bytes = (self.dim * self.bits + 7) // 8
         self.n_side = 1
         self.spec = self._canonical_spec(codebook)
+
+    def _set_range(self, max_level):
+        """The magnitude contract (module docstring): ``range_rule`` and ``safe_norm``."""
+        decoded = max(max_level, 1.0)
+        if self.compat:
+            self.range_rule = (
+                "the engine's float32 rotation overflows (its partial sums reach sqrt(n) times "
+                "the norm) or the decoded norm passes 3.4e38; the engine would store it as garbage")
+            self.safe_norm = min(FLT_MAX / (math.sqrt(self.dim) * 1.001), ROW_LIMIT / decoded)
+        else:
+            self.range_rule = "its decoded norm (side x rms of its levels) passes 3.4e38"
+            self.safe_norm = None if self.side_kind == "unbiased" else ROW_LIMIT / decoded
+        if self.side_dtype == "f16":
+            self.safe_norm = None if self.safe_norm is None else F16_MAX
 
     def _canonical_spec(self, codebook):
         opts = []

@@ -58,6 +58,14 @@ default (Lloyd)
     each with the radius split, measured worse at b = 3, 4, 5 in a float64 prototype (1500 rows;
     e.g. 4 bits, d = 512: 0.151, 0.180, 0.140 against 0.117), hence the engine's level totals with
     the radius-driven split inside each level.
+
+Magnitudes (README "Codecs", docs/engine-arithmetic.md §8): a row is stored live when its norm is
+above 1e-35 (else a zero row, as the engine) and at most 3.4e38 (the engine's float 3.4e38f;
+above: ``ValueError`` naming the rows, or inert under ``nonfinite="inert"``). The Lloyd variant
+rotates a row whose float32 butterflies would overflow from a copy scaled by 2^-64 (the angles do
+not depend on the scale), so it takes every finite row of norm up to 3.4e38; ``compat`` refuses
+such a row instead (the engine stores it as garbage). The decoded norm is the radius, and the
+decoder unrotates overflow-safe, so every stored row decodes, scores and gives context finite.
 """
 import functools
 import hashlib
@@ -72,7 +80,8 @@ import numpy as np
 
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import polar as _polar
-from kvquant.codecs.base import SIDE_DTYPES, Codec
+from kvquant.codecs.base import (F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec,
+                                 codecs_for_width)
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 MIN_BITS, MAX_BITS = 2, 6
@@ -347,8 +356,8 @@ class PolarCodec(Codec):
         if not is_power_of_two(self.dim) or self.dim < 2:
             raise ValueError(
                 f"polar{bits} needs a power-of-two row width (the Hadamard rotation and the "
-                f"pairwise polar transform), got {self.dim}; use kv8 (or q8_0/q4_0) for width "
-                f"{self.dim}")
+                f"pairwise polar transform), got {self.dim}; use {codecs_for_width(self.dim)} "
+                f"for width {self.dim}")
         if compat not in (None,) + COMPATS:
             raise ValueError(f"compat={compat!r} is not known; the only one is 'colibri'")
         if alloc is not None and alloc not in ALLOCS:
@@ -370,6 +379,13 @@ class PolarCodec(Codec):
         self.compat = compat
         self.alloc = None if compat else (alloc or "radius")
         self.rotation = HadamardRotation(self.dim, self.seed)
+        if compat:
+            self.range_rule = ("the engine's float32 rotation overflows (its partial sums reach "
+                               "sqrt(n) times the norm); the engine would store it as garbage")
+            self.safe_norm = min(FLT_MAX / (math.sqrt(self.dim) * 1.001), ROW_LIMIT)
+        else:
+            # rotated on a scaled copy: every norm up to the limit (f16 sides: up to 65504)
+            self.safe_norm = F16_MAX if side_dtype == "f16" else ROW_LIMIT
         self.n_levels = n_levels = self.dim.bit_length() - 1
         counts = [0] + [self.dim >> level for level in range(1, n_levels + 1)]
         level_bits = [0, self.bits] + [max(self.bits - 1, 1)] * (n_levels - 1)
