@@ -64,7 +64,7 @@ SPLITS_LOW = ["tq5/tq3", "tq6/tq2", "tq5/polar3", "polar5/tq3", "polar5/polar4",
 SPLITS_HIGH = ["tq6/tq4", "q8_0/tq4", "tq8/tq4", "q8_0/tq6", "tq8/tq6"]
 # Between the two budgets (q8_0 keys cannot fit 4.5 bits: V would need <= 0.5 bits).
 SPLITS_MID = ["tq6/tq3", "q8_0/tq2"]
-# Stream options (kvquant.stream_options.parse_stream_spec): keys centered on the prompt's mean
+# Stream options (kvquant.streams.options.parse_stream_spec): keys centered on the prompt's mean
 # key, the first row of K and V kept in f32; fp16 side values (tq / polar `side_dtype=f16`) pay
 # for them.
 _H = ":side_dtype=f16"
@@ -82,7 +82,7 @@ STREAM_OPTION_CONFIGS = [
     "polar5@center/polar4", "polar5@sinks=1/polar4@sinks=1", "polar5@center,sinks=1/polar4@sinks=1",
     "polar5@center,normalize,sinks=1/polar4@sinks=1",
 ]
-# A recent window (kvquant.stream_options: each query reads the 16 rows before it in f32).
+# A recent window (kvquant.streams.options: each query reads the 16 rows before it in f32).
 # Its f32 rows are a fixed cost per stream: ~1 bit per value at the 512-token chunks measured
 # here, 0.25 at 2048, nothing at long contexts (``bits_per_value(pair)`` without tokens).
 _W = ",recent=16"
@@ -108,7 +108,7 @@ def bits_per_value(pair_spec, head_dim, tokens=None):
     stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
     """
     from kvquant.cache import RowStream
-    from kvquant.stream_options import parse_stream_spec
+    from kvquant.streams.options import parse_stream_spec
     from kvquant.codecs import get_codec
     from kvquant.models import split_pair_spec
     nbytes = 0.0

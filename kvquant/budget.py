@@ -6,7 +6,7 @@ The engine sizes its pool as (REFERENCE.md §1.6)
 
 where row_bytes sums the rows one token adds to one layer (every stream and KV head, side values
 included) and extra_f32 counts float32 values per token outside the layers (e.g. indexer rows).
-A stream spec (``tq4@recent=16``, ``polar4@center,sinks=4``; kvquant.stream_options) adds what
+A stream spec (``tq4@recent=16``, ``polar4@center,sinks=4``; kvquant.streams.options) adds what
 its stream holds besides the codes, as the cache's streams hold it: the first N rows in float32
 instead of codes (``sinks``), float32 copies of the W last rows (``recent``), one float32 vector
 for ``center`` and one for ``normalize``; ``"kv8/tq4"`` gives one spec per stream (K/V, L/R).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvquant.codecs import get_codec, split_spec_list
 # Stream options (the one import of them here: the module may move with the streams).
-from kvquant.stream_options import parse_stream_spec
+from kvquant.streams.options import parse_stream_spec
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def row_bytes(spec, dim):
 @dataclass(frozen=True)
 class StreamCost:
     """What one stream of rows of width ``dim`` costs: ``row_bytes`` per coded row, plus the
-    float32 rows and vectors its stream options keep (kvquant.stream_options): the first
+    float32 rows and vectors its stream options keep (kvquant.streams.options): the first
     ``sinks`` rows in float32 instead of codes, float32 copies of the ``recent`` last rows
     (besides their codes), and ``vectors`` float32 vectors (the offset of ``center``, the scales
     of ``normalize``)."""

@@ -52,7 +52,7 @@ def split_spec_list(text):
         if not piece:
             continue
         head = re.split(r"[/@]", piece)[0]
-        # bare flags: the stream options of kvquant.stream_options.parse_stream_spec
+        # bare flags: the stream options of kvquant.streams.options.parse_stream_spec
         is_option = head in ("center", "normalize") or ("=" in head and ":" not in head)
         if is_option:
             if not specs or not any(c in specs[-1].split("/")[-1] for c in ":@"):
