@@ -54,7 +54,7 @@ def tokenizer_from_gguf(reader):
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
         raise ImportError("the real model's tokenizer needs the 'tokenizers' package: "
-                          "pip install 'kvquant-lab[model]'") from None
+                          "pip install 'kvquant-lab[models]'") from None
     kind = _field(reader, "tokenizer.ggml.model")
     if kind == "llama":
         return _sentencepiece_bpe(reader)
