@@ -81,6 +81,12 @@ def gelu_tanh(X):
     return np.float32(0.5) * X * (np.float32(1.0) + np.tanh(c * (X + np.float32(0.044715) * X**3)))
 
 
+def _window(window):
+    """The cache's sliding_window keyword, given only on a windowed layer (so that caches of
+    one's own that know no window still serve the models without one)."""
+    return {} if window is None else {"sliding_window": window}
+
+
 def new_kv_cache(cfg, pair_spec="f32"):
     """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
 
@@ -261,10 +267,10 @@ class GGUFDecoder:
             cache.append(li, n_threads=CACHE_THREADS, k=k, v=v)
             if tokens.size == 1:
                 return cache.attend(li, q[0], scale=self.config.attn_scale,
-                                    n_threads=CACHE_THREADS, sliding_window=window)[None]
+                                    n_threads=CACHE_THREADS, **_window(window))[None]
             if self.prefill == "block":
                 return cache.attend_prefill(li, q, scale=self.config.attn_scale,
-                                            n_threads=CACHE_THREADS, sliding_window=window)
+                                            n_threads=CACHE_THREADS, **_window(window))
             return self._consumer_prefill(cache, li, q, pos, window)
 
         return self._final_norm(self._layers(tokens, pos, attend))
@@ -312,7 +318,7 @@ class GGUFDecoder:
             for b, cache in enumerate(caches):
                 cache.append(li, n_threads=CACHE_THREADS, k=k[b:b + 1], v=v[b:b + 1])
                 out[b] = cache.attend(li, q[b], scale=self.config.attn_scale,
-                                      n_threads=CACHE_THREADS, sliding_window=window)
+                                      n_threads=CACHE_THREADS, **_window(window))
             return out
 
         return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
