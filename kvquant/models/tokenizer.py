@@ -15,9 +15,12 @@ their scores and types, no merges: spaces become "▁" (no prefix space when
 concatenation is the piece of highest score merges first (SentencePiece's BPE rule, written here
 as BPE merges ranked by that score; ties: the lower ids of the left, then right piece), and
 characters outside the vocabulary fall back to their UTF-8 bytes ``<0xXX>``. Control pieces are
-special tokens and user-defined pieces (Gemma's "\n\n", HTML tags) plain added tokens, both
-matched whole. Gemma's GGUF spells its pieces of several spaces with real spaces: they are
-respelled with "▁" (transformers' GGUF conversion notes the same). Only the pre-tokenizer
+special tokens and user-defined pieces (Gemma's newline runs, space runs, HTML tags) plain added
+tokens, both matched whole, the longest first. Gemma's GGUF spells its pieces of several spaces
+with real spaces: they are respelled with "▁" (transformers' GGUF conversion notes the same).
+On the pydoc and code texts the ids equal those of transformers' tokenizer from the same file
+except inside runs of more than 31 spaces, which transformers joins by BPE merges instead of
+longest pieces first (tools/make_gguf_fixtures.py records the comparison). Only the pre-tokenizer
 ``default`` is implemented for this kind.
 """
 __all__ = ["tokenizer_from_gguf"]
