@@ -42,7 +42,9 @@ def bytes_to_unicode():
 
 
 BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BPE_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "1 2"]
+BPE_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "1 2", "12 3"]
+# each architecture's usual llama.cpp pre-tokenizer
+BPE_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 # A SentencePiece-style vocabulary as Gemma's GGUF lays it out: control pieces, user-defined
 # pieces (newlines, runs of spaces spelled with real spaces), 256 byte pieces, then the normal
 # pieces by falling score.
@@ -80,7 +82,7 @@ def _add_tokenizer(w, arch):
     tokens = BPE_SPECIALS + list(bytes_to_unicode().values()) + \
         [m.replace(" ", "") for m in BPE_MERGES]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(BPE_PRE[arch])
     w.add_token_list(tokens)
     w.add_token_types([3] * len(BPE_SPECIALS) + [1] * (len(tokens) - len(BPE_SPECIALS)))
     w.add_token_merges(BPE_MERGES)

@@ -195,11 +195,17 @@ def test_chunks_longer_than_the_trained_context_are_refused(models):
         model.forward(np.zeros(5, np.int64), cache)
 
 
-def test_sentencepiece_tokenizer_matches_transformers(oracle, models):
-    model = models["gemma3"]
-    for text, ids in oracle[0]["archs"]["gemma3"]["hf_tokenizer_ids"].items():
-        assert model.encode(text)[1:].tolist() == ids, text
-        assert model.decode(model.encode(text)[1:]) == text
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizers_match_transformers(arch, oracle, models):
+    """Each file's tokenizer (gemma3: SentencePiece-style; llama: Llama 3's pre-tokenizer; qwen:
+    Qwen 2's) gives the ids of transformers' tokenizer from the same file."""
+    model = models[arch]
+    first = 0 if model.bos_token_id is None else 1
+    cases = oracle[0]["archs"][arch]["hf_tokenizer_ids"]
+    assert len(cases) == 4
+    for text, ids in cases.items():
+        assert model.encode(text)[first:].tolist() == ids, text
+        assert model.decode(model.encode(text)[first:]) == text
 
 
 def test_load_model_by_path_and_names(files, tmp_path):

@@ -296,8 +296,12 @@ def test_tokenizer_pre_tokenizer_follows_the_file(tmp_path):
     assert gpt2.encode(" 12").tokens == ["Ġ", "12"]          # no digit split: "1 2" merges
     smollm = tokenizer_from_gguf(write_vocab_only(tmp_path / "smollm.gguf", "smollm"))
     assert smollm.encode(" 12").tokens == ["Ġ", "1", "2"]
-    with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
-        tokenizer_from_gguf(write_vocab_only(tmp_path / "llama3.gguf", "llama-bpe"))
+    llama3 = tokenizer_from_gguf(write_vocab_only(tmp_path / "llama3.gguf", "llama-bpe"))
+    assert llama3.encode(" 12 in").tokens == ["Ġ", "12", "Ġ", "in"]   # digits in groups of 3
+    qwen2 = tokenizer_from_gguf(write_vocab_only(tmp_path / "qwen2.gguf", "qwen2"))
+    assert qwen2.encode(" 12").tokens == ["Ġ", "1", "2"]
+    with pytest.raises(ValueError, match="pre-tokenizer 'falcon' is not supported"):
+        tokenizer_from_gguf(write_vocab_only(tmp_path / "falcon.gguf", "falcon"))
 
 
 def test_rope_adjacent_is_a_rotation_of_pairs():

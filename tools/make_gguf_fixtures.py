@@ -42,7 +42,8 @@ from kvquant.models import load_model  # noqa: E402
 ORACLE = os.path.join(ROOT, "data", "oracle")
 SEED = 0
 N_TOKENS = 24
-TOKENIZER_STRINGS = ["the cat is the world.", "  the world\n\nis  a cat", "hé <start_of_turn>w"]
+TOKENIZER_STRINGS = ["the cat is the world.", "  the world\n\nis  a cat", "hé <start_of_turn>w",
+                     "in 1234 the 12'll\n\n  he's  \t<|im_end|>x 9"]
 GEMMA_TEXT = (20000, 20600)    # characters of the pydoc topics
 TOP = 5
 # Runs of spaces longer than Gemma's longest space piece (31): split differently (see below).
@@ -85,7 +86,7 @@ def random_models():
             diff = float(np.abs(ours - theirs).max())
             tok = AutoTokenizer.from_pretrained(tmp, gguf_file=os.path.basename(path))
             strings = {s: tok(s, add_special_tokens=False)["input_ids"]
-                       for s in TOKENIZER_STRINGS} if arch == "gemma3" else {}
+                       for s in TOKENIZER_STRINGS}
             meta["archs"][arch] = {
                 "shape": SHAPES[arch], "vocab": vocab, "weights_sha256": weights_sha256(path),
                 "ids": ids.tolist(), "max_abs_diff_when_made": diff,

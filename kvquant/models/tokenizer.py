@@ -3,7 +3,8 @@ SentencePiece-style BPE (``llama``, with scores: Gemma 3).
 
 Byte-level BPE. GGUF keeps a GPT-2 style byte-level BPE as ``tokenizer.ggml.tokens`` / ``merges`` /
 ``token_type``. llama.cpp's "smollm" pre-tokenizer splits every digit on its own, then applies
-the GPT-2 regex: here ``Sequence([Digits(individual_digits=True), ByteLevel(...)])``.
+the GPT-2 regex: here ``Sequence([Digits(individual_digits=True), ByteLevel(...)])``; Llama 3's
+("llama-bpe") and Qwen 2's ("qwen2", also Qwen 3's) split with their own regex first.
 (transformers' own GGUF tokenizer conversion leaves the digit split out, so it tokenizes runs of
 spaces before a digit differently: tools/compare_transformers_gguf.py records both.) Tokens of type
 3 (control: ``<|endoftext|>``, ``<|im_start|>``, ...) are registered as special tokens so that
@@ -31,8 +32,15 @@ USER_DEFINED_TOKEN_TYPE = 4
 SPACE_PIECE = "\u2581"
 # llama.cpp pre-tokenizers: these split every digit on its own before the GPT-2 regex ...
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+# ... these split text with their own regex (llama.cpp's src/llama-vocab.cpp: Llama 3's groups
+# runs of up to three digits, Qwen 2's splits every digit), then map bytes as GPT-2 does ...
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
+QWEN2_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
+REGEX_SPLIT_PRE = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
 # ... and this one is the GPT-2 regex alone.
-SUPPORTED_PRE = DIGIT_SPLIT_PRE + ("gpt2",)
+SUPPORTED_PRE = DIGIT_SPLIT_PRE + tuple(REGEX_SPLIT_PRE) + ("gpt2",)
 
 
 def _field(reader, key, required=True):
@@ -54,7 +62,7 @@ def tokenizer_from_gguf(reader):
         ``tokenizer.ggml.add_bos_token`` asks for it) and decodes ids to text.
     """
     try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
         raise ImportError("the real model's tokenizer needs the 'tokenizers' package: "
                           "pip install 'kvquant-lab[models]'") from None
@@ -76,9 +84,15 @@ def tokenizer_from_gguf(reader):
         raise ValueError("the GGUF vocabulary holds duplicate tokens")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if pre in DIGIT_SPLIT_PRE else byte_level)
+    if pre in REGEX_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(REGEX_SPLIT_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, t in enumerate(types) if t == CONTROL_TOKEN_TYPE]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
