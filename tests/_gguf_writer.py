@@ -15,6 +15,12 @@ import numpy as np
 # has six layers so that layer 5 attends globally and layers 0-4 to a window of 8.
 SHAPES = {
     "llama": dict(n_layers=2, hidden=64, ffn=96, n_heads=4, n_kv=2, head_dim=16, rope_base=10000.0),
+    # a llama file with Llama 3.1's RoPE scaling (rope_freqs.weight), its original context short
+    # enough that the scaled frequencies turn within the fixture's positions
+    "llama3.1": dict(n_layers=2, hidden=64, ffn=96, n_heads=4, n_kv=2, head_dim=16,
+                     rope_base=10000.0, arch="llama",
+                     llama3_rope=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=256)),
     "qwen2": dict(n_layers=2, hidden=64, ffn=96, n_heads=4, n_kv=2, head_dim=16, rope_base=1e6),
     "qwen3": dict(n_layers=2, hidden=64, ffn=96, n_heads=2, n_kv=1, head_dim=128, rope_base=1e6),
     "gemma3": dict(n_layers=6, hidden=32, ffn=64, n_heads=2, n_kv=1, head_dim=256, rope_base=1e6,
@@ -22,6 +28,30 @@ SHAPES = {
 }
 CONTEXT = 64
 EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "gemma3": 1e-6}
+
+
+def architecture(name):
+    """The GGUF architecture of an entry of :data:`SHAPES`."""
+    return SHAPES[name].get("arch", name)
+
+
+def llama3_rope_factors(head_dim, base, factor, low_freq_factor, high_freq_factor,
+                        original_max_position_embeddings):
+    """Llama 3.1's per-frequency RoPE divisors, as llama.cpp's converter writes them to
+    rope_freqs.weight: 1 for wavelengths below original / high_freq_factor, ``factor`` above
+    original / low_freq_factor, and a smooth blend between."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * base ** (i / head_dim)
+        if wavelen < original_max_position_embeddings / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > original_max_position_embeddings / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = ((original_max_position_embeddings / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 # matrix -> GGUF type name (rows are multiples of 32, as the block types need)
 MATRIX_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "F16",
                 "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"}
@@ -90,8 +120,8 @@ def _add_tokenizer(w, arch):
     return len(tokens)
 
 
-def write_random_gguf(path, arch, seed=0, metadata=None, extra_tensors=None, file_arch=None):
-    """Write a random-weight GGUF file of ``arch`` (one of :data:`SHAPES`) to ``path``.
+def write_random_gguf(path, entry, seed=0, metadata=None, extra_tensors=None, file_arch=None):
+    """Write a random-weight GGUF file of the entry ``entry`` of :data:`SHAPES` to ``path``.
 
     For tests of refusals: ``metadata`` (key -> value) and ``extra_tensors`` (name -> float32
     array) are written as they are, and ``file_arch`` replaces ``general.architecture``.
@@ -99,7 +129,7 @@ def write_random_gguf(path, arch, seed=0, metadata=None, extra_tensors=None, fil
     """
     import gguf
 
-    s = SHAPES[arch]
+    s, arch = SHAPES[entry], architecture(entry)
     rng = np.random.default_rng(seed)
     D, F, H, G, hd = s["hidden"], s["ffn"], s["n_heads"], s["n_kv"], s["head_dim"]
     w = gguf.GGUFWriter(str(path), file_arch or arch)
@@ -162,8 +192,11 @@ def write_random_gguf(path, arch, seed=0, metadata=None, extra_tensors=None, fil
     add("output_norm.weight", (D,), 0.1, offset=1.0)
     if arch == "qwen2":   # one file with an untied output matrix
         add("output.weight", (V, D), 0.5, "Q8_0")
-    for name, arr in (extra_tensors or {}).items():
-        w.add_tensor(name, np.asarray(arr, np.float32))
+    if "llama3_rope" in s:
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(hd, s["rope_base"],
+                                                               **s["llama3_rope"]))
+    for tensor, arr in (extra_tensors or {}).items():
+        w.add_tensor(tensor, np.asarray(arr, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -16,7 +16,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the models extra (gguf) is not installed")
 pytest.importorskip("tokenizers", reason="the models extra (tokenizers) is not installed")
 
-from _gguf_writer import SHAPES, weights_sha256, write_random_gguf  # noqa: E402
+from _gguf_writer import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
 
 from kvquant.models import MODEL_NAMES, load_model  # noqa: E402
 from kvquant.models import gguf_weights  # noqa: E402
@@ -65,7 +65,7 @@ def test_the_rebuilt_file_is_the_one_transformers_ran(arch, files, oracle):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_f32_prefill_matches_transformers(arch, oracle, models):
     model, ids, ref, tol = _case(arch, oracle, models)
-    assert model.config.architecture == arch
+    assert model.config.architecture == architecture(arch)
     np.testing.assert_allclose(model.forward(ids, model.new_cache("f32")), ref, rtol=0, atol=tol)
 
 
@@ -127,13 +127,26 @@ def test_the_rope_pairing_is_the_architectures(arch, oracle, models):
     halves of a head: the other pairing misses transformers."""
     model, ids, ref, tol = _case(arch, oracle, models)
     cfg = model.config
-    assert cfg.rope_pairs == ("adjacent" if arch == "llama" else "halves")
+    assert cfg.rope_pairs == ("adjacent" if architecture(arch) == "llama" else "halves")
     other = "halves" if cfg.rope_pairs == "adjacent" else "adjacent"
     model.config = dataclasses.replace(cfg, rope_pairs=other)
     try:
         assert np.abs(model.forward(ids, model.new_cache("f32")) - ref).max() > 100 * tol
     finally:
         model.config = cfg
+
+
+def test_llama31_rope_scaling_is_applied(oracle, models):
+    """rope_freqs.weight divides the low frequencies (Llama 3.1/3.2): without it the file misses
+    transformers run with the same rope scaling."""
+    model, ids, ref, tol = _case("llama3.1", oracle, models)
+    assert model.rope_factors is not None and model.rope_factors.max() == 8.0
+    assert models["llama"].rope_factors is None
+    factors, model.rope_factors = model.rope_factors, None
+    try:
+        assert np.abs(model.forward(ids, model.new_cache("f32")) - ref).max() > 100 * tol
+    finally:
+        model.rope_factors = factors
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -235,9 +248,17 @@ def test_unimplemented_metadata_is_refused(tmp_path, arch, extra, match):
 
 
 def test_unknown_tensors_and_architectures_are_refused(tmp_path):
-    path = tmp_path / "llama31.gguf"
-    write_random_gguf(path, "llama", extra_tensors={"rope_freqs.weight": np.ones(8)})
+    path = tmp_path / "moe.gguf"
+    write_random_gguf(path, "llama", extra_tensors={"blk.0.ffn_gate_inp.weight": np.ones((4, 64))})
+    with pytest.raises(ValueError, match="blk.0.ffn_gate_inp.weight"):
+        GGUFDecoder(str(path))
+    path = tmp_path / "qwen-rope-freqs.gguf"   # RoPE divisors are read on llama files only
+    write_random_gguf(path, "qwen2", extra_tensors={"rope_freqs.weight": np.ones(8)})
     with pytest.raises(ValueError, match="rope_freqs.weight"):
+        GGUFDecoder(str(path))
+    path = tmp_path / "short-rope-freqs.gguf"
+    write_random_gguf(path, "llama", extra_tensors={"rope_freqs.weight": np.ones(5)})
+    with pytest.raises(ValueError, match="'rope_freqs.weight' has shape \\(5,\\), expected \\(8,\\)"):
         GGUFDecoder(str(path))
     path = tmp_path / "phi.gguf"
     write_random_gguf(path, "llama", file_arch="phi3")

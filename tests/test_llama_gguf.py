@@ -367,7 +367,7 @@ def test_smollm2_induction(smollm2, monkeypatch):
     for spec in ("f32", "kv8"):
         assert second_pass_accuracy(spec) > 0.8, spec
 
-    def half_split(X, positions, base):
+    def half_split(X, positions, base, factors=None):
         d = X.shape[-1]
         ang = np.asarray(positions, float)[:, None] * base ** (-np.arange(0, d, 2) / d)
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]

@@ -1,9 +1,11 @@
 """Write the GGUF decoder's transformers fixtures, per architecture and for Gemma 3 270M.
 
-1. Random-weight files (llama, qwen2, qwen3, gemma3) from tests/_gguf_writer.py (a seed rebuilds
+1. Random-weight files (llama, llama with Llama 3.1's RoPE scaling, qwen2, qwen3, gemma3) from
+   tests/_gguf_writer.py (a seed rebuilds
    the same file, so no GGUF is committed), each loaded by transformers through its own GGUF
    loading (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, float32, eager
-   attention) and run on a fixed token sequence (longer than Gemma's window of 8). Written:
+   attention; Llama 3.1's RoPE scaling, which the loader does not read from the file, given as
+   configuration) and run on a fixed token sequence (longer than Gemma's window of 8). Written:
    data/oracle/gguf_random_transformers.json (seed, weights fingerprint, versions, token ids,
    transformers' tokenization of a few strings with the file's tokenizer) and
    data/oracle/gguf_random_transformers.npz (the logits, float32).
@@ -34,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from _gguf_writer import SHAPES, weights_sha256, write_random_gguf  # noqa: E402
+from _gguf_writer import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
 
 from kvquant.flips import pydoc_text, stdlib_code_text  # noqa: E402
 from kvquant.models import load_model  # noqa: E402
@@ -58,12 +60,22 @@ def versions():
             "python": platform.python_version()}
 
 
-def hf_model(path):
+def hf_model(path, **config):
     import torch
     from transformers import AutoModelForCausalLM
     folder, name = os.path.split(path)
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+                                                attn_implementation="eager", **config).eval()
+
+
+def hf_config(entry):
+    """What transformers' GGUF loading does not read from the file and is given here: Llama
+    3.1's RoPE scaling (the file carries it as rope_freqs.weight, which the loader ignores)."""
+    s = SHAPES[entry]
+    if "llama3_rope" not in s:
+        return {}
+    return {"rope_parameters": {"rope_type": "llama3", "rope_theta": s["rope_base"],
+                                **s["llama3_rope"]}}
 
 
 def hf_logits(model, ids):
@@ -80,7 +92,7 @@ def random_models():
             path = os.path.join(tmp, f"random-{arch}.gguf")
             vocab = write_random_gguf(path, arch, SEED)
             ids = np.random.default_rng(SEED + 1).integers(0, vocab, N_TOKENS)
-            theirs = hf_logits(hf_model(path), ids)
+            theirs = hf_logits(hf_model(path, **hf_config(arch)), ids)
             ours_model = load_model(path)
             ours = ours_model.forward(ids, ours_model.new_cache("f32"))
             diff = float(np.abs(ours - theirs).max())
@@ -88,6 +100,7 @@ def random_models():
             strings = {s: tok(s, add_special_tokens=False)["input_ids"]
                        for s in TOKENIZER_STRINGS}
             meta["archs"][arch] = {
+                "architecture": architecture(arch), "hf_config": hf_config(arch),
                 "shape": SHAPES[arch], "vocab": vocab, "weights_sha256": weights_sha256(path),
                 "ids": ids.tolist(), "max_abs_diff_when_made": diff,
                 "max_abs_logit": float(np.abs(theirs).max()),

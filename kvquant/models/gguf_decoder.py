@@ -3,7 +3,8 @@ goes through codecs.
 
 One forward serves the four architectures; what differs between them is a field of
 :class:`~kvquant.models.gguf_config.DecoderConfig`: RoPE pairing (adjacent pairs on ``llama``
-files, whose Q/K weights the converter permuted; the two halves of a head elsewhere), Q/K/V
+files, whose Q/K weights the converter permuted; the two halves of a head elsewhere; Llama 3.1's RoPE
+scaling when the file carries its ``rope_freqs`` divisors), Q/K/V
 biases (qwen2), RMSNorm of each query and key head before RoPE (qwen3, gemma3), norms after the
 attention and the MLP and scaled embeddings (gemma3), SwiGLU or GeGLU (tanh GELU), the score
 scale, and layers that attend to the last ``sliding_window`` positions only (gemma3's local
@@ -42,18 +43,21 @@ CACHE_THREADS = 1
 LOGIT_ROW_BLOCK = 512
 
 
-def _angles(positions, d, base):
+def _angles(positions, d, base, factors=None):
     inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if factors is not None:   # Llama 3.1's RoPE scaling: frequency i divided by factors[i]
+        inv = inv / np.asarray(factors, dtype=np.float64)
     ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
 
 
-def rope_adjacent(X, positions, base):
-    """RoPE on adjacent pairs: (x[2i], x[2i+1]) rotate by pos * base^(-2i/d).
+def rope_adjacent(X, positions, base, factors=None):
+    """RoPE on adjacent pairs: (x[2i], x[2i+1]) rotate by pos * base^(-2i/d) / factors[i].
 
-    X : (n, heads, d) float32, positions : (n,) int. Returns float32, same layout.
+    X : (n, heads, d) float32, positions : (n,) int, factors : (d/2,) or None (all 1).
+    Returns float32, same layout.
     """
-    cos, sin = _angles(positions, X.shape[-1], base)
+    cos, sin = _angles(positions, X.shape[-1], base, factors)
     a, b = X[..., 0::2], X[..., 1::2]
     out = np.empty_like(X)
     out[..., 0::2] = a * cos - b * sin
@@ -61,13 +65,15 @@ def rope_adjacent(X, positions, base):
     return out
 
 
-def rope_halves(X, positions, base):
-    """RoPE on the two halves of a head: (x[i], x[i + d/2]) rotate by pos * base^(-2i/d).
+def rope_halves(X, positions, base, factors=None):
+    """RoPE on the two halves of a head: (x[i], x[i + d/2]) rotate by
+    pos * base^(-2i/d) / factors[i].
 
-    X : (n, heads, d) float32, positions : (n,) int. Returns float32, same layout.
+    X : (n, heads, d) float32, positions : (n,) int, factors : (d/2,) or None (all 1).
+    Returns float32, same layout.
     """
     d = X.shape[-1]
-    cos, sin = _angles(positions, d, base)
+    cos, sin = _angles(positions, d, base, factors)
     a, b = X[..., :d // 2], X[..., d // 2:]
     out = np.empty_like(X)
     out[..., :d // 2] = a * cos - b * sin
@@ -147,6 +153,9 @@ class GGUFDecoder:
         # Tied embeddings: no output.weight in the file means the output matrix is token_embd.
         self._output_name = "output.weight" if "output.weight" in w else "token_embd.weight"
         self.output_norm = w.get("output_norm.weight")
+        # Llama 3.1/3.2 files carry their RoPE scaling as per-frequency divisors (llama.cpp's
+        # rope_freqs, which its converter computes from the model's rope_scaling)
+        self.rope_factors = w.get("rope_freqs.weight") if "rope_freqs.weight" in w else None
         self._norms = [{n: w.get(f"blk.{i}.{n}") for n in self._layer_names
                         if n.endswith("norm.weight") or n.endswith(".bias")}
                        for i in range(cfg.n_layers)]
@@ -183,6 +192,8 @@ class GGUFDecoder:
         expected = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,)}
         if "output.weight" in w:
             expected["output.weight"] = (cfg.vocab_size, D)
+        if "rope_freqs.weight" in w and cfg.architecture == "llama":
+            expected["rope_freqs.weight"] = (hd // 2,)
         for i in range(cfg.n_layers):
             for n in self._layer_names:
                 expected[f"blk.{i}.{n}"] = shapes[n]
@@ -363,7 +374,7 @@ class GGUFDecoder:
                 q = rms_norm(q.reshape(-1, hd), norms["attn_q_norm.weight"], eps).reshape(q.shape)
                 k = rms_norm(k.reshape(-1, hd), norms["attn_k_norm.weight"], eps).reshape(k.shape)
             base = cfg.rope_bases[li]
-            q, k = rope(q, pos, base), rope(k, pos, base)
+            q, k = rope(q, pos, base, self.rope_factors), rope(k, pos, base, self.rope_factors)
             # The rows enter the cache (quantized) before anything reads them.
             out = attend(li, q, k, v).reshape(n, -1) @ w.get(p + "attn_output.weight").T
             if cfg.post_norms:
