@@ -8,8 +8,10 @@ norms, activation, embedding scale, sliding-window layers), so that one forward
 
 Anything the forward does not implement is refused with a ValueError naming it: another
 architecture, a metadata key of the architecture that is not known here (rope scaling of any
-kind, logit softcapping, experts, a sliding window on a ``llama`` file, per-layer head counts,
-partial RoPE, ...), a tensor name that is not expected. Nothing runs approximately.
+kind declared in metadata, logit softcapping, experts, a sliding window on a ``llama`` file,
+per-layer head counts, partial RoPE, ...), a tensor name that is not expected (the decoder
+checks the tensors; Llama 3.1's RoPE divisors, ``rope_freqs.weight``, it applies). Nothing runs
+approximately.
 
 Facts the files do not carry, taken from llama.cpp's loader (``src/llama-model.cpp``) and
 transformers' ``Gemma3TextConfig``, which agree on them:
