@@ -322,3 +322,17 @@ def test_gemma3_270m_matches_transformers(gemma):
     lse = m[:, 0] + np.log(np.exp(logits - m).sum(1, dtype=np.float64))
     np.testing.assert_allclose(lse, fx["hf_logsumexp"], rtol=0, atol=2e-3)
     assert logits.argmax(1).tolist() == fx["hf_argmax"]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_past_the_window_matches_transformers(gemma):
+    """Positions 512-639 of a 640-token text: the local layers read only their last 512 rows."""
+    from kvquant.flips import pydoc_text
+    with open(os.path.join(ORACLE, "gemma3_270m_transformers.json")) as f:
+        fx = json.load(f)["long"]
+    ids = gemma.encode(pydoc_text()[slice(*fx["text_chars"])])[:fx["tokens"]]
+    assert ids.tolist() == fx["ids"]
+    logits = gemma.forward(ids, gemma.new_cache("f32"))[fx["from_position"]:]
+    top = np.take_along_axis(logits, np.array(fx["hf_top_ids"]), axis=1)
+    np.testing.assert_allclose(top, fx["hf_top_logits"], rtol=0, atol=2e-3)
+    assert logits.argmax(1).tolist() == fx["hf_argmax"]

