@@ -13,7 +13,8 @@ Arguments: mode, positions, chunk tokens, model (a name or a .gguf path). The ch
   ``logits`` in blocks of 256 rows: every spec's final hidden rows are kept (n x hidden) and the
   logits of each block are computed when needed, so memory stays near 3 x 256 x vocab float64.
   Seconds per spec: its forward plus its logits/KLD blocks (f32's: its forward plus the reference
-  log-probabilities of every block).
+  log-probabilities of every block). On Gemma 3 270M at 2048 positions in 512-token chunks both
+  modes gave the same mean KLD and same top-1 for every spec, to the last digit printed.
 """
 import json
 import os
