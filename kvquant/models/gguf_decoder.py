@@ -1,0 +1,417 @@
+"""A numpy forward for GGUF decoders (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) whose KV cache
+goes through codecs.
+
+One forward serves the four architectures; what differs between them is a field of
+:class:`~kvquant.models.gguf_config.DecoderConfig`: RoPE pairing (adjacent pairs on ``llama``
+files, whose Q/K weights the converter permuted; the two halves of a head elsewhere; Llama 3.1's RoPE
+scaling when the file carries its ``rope_freqs`` divisors), Q/K/V
+biases (qwen2), RMSNorm of each query and key head before RoPE (qwen3, gemma3), norms after the
+attention and the MLP and scaled embeddings (gemma3), SwiGLU or GeGLU (tanh GELU), the score
+scale, and layers that attend to the last ``sliding_window`` positions only (gemma3's local
+layers, each kind with its own RoPE base).
+
+Per layer and KV head the cache (:class:`~kvquant.cache.QuantizedKVCache`, streams ``k`` and
+``v``) keeps rows of width head_dim: keys after RoPE (and after the key norm) and values. Rows are
+encoded as they are appended, before attention reads them (prefill included). A decode step
+reads them through the codecs' consumers (``cache.attend``); a prefill, by default, through the
+cache's decoded-block ``attend_prefill`` (BLAS; it agrees with the consumers to rounding), and
+``prefill="consumer"`` scores and sums every query on the codes instead. Keys and values may use
+different codecs (``"kv8/tq4"``: K kv8, V tq4). A local layer's cache keeps all its rows; its
+queries read only the window (the cache's ``sliding_window`` argument).
+
+Weights stay in their GGUF types, memory-mapped, and are dequantized as the forward needs them
+(:class:`~kvquant.models.gguf_weights.GGUFWeights` states the memory policy and its budget).
+"""
+import os
+from dataclasses import asdict
+
+import numpy as np
+
+from kvquant.cache import QuantizedKVCache
+from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
+from kvquant.models.gguf_config import config_from_gguf, gguf_field, layer_tensor_names
+from kvquant.models.gguf_weights import DEFAULT_BUDGET_BYTES, GGUFWeights
+
+__all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_adjacent",
+           "rope_halves"]
+
+PREFILL_MODES = ("block", "consumer")
+# Threads for the cache's kernels. Each call is small (one layer and KV head); more threads would
+# only contend with BLAS, which runs the matrix products between them, for the same cores.
+CACHE_THREADS = 1
+# Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
+LOGIT_ROW_BLOCK = 512
+
+
+def _angles(positions, d, base, factors=None):
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if factors is not None:   # Llama 3.1's RoPE scaling: frequency i divided by factors[i]
+        inv = inv / np.asarray(factors, dtype=np.float64)
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
+
+
+def rope_adjacent(X, positions, base, factors=None):
+    """RoPE on adjacent pairs: (x[2i], x[2i+1]) rotate by pos * base^(-2i/d) / factors[i].
+
+    X : (n, heads, d) float32, positions : (n,) int, factors : (d/2,) or None (all 1).
+    Returns float32, same layout.
+    """
+    cos, sin = _angles(positions, X.shape[-1], base, factors)
+    a, b = X[..., 0::2], X[..., 1::2]
+    out = np.empty_like(X)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = b * cos + a * sin
+    return out
+
+
+def rope_halves(X, positions, base, factors=None):
+    """RoPE on the two halves of a head: (x[i], x[i + d/2]) rotate by
+    pos * base^(-2i/d) / factors[i].
+
+    X : (n, heads, d) float32, positions : (n,) int, factors : (d/2,) or None (all 1).
+    Returns float32, same layout.
+    """
+    d = X.shape[-1]
+    cos, sin = _angles(positions, d, base, factors)
+    a, b = X[..., :d // 2], X[..., d // 2:]
+    out = np.empty_like(X)
+    out[..., :d // 2] = a * cos - b * sin
+    out[..., d // 2:] = b * cos + a * sin
+    return out
+
+
+def gelu_tanh(X):
+    """GELU with the tanh approximation (float32)."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * X * (np.float32(1.0) + np.tanh(c * (X + np.float32(0.044715) * X**3)))
+
+
+def _window(window):
+    """The cache's sliding_window keyword, given only on a windowed layer (so that caches of
+    one's own that know no window still serve the models without one)."""
+    return {} if window is None else {"sliding_window": window}
+
+
+def new_kv_cache(cfg, pair_spec="f32"):
+    """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
+
+    ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V; ``cfg`` needs
+    ``n_layers``, ``n_kv_heads``, ``head_dim``.
+    """
+    k_spec, v_spec = split_pair_spec(pair_spec)
+    streams = {"k": (check_stream_spec(k_spec, cfg.head_dim, "K"), cfg.head_dim),
+               "v": (check_stream_spec(v_spec, cfg.head_dim, "V"), cfg.head_dim)}
+    return QuantizedKVCache(cfg.n_layers, streams, n_kv_heads=cfg.n_kv_heads, capacity=256)
+
+
+class GGUFDecoder:
+    """A decoder read from a GGUF file of architecture llama, qwen2, qwen3 or gemma3.
+
+    Parameters
+    ----------
+    path : str
+    name : str, optional
+        Model name used in results (default: the file name).
+    prefill : {"block", "consumer"}
+        How several tokens at once attend (see :meth:`forward_hidden`); decode always uses the
+        consumers.
+    budget_bytes : int
+        Bytes of dequantized float32 weights to keep between forwards
+        (:class:`~kvquant.models.gguf_weights.GGUFWeights`).
+
+    Attributes
+    ----------
+    name, vocab_size, context_length, n_layers, n_kv_heads, head_dim : as the file says
+    bos_token_id : int or None
+        The id :meth:`encode` puts first (the file's ``tokenizer.ggml.add_bos_token``), else None.
+    """
+
+    def __init__(self, path, name=None, prefill="block", budget_bytes=DEFAULT_BUDGET_BYTES):
+        try:
+            import gguf
+        except ImportError:
+            raise ImportError(
+                "reading GGUF files needs the 'gguf' package: pip install 'kvquant-lab[models]'"
+            ) from None
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={prefill!r} is not one of {PREFILL_MODES}")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        self.prefill = prefill
+        self.path = path
+        self.name = name or os.path.splitext(os.path.basename(path))[0]
+        self._reader = reader = gguf.GGUFReader(path)
+        self.config = cfg = config_from_gguf(reader)
+        self.weights = w = GGUFWeights(reader, path, budget_bytes)
+        self._check_tensors()
+        self.vocab_size = cfg.vocab_size
+        self.context_length = cfg.context_length
+        self.n_layers = cfg.n_layers
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        # Tied embeddings: no output.weight in the file means the output matrix is token_embd.
+        self._output_name = "output.weight" if "output.weight" in w else "token_embd.weight"
+        self.output_norm = w.get("output_norm.weight")
+        # Llama 3.1/3.2 files carry their RoPE scaling as per-frequency divisors (llama.cpp's
+        # rope_freqs, which its converter computes from the model's rope_scaling)
+        self.rope_factors = w.get("rope_freqs.weight") if "rope_freqs.weight" in w else None
+        self._norms = [{n: w.get(f"blk.{i}.{n}") for n in self._layer_names
+                        if n.endswith("norm.weight") or n.endswith(".bias")}
+                       for i in range(cfg.n_layers)]
+        w.keep(self._output_name)
+        for i in range(cfg.n_layers):
+            for n in self._matrix_names:
+                w.keep(f"blk.{i}.{n}")
+        self._tokenizer = None
+        add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False, required=False)
+        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
+        self.bos_token_id = int(bos) if add_bos and bos is not None else None
+        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id", None, required=False)
+        self.eos_token_id = None if eos is None else int(eos)
+
+    _matrix_names = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                     "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+    @property
+    def _layer_names(self):
+        return layer_tensor_names(self.config)
+
+    def _check_tensors(self):
+        """Every tensor expected, of its shape, and no other (an unknown tensor is a feature of
+        the architecture this forward would leave out)."""
+        cfg, w = self.config, self.weights
+        D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        shapes = {"attn_norm.weight": (D,), "attn_q.weight": (q, D), "attn_k.weight": (kv, D),
+                  "attn_v.weight": (kv, D), "attn_output.weight": (D, q), "ffn_norm.weight": (D,),
+                  "ffn_gate.weight": (F, D), "ffn_up.weight": (F, D), "ffn_down.weight": (D, F),
+                  "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+                  "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+                  "post_attention_norm.weight": (D,), "post_ffw_norm.weight": (D,)}
+        expected = {"token_embd.weight": (cfg.vocab_size, D), "output_norm.weight": (D,)}
+        if "output.weight" in w:
+            expected["output.weight"] = (cfg.vocab_size, D)
+        if "rope_freqs.weight" in w and cfg.architecture == "llama":
+            expected["rope_freqs.weight"] = (hd // 2,)
+        for i in range(cfg.n_layers):
+            for n in self._layer_names:
+                expected[f"blk.{i}.{n}"] = shapes[n]
+        unknown = sorted(set(w.tensors) - set(expected))
+        if unknown:
+            raise ValueError(
+                f"{self.path}: tensor(s) {', '.join(unknown[:6])}{' ...' if len(unknown) > 6 else ''}"
+                f" are not part of the {cfg.architecture} forward implemented here (refused "
+                "rather than run without them)")
+        for name, shape in expected.items():
+            w.check_shape(name, shape)
+
+    # -- model contract ------------------------------------------------------------------------
+    @property
+    def attention(self):
+        """How attention reads the cache, for results."""
+        if self.prefill == "block":
+            return "decode: codec consumers; prefill: decoded block + BLAS (attend_prefill)"
+        return "codec consumers (decode and prefill)"
+
+    def describe(self):
+        cfg = asdict(self.config)
+        cfg["sliding_layers"] = [i for i, s in enumerate(self.config.sliding_layers) if s]
+        cfg["rope_bases"] = sorted(set(self.config.rope_bases))
+        return {"model": self.name, "file": os.path.basename(self.path), **cfg,
+                "attention": self.attention, "bos_token_id": self.bos_token_id}
+
+    @property
+    def tokenizer(self):
+        """The file's tokenizer (built on first use; refuses kinds not implemented)."""
+        if self._tokenizer is None:
+            from kvquant.models.tokenizer import tokenizer_from_gguf
+            self._tokenizer = tokenizer_from_gguf(self._reader)
+        return self._tokenizer
+
+    def encode(self, text):
+        """Text -> token ids (int64 array), with the BOS id first when the file asks for it."""
+        ids = self.tokenizer.encode(text).ids
+        if self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return np.array(ids, dtype=np.int64)
+
+    def decode(self, ids):
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def new_cache(self, pair_spec="f32"):
+        return new_kv_cache(self.config, pair_spec)
+
+    def forward(self, tokens, cache, last_only=False):
+        """Run tokens after those already in ``cache``: :meth:`logits` of :meth:`forward_hidden`.
+
+        Returns
+        -------
+        logits : ndarray of shape (n_tokens, vocab_size), or (1, vocab_size) with last_only, float32
+        """
+        hidden = self.forward_hidden(tokens, cache)
+        return self.logits(hidden[-1:] if last_only else hidden)
+
+    def forward_hidden(self, tokens, cache):
+        """Run tokens after those already in ``cache`` (appending their K/V rows to it).
+
+        One token (decode) attends through the consumers (``cache.attend``). Several tokens
+        (prefill) attend as ``self.prefill`` says: ``"block"`` (default) is the cache's
+        ``attend_prefill``, which decodes each KV head's rows once and multiplies with BLAS;
+        ``"consumer"`` scores and sums every query on the codes (slower, same result to rounding).
+
+        Returns
+        -------
+        hidden : ndarray of shape (n_tokens, hidden_size), float32
+            The final hidden states, after the output norm.
+        """
+        tokens = self._check_tokens(tokens)
+        start = len(cache)
+        if start + tokens.size > self.context_length:
+            raise ValueError(
+                f"{start} cached + {tokens.size} new tokens exceed the model's trained context of "
+                f"{self.context_length} tokens; use shorter chunks")
+        pos = start + np.arange(tokens.size)
+
+        def attend(li, q, k, v):
+            window = self.config.layer_window(li)
+            cache.append(li, n_threads=CACHE_THREADS, k=k, v=v)
+            if tokens.size == 1:
+                return cache.attend(li, q[0], scale=self.config.attn_scale,
+                                    n_threads=CACHE_THREADS, **_window(window))[None]
+            if self.prefill == "block":
+                return cache.attend_prefill(li, q, scale=self.config.attn_scale,
+                                            n_threads=CACHE_THREADS, **_window(window))
+            return self._consumer_prefill(cache, li, q, pos, window)
+
+        return self._final_norm(self._layers(tokens, pos, attend))
+
+    def logits(self, hidden_rows):
+        """Logits of final hidden states (rows of :meth:`forward_hidden`).
+
+        Parameters
+        ----------
+        hidden_rows : ndarray of shape (m, hidden_size)
+
+        Returns
+        -------
+        ndarray of shape (m, vocab_size), float32
+        """
+        X = np.ascontiguousarray(hidden_rows, dtype=np.float32)
+        if X.ndim != 2 or X.shape[1] != self.config.hidden_size:
+            raise ValueError(f"hidden rows must have shape (m, {self.config.hidden_size}), got "
+                             f"{X.shape}")
+        if self.weights.is_kept(self._output_name):
+            return self.weights.matmul_t(X, self._output_name)
+        out = np.empty((X.shape[0], self.vocab_size), np.float32)
+        for r0 in range(0, X.shape[0], LOGIT_ROW_BLOCK):
+            out[r0:r0 + LOGIT_ROW_BLOCK] = self.weights.matmul_t(X[r0:r0 + LOGIT_ROW_BLOCK],
+                                                                 self._output_name)
+        return out
+
+    def decode_step(self, tokens, caches):
+        """One new token for each of several sequences, each with its own cache (a batch).
+
+        The weights are read once for the whole batch; each sequence attends to its own cache
+        through the consumers. Returns logits of shape (n_sequences, vocab_size).
+        """
+        tokens = self._check_tokens(tokens)
+        if len(caches) != tokens.size:
+            raise ValueError(f"{tokens.size} tokens for {len(caches)} caches")
+        pos = np.array([len(c) for c in caches])
+        if pos.max() + 1 > self.context_length:
+            raise ValueError(f"a cache already holds {pos.max()} tokens: the next one exceeds "
+                             f"the model's trained context of {self.context_length}")
+
+        def attend(li, q, k, v):
+            window = self.config.layer_window(li)
+            out = np.empty_like(q)
+            for b, cache in enumerate(caches):
+                cache.append(li, n_threads=CACHE_THREADS, k=k[b:b + 1], v=v[b:b + 1])
+                out[b] = cache.attend(li, q[b], scale=self.config.attn_scale,
+                                      n_threads=CACHE_THREADS, **_window(window))
+            return out
+
+        return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _check_tokens(self, tokens):
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("forward needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
+        return tokens
+
+    def _final_norm(self, x):
+        return rms_norm(x, self.output_norm, self.config.rms_norm_eps)
+
+    def _layers(self, tokens, pos, attend):
+        """The decoder blocks on rows of tokens at positions ``pos``; ``attend(layer, q, k, v)``
+        stores k, v (n, n_kv_heads, hd) in the cache and returns the attention output
+        (n, n_heads, hd) of the queries q (n, n_heads, hd)."""
+        cfg, w = self.config, self.weights
+        n, hd, eps = tokens.size, cfg.head_dim, cfg.rms_norm_eps
+        x = w.rows("token_embd.weight", tokens)
+        if cfg.embed_scale != 1.0:
+            x *= np.float32(cfg.embed_scale)
+        act = silu if cfg.activation == "silu" else gelu_tanh
+        rope = rope_adjacent if cfg.rope_pairs == "adjacent" else rope_halves
+        for li in range(cfg.n_layers):
+            p, norms = f"blk.{li}.", self._norms[li]
+            h = rms_norm(x, norms["attn_norm.weight"], eps)
+            q = h @ w.get(p + "attn_q.weight").T
+            k = h @ w.get(p + "attn_k.weight").T
+            v = h @ w.get(p + "attn_v.weight").T
+            if cfg.qkv_bias:
+                q += norms["attn_q.bias"]
+                k += norms["attn_k.bias"]
+                v += norms["attn_v.bias"]
+            q = q.reshape(n, cfg.n_heads, hd)
+            k = k.reshape(n, cfg.n_kv_heads, hd)
+            v = v.reshape(n, cfg.n_kv_heads, hd)
+            if cfg.qk_norm:
+                q = rms_norm(q.reshape(-1, hd), norms["attn_q_norm.weight"], eps).reshape(q.shape)
+                k = rms_norm(k.reshape(-1, hd), norms["attn_k_norm.weight"], eps).reshape(k.shape)
+            base = cfg.rope_bases[li]
+            q, k = rope(q, pos, base, self.rope_factors), rope(k, pos, base, self.rope_factors)
+            # The rows enter the cache (quantized) before anything reads them.
+            out = attend(li, q, k, v).reshape(n, -1) @ w.get(p + "attn_output.weight").T
+            if cfg.post_norms:
+                out = rms_norm(out, norms["post_attention_norm.weight"], eps)
+            x = x + out
+            h = rms_norm(x, norms["ffn_norm.weight"], eps)
+            with np.errstate(over="ignore"):
+                gate = act(h @ w.get(p + "ffn_gate.weight").T)
+            out = (gate * (h @ w.get(p + "ffn_up.weight").T)) @ w.get(p + "ffn_down.weight").T
+            if cfg.post_norms:
+                out = rms_norm(out, norms["post_ffw_norm.weight"], eps)
+            x = x + out
+        return x
+
+    def _consumer_prefill(self, cache, layer, q, pos, window):
+        """Causal (and, on a local layer, windowed) attention of many queries through
+        ``codec.scores`` / ``codec.context``."""
+        cfg = self.config
+        S, hd = q.shape[0], cfg.head_dim
+        group = cfg.n_heads // cfg.n_kv_heads
+        if S > 1 and cache.recent:
+            raise ValueError(
+                f"a stream of this cache reads its last {cache.recent} rows from float32 copies "
+                "(recent=W), each query its own: prefill='consumer' reads all the queries of a "
+                "prefill in one call; use prefill='block'")
+        # Query rows of one KV group are (position, head in group).
+        qpos = np.repeat(pos, group)
+        n_rows = len(cache.stream(layer, "k"))
+        hidden = np.arange(n_rows)[None, :] > qpos[:, None]
+        if window is not None:
+            hidden |= np.arange(n_rows)[None, :] <= qpos[:, None] - window
+        out = np.empty((S, cfg.n_heads, hd), np.float32)
+        for g in range(cfg.n_kv_heads):
+            Q = q[:, g * group:(g + 1) * group].reshape(S * group, hd)
+            scores = cache.scores(layer, "k", Q, head=g, n_threads=CACHE_THREADS)
+            scores *= np.float32(cfg.attn_scale)
+            weights = masked_softmax(scores, hidden)
+            out[:, g * group:(g + 1) * group] = cache.context(
+                layer, "v", weights, head=g, n_threads=CACHE_THREADS).reshape(S, group, hd)
+        return out

@@ -1,0 +1,112 @@
+"""What a forward of a 1B GGUF model costs: seconds and peak RSS per 1k tokens.
+
+Writes (once) a random-weight GGUF shaped like Llama-3.2-1B (16 layers, width 2048, FFN 8192,
+32 heads, 8 KV heads of 64, vocab 128256, tied embeddings) with its matrices quantized to Q8_0
+by ``gguf.quants.quantize``, then runs one prefill of ``--tokens`` tokens through kvquant's
+GGUF decoder with an f32 cache (or ``--spec``) and prints the load time, the forward time and
+the process's peak resident memory. Each run is its own process, so the peak is that of one
+policy (``--budget-gib``: float32 copies kept, see kvquant/models/gguf_weights.py).
+
+    python tools/bench_gguf_forward.py --file /tmp/llama1b-q8_0.gguf --tokens 1024
+    python tools/bench_gguf_forward.py --file /tmp/llama1b-q8_0.gguf --tokens 1024 --budget-gib 0
+
+The file (1.3 GB) goes where ``--file`` says; keep it out of the repository.
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+LLAMA_1B = dict(n_layers=16, hidden=2048, ffn=8192, n_heads=32, n_kv=8, head_dim=64,
+                vocab=128256, rope_base=500000.0, context=131072)
+
+
+def write_llama_1b(path, seed=0, qtype="Q8_0"):
+    import gguf
+    s = LLAMA_1B
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[qtype]
+    D, F, H, G, hd, V = s["hidden"], s["ffn"], s["n_heads"], s["n_kv"], s["head_dim"], s["vocab"]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(s["n_layers"])
+    w.add_context_length(s["context"])
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(G)
+    w.add_rope_freq_base(s["rope_base"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(V)
+
+    def add(name, shape, scale):
+        arr = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+        if len(shape) == 1:
+            w.add_tensor(name, arr + np.float32(1.0))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
+
+    add("token_embd.weight", (V, D), 0.02)
+    for i in range(s["n_layers"]):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (D,), 0.05)
+        add(p + "ffn_norm.weight", (D,), 0.05)
+        for name, shape in [("attn_q", (H * hd, D)), ("attn_k", (G * hd, D)),
+                            ("attn_v", (G * hd, D)), ("attn_output", (D, H * hd)),
+                            ("ffn_gate", (F, D)), ("ffn_up", (F, D)), ("ffn_down", (D, F))]:
+            add(p + name + ".weight", shape, 1.0 / np.sqrt(shape[1]))
+    add("output_norm.weight", (D,), 0.05)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--file", required=True, help="the GGUF file (written when missing)")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="float32 copies to keep (default: the decoder's default)")
+    parser.add_argument("--spec", default="f32", help="cache pair spec")
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.file):
+        t0 = time.perf_counter()
+        write_llama_1b(args.file)
+        print(f"wrote {args.file} ({os.path.getsize(args.file) / 1e9:.2f} GB) in "
+              f"{time.perf_counter() - t0:.0f} s; run again to measure a fresh process")
+        return 0
+    from kvquant.models.gguf_decoder import GGUFDecoder
+    kwargs = {} if args.budget_gib is None else {"budget_bytes": int(args.budget_gib * 2**30)}
+    t0 = time.perf_counter()
+    model = GGUFDecoder(args.file, **kwargs)
+    load_s = time.perf_counter() - t0
+    ids = np.random.default_rng(1).integers(0, model.vocab_size, args.tokens)
+    t0 = time.perf_counter()
+    hidden = model.forward_hidden(ids, model.new_cache(args.spec))
+    forward_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for r0 in range(0, args.tokens, 256):
+        model.logits(hidden[r0:r0 + 256])
+    logits_s = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({
+        "file_bytes": os.path.getsize(args.file), "tokens": args.tokens, "spec": args.spec,
+        "budget_bytes": model.weights.budget_bytes, "kept_bytes": model.weights.kept_bytes,
+        "load_s": round(load_s, 2), "forward_hidden_s": round(forward_s, 2),
+        "logits_s": round(logits_s, 2),
+        "seconds_per_1k_tokens": round((forward_s + logits_s) * 1000 / args.tokens, 2),
+        "peak_rss_gib": round(peak / 2**30, 2),
+        "threads": os.environ.get("OMP_NUM_THREADS", "default")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
