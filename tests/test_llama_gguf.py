@@ -19,8 +19,8 @@ ensure_importable()
 
 from kvquant import flips  # noqa: E402
 from kvquant_experiments import flip_runs, texts  # noqa: E402
-from kvquant.models.llama_gguf import (LlamaGGUF, load_smollm2, rope_adjacent,  # noqa: E402
-                                       smollm2_path)
+from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF, rope_adjacent  # noqa: E402
+from kvquant.models.packaged import load_smollm2, smollm2_path  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(__file__), os.pardir, "data", "oracle",
                        "smollm2_transformers.json")

