@@ -215,7 +215,8 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         raise ValueError(f"workers must be >= 1, got {workers}")
     prompts = flips.protocol_prompts(model_name, tokens, n_prompts)
     try:
-        chunks = flips.text_chunks(tokens, positions, chunk_tokens) if positions else []
+        chunks = (flips.text_chunks(tokens, positions, chunk_tokens, bos=model.bos_token_id)
+                  if positions else [])
     except ValueError as exc:
         raise ValueError(f"text {resolved.name!r} ({resolved.source}): {exc}") from None
     if scheduler is None and workers == 1:

@@ -614,7 +614,7 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
                                  "from the cache")
     tokens, resolved = text_tokens(model, text)
     source = resolved.source
-    chunks = text_chunks(tokens, positions, chunk_tokens)
+    chunks = text_chunks(tokens, positions, chunk_tokens, bos=model.bos_token_id)
     described = model.describe()
     workers = min(2, os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:

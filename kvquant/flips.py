@@ -181,12 +181,15 @@ def flip_protocol(model, pair_specs, prompts, n_new=NEW_TOKENS, progress=None):
 # --------------------------------------------------------------------------------------------
 # Real text
 # --------------------------------------------------------------------------------------------
-def text_chunks(tokens, n_positions, chunk_tokens):
+def text_chunks(tokens, n_positions, chunk_tokens, bos=None):
     """Cut a text's token ids into the prefill chunks of the text metrics.
 
     ``ceil(n_positions / chunk_tokens)`` chunks of ``chunk_tokens`` + 1 tokens (inputs and their
     next tokens) start at even strides over ``tokens``; the last chunk is shorter when needed so
-    that the positions add up to ``n_positions``. Chunks never overlap.
+    that the positions add up to ``n_positions``. Chunks never overlap. With ``bos`` (the id of
+    a model whose inputs start with a BOS token, ``model.bos_token_id``), each chunk's first
+    input is replaced by it, as llama.cpp's perplexity tool does, so that every chunk starts as
+    the model was trained to start (Gemma 3 without its BOS degrades badly).
 
     Parameters
     ----------
@@ -196,6 +199,8 @@ def text_chunks(tokens, n_positions, chunk_tokens):
         Positions to measure (predictions), >= 1.
     chunk_tokens : int
         Context of one chunk (one prefill from an empty cache), >= 1.
+    bos : int or None
+        The BOS id that starts every chunk, or None to cut the text as it is.
 
     Returns
     -------
@@ -225,7 +230,11 @@ def text_chunks(tokens, n_positions, chunk_tokens):
     for i in range(n_chunks):
         length = min(chunk_tokens, n_positions - i * chunk_tokens)
         start = i * stride
-        chunks.append((start, tokens[start:start + length + 1]))
+        ids = tokens[start:start + length + 1]
+        if bos is not None:
+            ids = ids.copy()
+            ids[0] = bos
+        chunks.append((start, ids))
     return chunks
 
 
@@ -372,7 +381,7 @@ def text_metrics(model, pair_specs, chunks, progress=None, block_rows=None):
 
     Examples
     --------
-    >>> chunks = text_chunks(model.encode(text), 2048, 512)
+    >>> chunks = text_chunks(model.encode(text), 2048, 512, bos=model.bos_token_id)
     >>> rows = text_metrics(model, ["f32", "tq4"], chunks)
     """
     stats = []

@@ -94,6 +94,29 @@ def test_row_block_metrics_are_the_old_numbers_on_the_tiny_mla(tiny):
                         old_chunk_stats(tiny, specs, ids))
 
 
+def test_chunks_start_with_the_models_bos_as_llama_perplexity_does():
+    tokens = np.arange(100, 1100)
+    plain = flips.text_chunks(tokens, 300, 100)
+    with_bos = flips.text_chunks(tokens, 300, 100, bos=7)
+    assert [s for s, _ in with_bos] == [s for s, _ in plain]
+    for (start, ids), (_, text) in zip(with_bos, plain):
+        # the first input becomes BOS; the rest, and every target, are the text's own
+        assert ids[0] == 7 and np.array_equal(ids[1:], tokens[start + 1:start + ids.size])
+        assert text[0] == tokens[start]
+    assert tokens[0] == 100                      # the caller's tokens are left alone
+
+
+def test_a_run_uses_the_models_bos(tiny_llama, monkeypatch):
+    seen = []
+    real = flips.text_chunks
+    monkeypatch.setattr(flips, "text_chunks",
+                        lambda *a, **k: seen.append(k.get("bos")) or real(*a, **k))
+    monkeypatch.setattr(tiny_llama, "bos_token_id", 1)
+    flip_runs.run_flips("tiny-llama.gguf", codecs=["f32", "kv8"], positions=64, chunk_tokens=32,
+                        n_prompts=1, model=tiny_llama, workers=1)
+    assert seen == [1]
+
+
 def test_block_rows_fit_the_stated_bound():
     for vocab in (256, 32000, 49152, 151936, 262144):
         b = flips.metric_block_rows(vocab)

@@ -11,7 +11,7 @@ A cache is given codecs by a *pair spec*: ``"tq4"`` (one codec for both streams 
 ``"kv8/tq4"`` (first stream / second stream: K / V for Llama, L / R for MLA).
 
 Models expose ``name``, ``vocab_size``, ``context_length`` (the trained context; longer chunks
-are refused), ``n_layers``, ``n_kv_heads``, ``head_dim``, ``describe()``, ``new_cache(pair_spec)``,
+are refused), ``bos_token_id`` (the id that starts every input, or None), ``n_layers``, ``n_kv_heads``, ``head_dim``, ``describe()``, ``new_cache(pair_spec)``,
 ``forward(tokens, cache, last_only=False)`` which returns float32 logits of shape
 (n_tokens, vocab_size) and appends the tokens to the cache, ``forward_hidden(tokens, cache)``
 (the final hidden states after the output norm, float32 (n_tokens, hidden)) and

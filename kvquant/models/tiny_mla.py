@@ -202,6 +202,7 @@ class TinyMLA:
     # The context that tools/make_oracle.py declares to transformers (max_position_embeddings);
     # longer chunks are refused.
     context_length = 4096
+    bos_token_id = None      # the oracle's prompts start with no BOS token
 
     @property
     def n_layers(self):
