@@ -176,7 +176,8 @@ def kvquant_attention_forward(module, query, key, value, attention_mask, dropout
     if query.shape[0] != 1:
         raise ValueError(f"the 'kvquant' attention runs one sequence (batch size 1), got queries "
                          f"of shape {tuple(query.shape)}")
-    Q = np.ascontiguousarray(query.detach()[0].transpose(0, 1).to(torch.float32).numpy())
+    Q = query.detach()[0].transpose(0, 1).to(torch.float32).numpy()
+    Q = np.ascontiguousarray(Q if layer.key_order is None else Q[..., layer.key_order])
     n_q, n_rows = Q.shape[0], len(layer.kv)
     if attention_mask.q_length != n_q or attention_mask.q_offset != n_rows - n_q:
         raise ValueError(f"the mask is for {attention_mask.q_length} queries from position "

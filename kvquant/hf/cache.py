@@ -39,6 +39,9 @@ class KVQuantLayer(CacheLayerMixin):
     n_kv_heads, head_dim : int
     sliding_window : int or None
         The layer's attention window (None: full attention). Every row is kept either way.
+    key_order : ndarray of shape (head_dim,), int, or None
+        The order in which the codec sees a key's channels (and the queries', so that scores
+        are unchanged); None: as the model computes them.
     **codec_options
         Passed to :func:`kvquant.get_codec` (e.g. ``seed=...``).
 
@@ -52,8 +55,9 @@ class KVQuantLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, k_spec, v_spec, n_kv_heads, head_dim, sliding_window=None,
-                 **codec_options):
+                 key_order=None, **codec_options):
         super().__init__()
+        self.key_order = key_order
         self.kv = QuantizedKVCache(1, {"k": (k_spec, head_dim), "v": (v_spec, head_dim)},
                                    n_kv_heads=n_kv_heads, **codec_options)
         self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
@@ -101,7 +105,10 @@ class KVQuantLayer(CacheLayerMixin):
                              "rows")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.kv.append(0, k=_rows(key_states), v=_rows(value_states))
+        keys = _rows(key_states)
+        if self.key_order is not None:
+            keys = np.ascontiguousarray(keys[..., self.key_order])
+        self.kv.append(0, k=keys, v=_rows(value_states))
         keys, values = key_states.detach(), value_states.detach()
         setattr(keys, _TAG, self)
         setattr(values, _TAG, self)
@@ -163,6 +170,19 @@ def _rows(states):
     return np.ascontiguousarray(x.to(torch.float32).numpy())
 
 
+def _key_order(key_channels, head_dim):
+    """The channel order of :class:`KVQuantCache`'s ``key_channels`` (None: the model's)."""
+    if key_channels == "model":
+        return None
+    if key_channels != "interleaved":
+        raise ValueError(f"key_channels must be 'model' or 'interleaved', got {key_channels!r}")
+    if head_dim % 2:
+        raise ValueError(f"key_channels='interleaved' pairs channels: head_dim {head_dim} is odd")
+    half = head_dim // 2
+    # interleaved channel 2i is the model's i, 2i+1 its i + head_dim/2 (its RoPE partner)
+    return np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+
+
 def _per_layer_specs(spec, n_layers):
     """One ``"K/V"`` (or one-for-both) spec string per layer from a string or a list."""
     if isinstance(spec, str):
@@ -190,6 +210,14 @@ class KVQuantCache(Cache):
         ``"polar5/polar4@center"``), or a list of one such spec per layer. Stream options:
         ``center``, ``normalize``, ``sinks=N``, ``recent=W``
         (:func:`kvquant.streams.options.parse_stream_spec`).
+    key_channels : {"model", "interleaved"}, default "model"
+        The order in which the codec sees the channels of a key: as the model computes them
+        (transformers' rotary layout: channel i and i + head_dim/2 form a RoPE pair), or
+        ``"interleaved"``, each RoPE pair adjacent (2i, 2i+1), as GGUF files and llama.cpp lay
+        keys out (transformers permutes the q/k weights of a GGUF Llama back to its own
+        layout). Attention is the same either way (queries are permuted alike); a codec working
+        on blocks or a rotation of channels stores different errors, so compare with llama.cpp
+        or kvquant's GGUF models under ``"interleaved"``.
     **codec_options
         Passed to :func:`kvquant.get_codec` (e.g. ``seed=...``).
 
@@ -207,7 +235,7 @@ class KVQuantCache(Cache):
     >>> cache.nbytes, cache.bytes_per_token
     """
 
-    def __init__(self, config, spec="f32", **codec_options):
+    def __init__(self, config, spec="f32", key_channels="model", **codec_options):
         text = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         other = sorted(set(layer_types) - set(LAYER_TYPES))
@@ -216,6 +244,7 @@ class KVQuantCache(Cache):
                              f"this model has {other} layers")
         n_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        key_order = _key_order(key_channels, head_dim)
         parsed = {}   # each spec string once, however many layers repeat it
         layers = []
         for i, (pair, kwargs) in enumerate(zip(_per_layer_specs(spec, len(layer_types)),
@@ -225,7 +254,8 @@ class KVQuantCache(Cache):
                 parsed[pair] = (check_stream_spec(k_spec, head_dim, "K"),
                                 check_stream_spec(v_spec, head_dim, "V"))
             layers.append(KVQuantLayer(*parsed[pair], n_kv_heads, head_dim,
-                                       kwargs.get("sliding_window"), **codec_options))
+                                       kwargs.get("sliding_window"), key_order,
+                                       **codec_options))
         super().__init__(layers=layers)
         self.config = text
 

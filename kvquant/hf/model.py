@@ -27,13 +27,17 @@ class HFModel:
         A transformers tokenizer (for :meth:`encode` / :meth:`decode`).
     name : str, optional
         The model's name in results.
+    key_channels : {"model", "interleaved"}, default "model"
+        The caches' key channel order (:class:`KVQuantCache`); ``"interleaved"`` stores keys
+        as a GGUF Llama and kvquant's numpy models do.
     """
 
-    def __init__(self, model, tokenizer=None, name=None):
+    def __init__(self, model, tokenizer=None, name=None, key_channels="model"):
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.key_channels = key_channels
         text = model.config.get_text_config(decoder=True)
         self.vocab_size = int(text.vocab_size)
         self.context_length = getattr(text, "max_position_embeddings", None)
@@ -44,7 +48,8 @@ class HFModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @classmethod
-    def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, name=None, **kwargs):
+    def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, name=None,
+                        key_channels="model", **kwargs):
         """Load a local checkpoint folder (safetensors) or a GGUF file in it (``gguf_file``),
         its weights as ``dtype``, with the ``"kvquant"`` attention; ``kwargs`` go to
         ``AutoModelForCausalLM.from_pretrained``."""
@@ -54,7 +59,7 @@ class HFModel:
             path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **extra, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
         default = os.path.splitext(gguf_file)[0] if gguf_file else None
-        return cls(model, tokenizer, name=name or default)
+        return cls(model, tokenizer, name=name or default, key_channels=key_channels)
 
     def describe(self):
         """What results record of the model."""
@@ -67,6 +72,7 @@ class HFModel:
                 "head_dim": int(getattr(text, "head_dim", None)
                                 or text.hidden_size // text.num_attention_heads),
                 "dtype": str(self.model.dtype).replace("torch.", ""),
+                "key_channels": self.key_channels,
                 "attention": "decode: codec consumers; prefill: decoded block + BLAS "
                              "(banded consumers under a sliding window or softcapping)"}
 
@@ -86,7 +92,7 @@ class HFModel:
     def new_cache(self, pair_spec="f32"):
         """A :class:`KVQuantCache` of this model under ``pair_spec`` (``"tq4"``, ``"kv8/tq4"``,
         or a list of one per layer)."""
-        return KVQuantCache(self.model.config, pair_spec)
+        return KVQuantCache(self.model.config, pair_spec, key_channels=self.key_channels)
 
     def forward(self, tokens, cache, last_only=False):
         """Run ``tokens`` after those already in ``cache`` (appending them to it).
