@@ -43,6 +43,9 @@ def _config(kind, head_dim=32, layers=3):
             **common, sliding_window=WINDOW, query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"][:layers]
         ), T.Gemma3ForCausalLM
+    if kind == "gemma2":  # softcapped scores (eager is transformers' attention that has them)
+        return T.Gemma2Config(**common, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=0.5), T.Gemma2ForCausalLM
     raise ValueError(kind)
 
 
@@ -92,9 +95,9 @@ def _quiet():
 # --------------------------------------------------------------------------------------------
 # f32: the same logits as transformers' own cache
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma2"])
 def test_f32_logits_equal_dynamic_cache(kind):
-    model = _model(kind, attn="sdpa")
+    model = _model(kind, attn="eager" if kind == "gemma2" else "sdpa")
     ids = _prompt(model)
     ref, tokens = _run(model, ids, DynamicCache(config=model.config))
     model.set_attn_implementation("kvquant")
@@ -103,7 +106,7 @@ def test_f32_logits_equal_dynamic_cache(kind):
     _assert_logits_close(got, ref, 1e-5)
     assert [int(x[-1].argmax()) for x in got[:-1]] == tokens   # the same greedy tokens
     assert cache.get_seq_length() == PROMPT + STEPS
-    if kind in ("mistral", "gemma3"):   # the windows were exercised
+    if kind in ("mistral", "gemma3", "gemma2"):   # the windows were exercised
         assert any(layer.is_sliding for layer in cache.layers)
         assert PROMPT + STEPS > WINDOW
 

@@ -187,11 +187,11 @@ def kvquant_attention_forward(module, query, key, value, attention_mask, dropout
     positions = np.arange(n_rows - n_q, n_rows)
     lo = attention_mask.band_starts(positions, window)
     scale = 1.0 / np.sqrt(Q.shape[-1]) if scaling is None else float(scaling)
-    out = attend(layer.kv, Q, positions, lo, scale, softcap)
+    out = attend(layer.kv, Q, positions, lo, scale, softcap, layer.n_threads)
     return torch.from_numpy(out).unsqueeze(0).to(query.dtype), None
 
 
-def attend(kv, Q, positions, lo, scale, softcap=None):
+def attend(kv, Q, positions, lo, scale, softcap=None, n_threads=None):
     """Queries ``Q`` (n_q, n_heads, d) at ``positions`` over rows ``lo .. position`` of layer 0
     of ``kv`` (a :class:`~kvquant.cache.QuantizedKVCache`); (n_q, n_heads, d) float32.
 
@@ -199,23 +199,28 @@ def attend(kv, Q, positions, lo, scale, softcap=None):
     and ``attend_prefill`` (many); anything else through :func:`attend_banded`."""
     if softcap is None and not lo.any():
         if Q.shape[0] == 1:
-            return kv.attend(0, Q[0], scale=scale, length=int(positions[0]) + 1)[None]
-        return kv.attend_prefill(0, Q, scale=scale)
-    return attend_banded(kv, Q, positions, lo, scale, softcap)
+            return kv.attend(0, Q[0], scale=scale, length=int(positions[0]) + 1,
+                             n_threads=n_threads)[None]
+        return kv.attend_prefill(0, Q, scale=scale, n_threads=n_threads)
+    return attend_banded(kv, Q, positions, lo, scale, softcap, n_threads)
 
 
-def attend_banded(kv, Q, positions, lo, scale, softcap=None):
+def attend_banded(kv, Q, positions, lo, scale, softcap=None, n_threads=None):
     """Attention of each query over its band of rows, through the stores' ``scores`` and
     ``context`` consumers: scores of rows ``0 .. p``, scaled, softcapped, the rows before ``lo``
     masked out, softmax, context (rows outside the band get weight 0).
 
     Queries go in blocks of :data:`PREFILL_BLOCK` (one consumer call per block and KV head);
     one at a time when a stream reads a recent window from float32 copies (each query reads
-    its own window, which a read of a block's rows would not)."""
+    its own window, which a read of a block's rows would not). One query over streams that
+    only encode their rows reads the codes of its band only (:func:`_attend_band_codes`)."""
     n_q, n_heads, d = Q.shape
     group = n_heads // kv.n_kv_heads
     if n_heads % kv.n_kv_heads:
         raise ValueError(f"{n_heads} query heads cannot share {kv.n_kv_heads} KV heads evenly")
+    if n_q == 1 and all(kv.stream(0, name).store.plain for name in ("k", "v")):
+        return _attend_band_codes(kv, Q, int(lo[0]), int(positions[0]) + 1, scale, softcap,
+                                  n_threads)
     block = 1 if kv.recent else PREFILL_BLOCK
     out = np.empty((n_q, n_heads, kv.dims["v"]), np.float32)
     scale, cap = np.float32(scale), None if softcap is None else np.float32(softcap)
@@ -227,13 +232,34 @@ def attend_banded(kv, Q, positions, lo, scale, softcap=None):
         hidden = np.repeat((cols < lo[b0:b1, None]) | (cols > pos[:, None]), group, axis=0)
         for h in range(kv.n_kv_heads):
             heads = slice(h * group, (h + 1) * group)
-            S = kv.scores(0, "k", Q[b0:b1, heads].reshape(-1, d), head=h, length=visible)
+            S = kv.scores(0, "k", Q[b0:b1, heads].reshape(-1, d), head=h, n_threads=n_threads,
+                          length=visible)
             S *= scale
             if cap is not None:
                 S = np.tanh(S / cap) * cap
             S[hidden] = -np.inf
-            ctx = kv.context(0, "v", softmax(S), head=h)
+            ctx = kv.context(0, "v", softmax(S), head=h, n_threads=n_threads)
             out[b0:b1, heads] = ctx.reshape(b1 - b0, group, -1)
+    return out
+
+
+def _attend_band_codes(kv, Q, lo, stop, scale, softcap, n_threads=None):
+    """One query per head (Q of shape (1, n_heads, d)) over rows lo .. stop-1 of plain streams
+    (every row coded): the consumers read the codes of those rows only, so that a sliding
+    window costs its width, not the context's."""
+    n_heads = Q.shape[1]
+    group = n_heads // kv.n_kv_heads
+    out = np.empty((1, n_heads, kv.dims["v"]), np.float32)
+    for h in range(kv.n_kv_heads):
+        heads = slice(h * group, (h + 1) * group)
+        keys, values = kv.stream(0, "k", h), kv.stream(0, "v", h)
+        k, v = keys.encoded(stop), values.encoded(stop)
+        S = keys.codec.scores_checked(k.codes[lo:], k.side[lo:], Q[0, heads], n_threads)
+        S *= np.float32(scale)
+        if softcap is not None:
+            S = np.tanh(S / np.float32(softcap)) * np.float32(softcap)
+        out[0, heads] = values.codec.context_checked(v.codes[lo:], v.side[lo:], softmax(S),
+                                                     n_threads)
     return out
 
 

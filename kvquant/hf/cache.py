@@ -42,6 +42,8 @@ class KVQuantLayer(CacheLayerMixin):
     key_order : ndarray of shape (head_dim,), int, or None
         The order in which the codec sees a key's channels (and the queries', so that scores
         are unchanged); None: as the model computes them.
+    n_threads : int or None, default 1
+        Threads of the codec kernels (encode, consumers); see :class:`KVQuantCache`.
     **codec_options
         Passed to :func:`kvquant.get_codec` (e.g. ``seed=...``).
 
@@ -55,9 +57,10 @@ class KVQuantLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, k_spec, v_spec, n_kv_heads, head_dim, sliding_window=None,
-                 key_order=None, **codec_options):
+                 key_order=None, n_threads=1, **codec_options):
         super().__init__()
         self.key_order = key_order
+        self.n_threads = n_threads
         self.kv = QuantizedKVCache(1, {"k": (k_spec, head_dim), "v": (v_spec, head_dim)},
                                    n_kv_heads=n_kv_heads, **codec_options)
         self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
@@ -108,7 +111,7 @@ class KVQuantLayer(CacheLayerMixin):
         keys = _rows(key_states)
         if self.key_order is not None:
             keys = np.ascontiguousarray(keys[..., self.key_order])
-        self.kv.append(0, k=keys, v=_rows(value_states))
+        self.kv.append(0, n_threads=self.n_threads, k=keys, v=_rows(value_states))
         keys, values = key_states.detach(), value_states.detach()
         setattr(keys, _TAG, self)
         setattr(values, _TAG, self)
@@ -218,6 +221,10 @@ class KVQuantCache(Cache):
         layout). Attention is the same either way (queries are permuted alike); a codec working
         on blocks or a rotation of channels stores different errors, so compare with llama.cpp
         or kvquant's GGUF models under ``"interleaved"``.
+    n_threads : int or None, default 1
+        Threads of the codec kernels (kvquant's thread policy: None is the OpenMP default).
+        One by default: torch already runs its matrix products on the cores, and one decode
+        step makes a few small kernel calls per layer, which more threads would slow down.
     **codec_options
         Passed to :func:`kvquant.get_codec` (e.g. ``seed=...``).
 
@@ -235,7 +242,8 @@ class KVQuantCache(Cache):
     >>> cache.nbytes, cache.bytes_per_token
     """
 
-    def __init__(self, config, spec="f32", key_channels="model", **codec_options):
+    def __init__(self, config, spec="f32", key_channels="model", n_threads=1,
+                 **codec_options):
         text = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         other = sorted(set(layer_types) - set(LAYER_TYPES))
@@ -255,7 +263,7 @@ class KVQuantCache(Cache):
                                 check_stream_spec(v_spec, head_dim, "V"))
             layers.append(KVQuantLayer(*parsed[pair], n_kv_heads, head_dim,
                                        kwargs.get("sliding_window"), key_order,
-                                       **codec_options))
+                                       n_threads, **codec_options))
         super().__init__(layers=layers)
         self.config = text
 
