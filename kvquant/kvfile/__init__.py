@@ -43,9 +43,10 @@ Examples
 >>> cf.records.L[0]  # doctest: +SKIP
 """
 from kvquant.kvfile.errors import (
-    CacheFileCorrupt, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, LoadEvent,
-    LoadReport)
+    CacheFileCorrupt, CacheFileInUse, CacheFileMismatch, CacheFileRefused, CacheFileSaveError,
+    LoadEvent, LoadReport)
 from kvquant.kvfile.identity import codec_identity
+from kvquant.kvfile.modelid import model_digest
 from kvquant.kvfile.records import CacheRecords
 from kvquant.kvfile.schema import KVFileShape, Stream
 from kvquant.kvfile.cachefile import ON_MISMATCH, TIERS, CacheFile
@@ -53,8 +54,8 @@ from kvquant.kvfile.engine import describe_tier, spec_of_tag, tier_of_tag
 from kvquant.kvfile.inspect import add_cli, format_inspection, inspect_file
 
 __all__ = [
-    "CacheFile", "CacheFileCorrupt", "CacheFileMismatch", "CacheFileRefused",
+    "CacheFile", "CacheFileCorrupt", "CacheFileInUse", "CacheFileMismatch", "CacheFileRefused",
     "CacheFileSaveError", "CacheRecords", "KVFileShape", "LoadEvent", "LoadReport", "Stream",
     "ON_MISMATCH", "TIERS", "add_cli", "codec_identity", "describe_tier", "format_inspection",
-    "inspect_file", "spec_of_tag", "tier_of_tag",
+    "inspect_file", "model_digest", "spec_of_tag", "tier_of_tag",
 ]
