@@ -521,7 +521,7 @@ def _model_problem(m):
 def _header_problem(h, version):
     if not isinstance(h, dict):
         return "not an object"
-    if h.get("format") != FORMAT_NAME or h.get("version") != version:
+    if h.get("format") != FORMAT_NAME or not _is_int(h.get("version"), version, version):
         return "format/version fields"
     if h.get("byteorder") != "little" or h.get("token") != "int32":
         return "byte order or token type"
