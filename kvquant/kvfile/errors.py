@@ -84,7 +84,8 @@ class LoadEvent:
     ``truncated`` (file shorter than its count), ``uncommitted-tail`` (bytes past the count),
     ``corrupt-block`` (our tier: checksum failure, cut there), ``commit-slot`` (our tier: the
     newest commit slot is damaged, the older one is used), ``count`` (a negative count),
-    ``bad-side``, ``bad-code``, ``bad-token``.
+    ``bad-side``, ``bad-code``, ``bad-token``, ``model-id`` (a model identity given but not
+    checked: the file records none, or its tier cannot).
     """
 
     kind: str

@@ -13,7 +13,9 @@ Layout (little-endian)::
     72   J  header JSON (sorted keys): model shape, streams with codec spec, family, bits,
             dim, code bytes, side-value count, kind and dtype, engine tag, rotation (identity,
             seed, sign hash, ordering), codebook (identity, SHA-256 of its levels), record bytes,
-            records per block
+            records per block, and ``model_id`` (the model's identity) only when one was given.
+            Every field's type and range is checked on reading; a field this kvquant does not
+            know is refused (a newer writer's)
     S       version 2 only, S = 72 + J rounded up to 8: the stream state, ``state_bytes`` long:
             u32 CRC32 of the rest (seeded with the header CRC), u32 0, then per stream with
             options, in header order: u32 flags (1: offset set, 2: scales set), u32 sink rows
