@@ -369,7 +369,11 @@ class CacheFile:
     def _lock_late(self, holder):
         """Take the lock that another writer held when this cache read the file: refused while
         it still holds it, or when the file changed since it was read."""
-        fd, now = lock.try_lock(self._target)
+        try:
+            fd, now = lock.try_lock(self._target)
+        except OSError as exc:
+            self._lock_state = ("unavailable", exc)
+            return self._check_writable()
         if fd is None:
             pid = now if now is not None else holder
             who = "another writer" if pid is None else f"pid {pid}" + (
