@@ -8,6 +8,7 @@
   every tier: a clean refusal or a valid prefix, never another exception, a hang or a huge
   allocation.
 """
+import glob
 import os
 import random
 import resource
@@ -258,6 +259,7 @@ def _write_owned(path, case, n, owner, **kw):
     cf = CacheFile.open(path, CSHAPE, **case, **kw)
     tokens, streams = batch(len(cf), len(cf) + n, owner, cf)
     cf.append(tokens, streams=streams)
+    cf.close()   # one writer at a time: the caller keeps the records, the next writer the file
     return cf
 
 
@@ -286,7 +288,7 @@ def test_disk_full_during_append(tmp_path, tier):
         return run
 
     _in_child(fail_then_maybe_retry(retry=False))
-    back = CacheFile.open(path, CSHAPE, **case)
+    back = CacheFile.open(path, CSHAPE, **case, readonly=True)
     assert len(back) == 5 and records_equal(back.records, ref.records)
     assert "uncommitted-tail" in back.report.kinds()
     _in_child(fail_then_maybe_retry(retry=True))
@@ -308,7 +310,7 @@ def test_disk_full_during_header_creation_of_a_new_file(tmp_path, tier, limit):
         hard = _limit(limit)
         with pytest.raises(CacheFileSaveError):
             cf.append(tokens, streams=streams)
-        assert not os.path.exists(path) and not os.path.exists(path + ".kvq-tmp")
+        assert not os.path.exists(path) and not glob.glob(path + ".kvq-tmp*")
         _lift(hard)
         assert cf.save() == 3
 
@@ -346,7 +348,7 @@ def test_disk_full_during_rewrite_keeps_old_file(tmp_path, written, opened, stat
             with pytest.raises(CacheFileSaveError):
                 cf.append(tokens, streams=streams)
             assert open(path, "rb").read() == old
-            assert not os.path.exists(path + ".kvq-tmp")
+            assert not glob.glob(path + ".kvq-tmp*")
             _lift(hard)
             if retry:
                 cf.save()
@@ -354,7 +356,7 @@ def test_disk_full_during_rewrite_keeps_old_file(tmp_path, written, opened, stat
 
     _in_child(run(retry=False))
     assert open(path, "rb").read() == old
-    back = CacheFile.open(path, CSHAPE, mode=written)
+    back = CacheFile.open(path, CSHAPE, mode=written, readonly=True)
     assert records_equal(back.records, ref.records) and len(back) == 6
     _in_child(run(retry=True))
     back = CacheFile.open(path, CSHAPE, mode=opened)
@@ -407,9 +409,10 @@ def _valid_file(fuzz_dir, tier):
                           R=g.standard_normal((n, CSHAPE.n_layers, CSHAPE.qk_rope)),
                           index=g.standard_normal((n, 1, CSHAPE.index_hd)))
         else:
-            cf = _write_owned(path, FUZZ_CASES[tier], 5, owner=11)
-            tokens, streams = batch(5, FUZZ_RECORDS, 11, cf)
-            cf.append(tokens, streams=streams)
+            cf = CacheFile.open(path, CSHAPE, **FUZZ_CASES[tier])
+            for a, b in ((0, 5), (5, FUZZ_RECORDS)):
+                tokens, streams = batch(a, b, 11, cf)
+                cf.append(tokens, streams=streams)
         assert cf.tier == _file_tier(tier) and cf.committed == FUZZ_RECORDS
         _FUZZ_FILES[tier] = (open(path, "rb").read(), cf.records, cf._layout,
                              str(fuzz_dir / f"fuzz-{tier}"))

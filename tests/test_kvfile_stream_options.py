@@ -211,6 +211,7 @@ def test_truncate_below_the_sinks_then_append(tmp_path, rng):
     path = tmp_path / "c.kvq"
     cf = write(path, {"K": spec}, {"K": X}, chunks=(8,))
     cf.truncate(2)
+    cf.close()   # one writer at a time: `back` appends below
     back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
     assert len(back.records) == 2
     np.testing.assert_array_equal(back.records.sink_rows("K"), X[:2])
@@ -234,6 +235,7 @@ def test_truncate_to_zero_forgets_the_offset(tmp_path, rng):
     cf = write(path, {"K": spec}, {"K": X}, chunks=(5,))
     cf.truncate(0)
     assert cf.records.offset("K") is None
+    cf.close()   # one writer at a time: `back` appends below
     back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
     assert len(back.records) == 0 and back.records.offset("K") is None
     back.append(np.arange(4), streams={"K": Y})
@@ -472,6 +474,7 @@ def test_a_recent_window_survives_the_file(tmp_path, rng, spec):
     streams = row_streams(spec, X, WINDOW_CHUNKS)
     want = np.stack([s.decode() for s in streams], axis=1)
     np.testing.assert_array_equal(cf.records.decode("K"), want)
+    cf.close()   # one writer at a time: `back` truncates below
     back = CacheFile.open(path, streams=[Stream("K", DIM, SLOTS, spec)])
     assert back.report.kinds() == ["loaded"]
     np.testing.assert_array_equal(back.records.decode("K"), want)

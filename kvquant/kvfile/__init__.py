@@ -26,14 +26,24 @@ Opening under a mode
   :class:`CacheFileMismatch` with ``.reason`` (or, with ``on_mismatch="start_over"``, start
   empty with the reason in the report). A kvq file whose header fails its checksum:
   :class:`CacheFileCorrupt`, likewise.
+* a kvq file recording another model identity (``model_id=``), or one when the cache gives
+  none: refused, :class:`CacheFileMismatch` (reason ``"model"``). The engine's tiers record the
+  model's shape only, never its identity: there ``model_id`` is neither recorded nor checked.
+* a path that is not a regular file (a FIFO, a directory, a device): refused at once, without
+  blocking, whatever ``on_mismatch`` says (reason ``"not-a-file"``).
 * a v1 file under a quantized mode: quantized in memory, rewritten at the first save.
 * a file shorter than its count: cut to its last complete record (kvq: last intact block);
   a kvq block failing its CRC: cut before it; bad side values: the row made inert; token ids
   outside the vocabulary: cut before them. All reported in ``CacheFile.report``.
 
 In every case but a plain load, the old file is not touched before the first save, which writes
-a temporary file and renames it over the old one. Appends commit by count: the records are
-written and fsynced, then the count (kvq: a commit slot), then fsync.
+a temporary file of its own (pid and a random suffix in its name) and renames it over the old
+one; a symlinked path keeps its link and the link's target is replaced. Appends commit by count:
+the records are written and fsynced, then the count (kvq: a commit slot), then fsync.
+
+One writer per file: a writer holds an advisory lock (:mod:`kvquant.kvfile.lock`) from ``open``
+to ``close()``; another writer is refused at its first write with :class:`CacheFileInUse`
+(naming the holder's pid). Readers (``readonly=True``, ``kvquant inspect``) take no lock.
 
 Examples
 --------
@@ -43,9 +53,10 @@ Examples
 >>> cf.records.L[0]  # doctest: +SKIP
 """
 from kvquant.kvfile.errors import (
-    CacheFileCorrupt, CacheFileMismatch, CacheFileRefused, CacheFileSaveError, LoadEvent,
-    LoadReport)
+    CacheFileCorrupt, CacheFileInUse, CacheFileMismatch, CacheFileRefused, CacheFileSaveError,
+    LoadEvent, LoadReport)
 from kvquant.kvfile.identity import codec_identity
+from kvquant.kvfile.modelid import model_digest
 from kvquant.kvfile.records import CacheRecords
 from kvquant.kvfile.schema import KVFileShape, Stream
 from kvquant.kvfile.cachefile import ON_MISMATCH, TIERS, CacheFile
@@ -53,8 +64,8 @@ from kvquant.kvfile.engine import describe_tier, spec_of_tag, tier_of_tag
 from kvquant.kvfile.inspect import add_cli, format_inspection, inspect_file
 
 __all__ = [
-    "CacheFile", "CacheFileCorrupt", "CacheFileMismatch", "CacheFileRefused",
+    "CacheFile", "CacheFileCorrupt", "CacheFileInUse", "CacheFileMismatch", "CacheFileRefused",
     "CacheFileSaveError", "CacheRecords", "KVFileShape", "LoadEvent", "LoadReport", "Stream",
     "ON_MISMATCH", "TIERS", "add_cli", "codec_identity", "describe_tier", "format_inspection",
-    "inspect_file", "spec_of_tag", "tier_of_tag",
+    "inspect_file", "model_digest", "spec_of_tag", "tier_of_tag",
 ]

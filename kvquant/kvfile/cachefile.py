@@ -2,6 +2,7 @@
 with commit-by-count, truncate, save; the rules of docs/engine-arithmetic.md §6 plus our own
 tier. Rows reach the records through the streams' stores (:mod:`.records`): nothing here encodes
 a row."""
+import hashlib
 import os
 import struct
 import zlib
@@ -10,10 +11,14 @@ import numpy as np
 
 from kvquant.codecs import EncodedRows
 from kvquant.kvfile import engine, kvq
-from kvquant.kvfile.errors import CacheFileSaveError, LoadReport
-from kvquant.kvfile.fileio import pwrite_all, write_new_file
+from kvquant.kvfile import lock
+from kvquant.kvfile.errors import (
+    CacheFileInUse, CacheFileMismatch, CacheFileSaveError, LoadReport)
+from kvquant.kvfile.fileio import (
+    open_regular, pread_exact, pwrite_all, remove_stale_temps, write_new_file)
 from kvquant.kvfile.identity import build_codec, check_side_values, side_kind
 from kvquant.kvfile.loader import load
+from kvquant.kvfile.modelid import check_model_id
 from kvquant.kvfile.records import CacheRecords
 from kvquant.kvfile.schema import INT32_MAX, KVFileShape, Stream
 from kvquant.streams.spec import StreamSpec
@@ -27,6 +32,12 @@ class CacheFile:
 
     Build it with :meth:`open`. Records live in memory (``records``); ``committed`` of them are
     durable on disk. Nothing is written before the first ``append``/``save``.
+
+    One writer per file: a cache opened for writing holds the file's lock
+    (:mod:`kvquant.kvfile.lock`) until :meth:`close` (or a ``with`` block's end, or garbage
+    collection); another writer of the same file, in this process or another, is refused with
+    :class:`CacheFileInUse` at its first write. After ``close()`` the records stay readable and
+    writing raises.
     """
 
     def __init__(self):
@@ -36,7 +47,7 @@ class CacheFile:
     @classmethod
     def open(cls, path, shape=None, mode="f32", *, streams=None, vocab=0, tier="auto",
              on_mismatch="raise", max_records=None, nonfinite="raise", block_records=None,
-             readonly=False, n_threads=None):
+             readonly=False, n_threads=None, model_id=None):
         """Open (or prepare to create) the cache file at ``path``.
 
         Parameters
@@ -70,10 +81,18 @@ class CacheFile:
         block_records : int, optional
             kvq tier: records per checksummed block for a new file (default ~64 KiB blocks).
         readonly : bool
-            Load only; ``append``/``save`` raise.
+            Load only; ``append``/``save`` raise. A reader takes no lock: it reads what the
+            writer has committed.
         n_threads : int or None
             Threads of the codec kernels when rows are encoded here (append of floats, v1
             upgrade); None: the OpenMP default, -1: all cores.
+        model_id : str, optional
+            The model's identity (``"sha256:..."``; :func:`~kvquant.kvfile.model_digest` gives
+            one for a GGUF file): recorded in a kvq file's header and compared on opening. A
+            file recording another identity, or recording one when none is given here, is
+            refused (:class:`CacheFileMismatch`, reason ``"model"``); a file recording none is
+            read (not checked; reported). The engine's ``.coli_kv`` tiers have no field for it:
+            with an engine tier it is neither recorded nor checked (reported).
 
         Returns
         -------
@@ -84,13 +103,17 @@ class CacheFile:
         ------
         CacheFileMismatch, CacheFileCorrupt
             With ``on_mismatch="raise"`` (both are :class:`CacheFileRefused`, a ValueError,
-            with ``.reason``).
+            with ``.reason``). A path that is not a regular file (a directory, FIFO, device) is
+            refused whatever ``on_mismatch`` says (reason ``"not-a-file"``), without blocking.
         ValueError
             Bad arguments (unknown spec, a codec that cannot take a width, ...).
         OSError
             The file exists but cannot be read.
         """
         self = object.__new__(cls)
+        self._fd = self._lock_fd = None
+        self._lock_state = None
+        self._view = None   # what was read while another writer held the file (loader)
         self.path = os.fspath(path)
         if tier not in TIERS:
             raise ValueError(f"tier={tier!r} is not one of {TIERS}")
@@ -105,7 +128,8 @@ class CacheFile:
         self._nonfinite = nonfinite
         self._readonly = bool(readonly)
         self._n_threads = n_threads
-        self._fd = None
+        self.model_id = check_model_id(model_id)
+        self._closed = False
         self._set_streams(shape, mode, streams, vocab)
         self._resolve_tier(block_records)
         self.records = CacheRecords(self.streams, self.codecs, self.options)
@@ -115,10 +139,37 @@ class CacheFile:
         self._committed = 0
         self._disk_count = 0
         self._slot = (0, 1)
-        load(self)
+        # writes go to the link's target: a rewrite replaces the target, the link stays
+        self._target = os.path.realpath(self.path)
+        if not self._readonly:
+            self._take_lock()
+        try:
+            load(self)
+        except BaseException:
+            self.close()
+            raise
+        if self.model_id is not None and self.tier != "kvq":
+            self.report.add(
+                "model-id", f"{self.path}: the engine's .coli_kv header has no field for a "
+                f"model identity: {self.model_id} is neither recorded nor checked (use "
+                "tier='kvq' to record it)")
         self.report.tier = self.tier
         self.report.loaded = len(self.records)
         return self
+
+    def _take_lock(self):
+        """Take the writer lock before reading, so that what is read stays what is on disk."""
+        try:
+            fd, holder = lock.try_lock(self._target)
+        except OSError as exc:
+            self._lock_state = ("unavailable", exc)
+            return
+        if fd is None:
+            self._lock_state = ("busy", holder)
+            return
+        self._lock_fd = fd
+        self._lock_state = ("held", None)
+        remove_stale_temps(self._target)
 
     def _set_streams(self, shape, mode, streams, vocab):
         if (shape is None) == (streams is None):
@@ -194,7 +245,7 @@ class CacheFile:
         import kvquant
         return kvq.KvqLayout(self._model, self.streams, codecs or self.codecs, block_records,
                              writer=f"kvquant {kvquant.__version__}", options=self.options,
-                             held=held)
+                             held=held, model_id=self.model_id)
 
     def _describe_running(self):
         spec = self.mode["L"] if self.shape is not None and "L" in self.mode else ", ".join(
@@ -221,9 +272,15 @@ class CacheFile:
                 f"records={len(self.records)} committed={self.committed}>")
 
     def close(self):
+        """Close the file and release the writer lock; the records stay readable, writing
+        raises."""
+        self._closed = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._lock_fd is not None:
+            lock.unlock(self._lock_fd, self._target)
+            self._lock_fd = None
 
     def __enter__(self):
         return self
@@ -298,6 +355,67 @@ class CacheFile:
     def _check_writable(self):
         if self._readonly:
             raise ValueError(f"{self.path} was opened readonly")
+        if self._closed:
+            raise ValueError(f"{self.path}: this cache was closed; reopen it to write")
+        state, detail = self._lock_state
+        if state == "unavailable":
+            raise CacheFileSaveError(OSError(
+                detail.errno, f"cannot create the writer lock {lock.lock_path(self._target)} "
+                f"({detail.strerror}); a writer needs it to keep other writers out (open with "
+                "readonly=True to read)"), self.committed)
+        if state == "busy":
+            self._lock_late(detail)
+
+    def _lock_late(self, holder):
+        """Take the lock that another writer held when this cache read the file: refused while
+        it still holds it, or when the file changed since it was read."""
+        try:
+            fd, now = lock.try_lock(self._target)
+        except OSError as exc:
+            self._lock_state = ("unavailable", exc)
+            return self._check_writable()
+        if fd is None:
+            pid = now if now is not None else holder
+            who = "another writer" if pid is None else f"pid {pid}" + (
+                " (this process: close the other CacheFile first)" if pid == os.getpid()
+                else "")
+            raise CacheFileInUse(
+                f"{self.path} is in use: {who} has it open for writing; nothing was written "
+                "(close that writer and reopen this file, or open it with readonly=True to "
+                "read)", self.path, self.tier, holder_pid=pid)
+        changed = self._changed_since_read()
+        if changed:
+            lock.unlock(fd, self._target)
+            raise CacheFileInUse(
+                f"{self.path} was written by another writer after this cache read it "
+                f"({changed}): what this cache holds is out of date, nothing was written; "
+                "reopen the file to write", self.path, self.tier, holder_pid=holder)
+        self._lock_fd = fd
+        self._lock_state = ("held", None)
+        self._view = None
+        remove_stale_temps(self._target)
+
+    def _changed_since_read(self):
+        """How the file differs from what the loader read (``_view``), or None."""
+        try:
+            fd, st = open_regular(self._target, os.O_RDONLY)
+        except FileNotFoundError:
+            return None   # removed: nobody's records are in it any more
+        if fd is None:
+            return f"it is {st} now"
+        try:
+            if self._view is None:
+                return "it was created"
+            dev, ino, size, digest = self._view
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                return "it was replaced"
+            if st.st_size < size or (size == 0 and st.st_size):
+                return "it is shorter" if st.st_size < size else "it was written"
+            if hashlib.sha256(pread_exact(fd, size, 0)).digest() != digest:
+                return "its bytes differ"
+        finally:
+            os.close(fd)
+        return None
 
     def _check_tokens(self, tokens):
         t = np.asarray(tokens)
@@ -379,7 +497,7 @@ class CacheFile:
         try:
             if not self._needs_rewrite and self._fd is None:
                 try:
-                    self._fd = os.open(self.path, os.O_RDWR)
+                    self._fd = self._open_rw()
                 except FileNotFoundError:
                     self._needs_rewrite = True
             if self._needs_rewrite or self._state_dirty:
@@ -413,13 +531,21 @@ class CacheFile:
             return n   # only rows not yet committed were dropped: the file stays as it is
         try:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR)
+                self._fd = self._open_rw()
             self._write_count(new)
             self._committed = new
         except OSError as exc:
             self._needs_rewrite = True
             raise CacheFileSaveError(exc, 0, what="truncate") from exc
         return n
+
+    def _open_rw(self):
+        fd, kind = open_regular(self._target, os.O_RDWR)
+        if fd is None:
+            raise CacheFileMismatch(
+                f"{self.path} is {kind}, not a cache file: refusing to write to it",
+                "not-a-file", self.path, None)
+        return fd
 
     def _raw(self, start, stop):
         return self._layout.to_bytes(*self.records.slice(start, stop))
@@ -440,8 +566,9 @@ class CacheFile:
             chunks = (layout.file_head(n, tail_crc, self.records), data)
         else:
             chunks = (self._layout.header(n), self._raw(0, n))
-        fd = write_new_file(self.path, chunks)
-        self.close()
+        fd = write_new_file(self._target, chunks)
+        if self._fd is not None:
+            os.close(self._fd)
         self._fd = fd
         if self.tier == "kvq":
             self._layout = layout

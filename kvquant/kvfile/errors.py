@@ -4,15 +4,18 @@ from dataclasses import dataclass, field
 
 
 class CacheFileRefused(ValueError):
-    """A cache file that will not be read under the running mode; nothing was loaded or written.
+    """A cache file that will not be read (or written) under the running mode; nothing was
+    loaded (or written).
 
     Attributes
     ----------
     reason : str
         Short machine-readable cause: ``"tier"``, ``"codec"``, ``"bits"``, ``"tag"``, ``"seed"``,
         ``"rotation"``, ``"codebook"``, ``"side"`` (side-value kind or dtype), ``"options"``
-        (stream options), ``"context"``, ``"version"``, ``"not-a-cache"`` (mismatches) or
-        ``"header"``, ``"commit"``, ``"state"`` (the stream state of a kvq file) (corruption).
+        (stream options), ``"model"`` (model identity), ``"context"``, ``"version"``,
+        ``"not-a-cache"``, ``"not-a-file"`` (a directory, FIFO, device...) (mismatches),
+        ``"header"``, ``"commit"``, ``"state"`` (the stream state of a kvq file) (corruption) or
+        ``"in-use"`` (another writer).
     path : str
     file_tier : str or None
         ``"v1"``, ``"v2"``, ``"v3"``, ``"kvq"`` or None when unknown.
@@ -39,6 +42,24 @@ class CacheFileCorrupt(CacheFileRefused):
     refused rather than overwritten, so that nothing is lost without the caller's consent."""
 
 
+class CacheFileInUse(CacheFileRefused):
+    """Another writer has the cache file open for writing (it holds the file's lock): this cache
+    writes nothing to it. Raised by ``append``/``save``/``truncate`` of a cache opened while the
+    other writer held the lock (even if it has closed since: what this cache read may be out of
+    date). Records in memory are kept; close the other writer and reopen, or open with
+    ``readonly=True`` to read.
+
+    Attributes
+    ----------
+    holder_pid : int or None
+        The pid of the writer holding the lock when this cache was opened, when known.
+    """
+
+    def __init__(self, message, path=None, file_tier=None, holder_pid=None):
+        super().__init__(message, "in-use", path, file_tier)
+        self.holder_pid = holder_pid
+
+
 class CacheFileSaveError(OSError):
     """Writing to disk failed. The committed records on disk are unchanged (``committed``) and
     the records in memory are kept: the next ``save()`` or ``append()`` retries."""
@@ -63,7 +84,8 @@ class LoadEvent:
     ``truncated`` (file shorter than its count), ``uncommitted-tail`` (bytes past the count),
     ``corrupt-block`` (our tier: checksum failure, cut there), ``commit-slot`` (our tier: the
     newest commit slot is damaged, the older one is used), ``count`` (a negative count),
-    ``bad-side``, ``bad-code``, ``bad-token``.
+    ``bad-side``, ``bad-code``, ``bad-token``, ``model-id`` (a model identity given but not
+    checked: the file records none, or its tier cannot).
     """
 
     kind: str

@@ -5,8 +5,8 @@ import zlib
 
 from kvquant.kvfile import engine, kvq
 from kvquant.kvfile.cachefile import CacheFile
-from kvquant.kvfile.errors import CacheFileRefused
-from kvquant.kvfile.fileio import pread_exact
+from kvquant.kvfile.errors import CacheFileMismatch, CacheFileRefused
+from kvquant.kvfile.fileio import open_regular, pread_exact
 from kvquant.kvfile.identity import build_codec
 from kvquant.kvfile.schema import KVFileShape, Stream
 from kvquant.streams.options import StreamOptions
@@ -15,6 +15,10 @@ from kvquant.streams.options import StreamOptions
 # a lying header cannot make inspect allocate).
 _MAX_DIM = 1 << 20
 _MAX_ROWS = 1 << 16
+
+# Load events that mean committed records were lost or changed (an uncommitted tail is not).
+DAMAGE = ("truncated", "corrupt-block", "bad-token", "bad-side", "bad-code", "commit-slot",
+          "window-slot", "count")
 
 ENGINE_INTEGRITY = ("engine tiers carry no checksum: a flipped byte reads as data unless it puts "
                     "a side value out of range, makes an fp8 NaN byte, or a token id leaves the "
@@ -34,7 +38,24 @@ def _try_open(path, **kw):
     result = {"loaded": "loads", "upgraded": "upgrade", "ignored": "ignored",
               "new": "empty", "started-over": "refused"}[rep.status]
     return {"result": result, "reason": None, "records": rep.loaded, "tier": cf.tier,
-            "messages": rep.messages, "events": [e.kind for e in rep.events]}
+            "messages": rep.messages, "events": [e.kind for e in rep.events],
+            "damage": [e.message for e in rep.events if e.kind in DAMAGE]}
+
+
+def _check_losses(info):
+    """Compare what the header commits with what reading the file as written recovers: lost
+    or changed records are the file's problem (``inspect`` exits 1)."""
+    r = info.get("as_written")
+    if not r or r["result"] not in ("loads", "upgrade"):
+        return
+    committed = max(0, info.get("count") or 0)
+    info["recoverable_records"] = r["records"]
+    info["lost_records"] = committed - r["records"]
+    info["verified"] = not r["damage"]
+    if r["damage"]:
+        lost = (f"{info['lost_records']} of the {committed} committed record(s) are lost"
+                if info["lost_records"] else "records were damaged")
+        info["problem"] = f"{lost}: " + "; ".join(r["damage"])
 
 
 def inspect_file(path, mode=None):
@@ -48,9 +69,12 @@ def inspect_file(path, mode=None):
     """
     path = os.fspath(path)
     info = {"path": path, "supported": False, "tier": None, "problem": None}
-    fd = os.open(path, os.O_RDONLY)
+    fd, st = open_regular(path, os.O_RDONLY)
+    if fd is None:
+        raise CacheFileMismatch(f"{path} is {st}, not a cache file (give the path of a regular "
+                                "file)", "not-a-file", path, None)
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         head = pread_exact(fd, min(size, kvq.HEADER_OFFSET + kvq.MAX_HEADER_BYTES), 0)
     finally:
         os.close(fd)
@@ -58,8 +82,10 @@ def inspect_file(path, mode=None):
     info["magic"] = repr(bytes(head[:8]))
     if head[:8] == kvq.MAGIC:
         _inspect_kvq(path, head, size, info, mode)
+        _check_losses(info)
     elif head[:8] in engine.TIER_OF_MAGIC:
         _inspect_engine(path, head, size, info, mode)
+        _check_losses(info)
     elif size == 0:
         info["problem"] = "empty file"
     else:
@@ -197,6 +223,7 @@ def _inspect_kvq(path, head, size, info, mode):
     except (TypeError, ValueError) as exc:
         info["problem"] = f"header model not understood: {exc}"
         return
+    opener["model_id"] = header.get("model_id")
     info["as_written"] = _try_open(path, tier="kvq", **opener, **as_written)
     if mode is not None:
         info["load"] = {"mode": mode, **_try_open(path, **opener, **asked)}
@@ -215,6 +242,8 @@ def format_inspection(info):
     elif info["tier"] == "kvq" and "header" in info:
         h = info["header"]
         lines.append(f"model      {h['model']}")
+        if h.get("model_id"):
+            lines.append(f"model id   {h['model_id']}")
         for s in h["streams"]:
             extra = ""
             if s.get("rotation"):
@@ -252,7 +281,14 @@ def format_inspection(info):
         lines.append(f"records    {info.get('count')} committed, {info['record_bytes']} bytes each"
                      + (f", {complete} complete in the file" if complete is not None else ""))
     if info.get("integrity"):
-        lines.append(f"integrity  {info['integrity']}")
+        verdict = ""
+        if "verified" in info and info["tier"] == "kvq":
+            verdict = (": checksums verified" if info["verified"]
+                       else ": damage found (see problem)")
+        lines.append(f"integrity  {info['integrity']}{verdict}")
+    if info.get("lost_records"):
+        lines.append(f"lost       {info['lost_records']} of {max(0, info['count'])} committed "
+                     f"record(s); {info['recoverable_records']} recoverable")
     if info.get("as_written"):
         r = info["as_written"]
         lines.append(f"as written {r['result']}: {r['records']} record(s)")
@@ -272,6 +308,8 @@ def cmd_inspect(args):
         info = inspect_file(args.file, args.mode)
     except OSError as exc:
         raise SystemExit(f"kvquant inspect: cannot read {args.file!r}: {exc.strerror}")
+    except CacheFileRefused as exc:
+        raise SystemExit(f"kvquant inspect: {exc}")
     print(json.dumps(info, indent=1, default=str) if args.json else format_inspection(info))
     ok = info["supported"] and not info.get("problem")
     if args.mode is not None:
@@ -282,8 +320,9 @@ def cmd_inspect(args):
 def add_cli(subparsers):
     """Register ``kvquant inspect FILE [--mode SPEC] [--json]``.
 
-    Exit status 0 when the file is a supported cache file (and, with ``--mode``, would load or
-    be upgraded under it), 1 otherwise.
+    Exit status 0 when the file is a supported cache file whose committed records all read back
+    intact (and, with ``--mode``, would load or be upgraded under it), 1 otherwise (records
+    lost or damaged: the problem line says how many).
     """
     p = subparsers.add_parser(
         "inspect", help="header and summary of a cache file (.coli_kv v1/v2/v3 or kvq)",

@@ -13,7 +13,9 @@ Layout (little-endian)::
     72   J  header JSON (sorted keys): model shape, streams with codec spec, family, bits,
             dim, code bytes, side-value count, kind and dtype, engine tag, rotation (identity,
             seed, sign hash, ordering), codebook (identity, SHA-256 of its levels), record bytes,
-            records per block
+            records per block, and ``model_id`` (the model's identity) only when one was given.
+            Every field's type and range is checked on reading; a field this kvquant does not
+            know is refused (a newer writer's)
     S       version 2 only, S = 72 + J rounded up to 8: the stream state, ``state_bytes`` long:
             u32 CRC32 of the rest (seeded with the header CRC), u32 0, then per stream with
             options, in header order: u32 flags (1: offset set, 2: scales set), u32 sink rows
@@ -58,7 +60,8 @@ import numpy as np
 from kvquant.codecs.base import SIDE_DTYPES
 from kvquant.kvfile.errors import CacheFileCorrupt, CacheFileMismatch
 from kvquant.kvfile.identity import codec_identity, side_bytes
-from kvquant.kvfile.schema import SIDE_MAX
+from kvquant.kvfile.modelid import is_model_id
+from kvquant.kvfile.schema import INT32_MAX, SIDE_MAX, STREAM_NAME
 from kvquant.streams.options import MAX_RECENT, MAX_SINKS, StreamOptions
 
 MAGIC = b"KVQCACHE"
@@ -89,9 +92,11 @@ class KvqLayout:
     """Record and block layout of a kvq file for given streams and codecs."""
 
     def __init__(self, model, streams, codecs, block_records=None, writer="", options=None,
-                 held=None):
+                 held=None, model_id=None):
         """``options``: StreamOptions by stream name; ``held``: sink rows held by stream name
-        (they size the state area of a file written with this layout)."""
+        (they size the state area of a file written with this layout); ``model_id``: the
+        model's identity (a header without it is byte for byte the one written before it
+        existed)."""
         self.model = dict(model)
         self.streams = list(streams)
         self.codecs = dict(codecs)
@@ -144,6 +149,8 @@ class KvqLayout:
             self.header["state_bytes"] = self.state_bytes
         if self.window_streams:
             self.header["window_slot_bytes"] = self.window_slot_bytes
+        if model_id is not None:
+            self.header["model_id"] = model_id
         header_json = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
         if len(header_json) > MAX_HEADER_BYTES:
             raise ValueError("the kvq header would exceed 1 MiB")
@@ -390,8 +397,14 @@ def read_header(path, head, size):
         raise _corrupt(path, "the header checksum does not match")
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise _corrupt(path, "the header is not valid JSON") from None
+    unknown = _unknown_fields(header)
+    if unknown:
+        raise CacheFileMismatch(
+            f"{path}: kvq header field(s) {', '.join(unknown)} unknown to this kvquant (a file "
+            "written by a newer version?): refusing it rather than ignoring what they say",
+            "version", path, "kvq")
     problem = _header_problem(header, version)
     if problem:
         raise _corrupt(path, f"the header is not a valid kvq header: {problem}")
@@ -428,15 +441,99 @@ def _options_problem(opts):
     return None
 
 
+# The fields of a kvq header, each with the check of its value (None: absent is allowed).
+_HEADER_FIELDS = ("format", "version", "byteorder", "token", "model", "record_bytes",
+                  "block_records", "streams", "writer", "state_bytes", "window_slot_bytes",
+                  "model_id")
+_MLA_MODEL = ("n_layers", "kv_lora", "qk_rope", "index_hd", "n_index_layers", "vocab")
+_ROTATION_FIELDS = {"identity": str, "seed": int, "sign_hash": str, "ordering": str}
+_CODEBOOK_FIELDS = {"identity": str, "checksum": (str, type(None))}
+
+
+def _is_str(v, longest=256):
+    return isinstance(v, str) and 1 <= len(v) <= longest
+
+
+def _stream_fields():
+    return {
+        "name": lambda v: isinstance(v, str) and STREAM_NAME.match(v) is not None,
+        "rows": lambda v: _is_int(v, 1, 1 << 24),
+        "dim": lambda v: _is_int(v, 1, 1 << 24),
+        "code_bytes": lambda v: _is_int(v, 0, 1 << 28),
+        "n_side": lambda v: _is_int(v, 0, 1 << 24),
+        "spec": _is_str,
+        "family": lambda v: _is_str(v, 64),
+        "bits": lambda v: v is None or _is_int(v, 1, 64),
+        "side": lambda v: _is_str(v, 64),
+        "side_dtype": lambda v: isinstance(v, str) and v in SIDE_DTYPES,
+        "engine_tag": lambda v: v is None or _is_int(v, 0, 0xFFFF),
+        "rotation": lambda v: v is None or _is_record(v, _ROTATION_FIELDS),
+        "codebook": lambda v: v is None or _is_record(v, _CODEBOOK_FIELDS),
+        "options": lambda v: _options_problem(v) is None,
+    }
+
+
+_STREAM_FIELDS = _stream_fields()
+_STREAM_REQUIRED = ("name", "rows", "dim", "code_bytes", "n_side", "spec")
+
+
+def _is_record(v, fields):
+    """A dict with exactly ``fields``, each of its type (ints: 0..2^64-1, not bool)."""
+    if not isinstance(v, dict) or set(v) != set(fields):
+        return False
+    for key, kind in fields.items():
+        if kind is int:
+            if not _is_int(v[key], 0, (1 << 64) - 1):
+                return False
+        elif not isinstance(v[key], kind) or isinstance(v[key], bool):
+            return False
+        elif isinstance(v[key], str) and not 1 <= len(v[key]) <= 256:
+            return False
+    return True
+
+
+def _unknown_fields(h):
+    """Header fields (top level and stream entries) this kvquant does not know."""
+    if not isinstance(h, dict):
+        return []
+    unknown = [repr(k) for k in h if k not in _HEADER_FIELDS]
+    for s in h.get("streams") if isinstance(h.get("streams"), list) else ():
+        if isinstance(s, dict):
+            unknown += [f"streams[].{k!r}" for k in s if k not in _STREAM_FIELDS]
+    return sorted(set(unknown))
+
+
+def _model_problem(m):
+    if not isinstance(m, dict):
+        return "model"
+    if m.get("kind") == "mla":
+        if set(m) != {"kind", *_MLA_MODEL} or not all(
+                _is_int(m[k], 1 if k in ("n_layers", "kv_lora", "qk_rope") else 0, INT32_MAX)
+                for k in _MLA_MODEL):
+            return "model (an MLA shape needs integer n_layers, kv_lora, qk_rope >= 1 and " \
+                   "index_hd, n_index_layers, vocab >= 0)"
+    elif m.get("kind") == "streams":
+        if set(m) != {"kind", "vocab"} or not _is_int(m["vocab"], 0, INT32_MAX):
+            return "model (streams need an integer vocab >= 0)"
+    else:
+        return f"model kind {m.get('kind')!r}"
+    return None
+
+
 def _header_problem(h, version):
     if not isinstance(h, dict):
         return "not an object"
-    if h.get("format") != FORMAT_NAME or h.get("version") != version:
+    if h.get("format") != FORMAT_NAME or not _is_int(h.get("version"), version, version):
         return "format/version fields"
     if h.get("byteorder") != "little" or h.get("token") != "int32":
         return "byte order or token type"
-    if not isinstance(h.get("model"), dict):
-        return "model"
+    problem = _model_problem(h.get("model"))
+    if problem:
+        return problem
+    if "writer" in h and not isinstance(h["writer"], str):
+        return "writer"
+    if "model_id" in h and not is_model_id(h["model_id"]):
+        return "model_id (1..256 printable ASCII characters)"
     if not _is_int(h.get("block_records"), 1, MAX_BLOCK_RECORDS):
         return "block_records"
     if not _is_int(h.get("record_bytes"), 4, MAX_RECORD_BYTES):
@@ -445,17 +542,17 @@ def _header_problem(h, version):
     if not isinstance(streams, list) or not 1 <= len(streams) <= MAX_STREAMS:
         return "streams"
     total, names, state, state_max, window = 4, set(), STATE_HEAD.size, 0, WINDOW_HEAD.size
-    for s in streams:
+    for i, s in enumerate(streams):
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s["name"] in names:
-            return "stream name"
+            return f"stream {i} name"
         names.add(s["name"])
-        if not (_is_int(s.get("rows"), 1, 1 << 24) and _is_int(s.get("dim"), 1, 1 << 24)
-                and _is_int(s.get("code_bytes"), 0, 1 << 28)
-                and _is_int(s.get("n_side"), 0, 1 << 24) and isinstance(s.get("spec"), str)):
-            return f"stream {s['name']!r} sizes"
+        missing = [k for k in _STREAM_REQUIRED if k not in s]
+        if missing:
+            return f"stream {s['name']!r} lacks {', '.join(missing)}"
+        for key, valid in _STREAM_FIELDS.items():
+            if key in s and not valid(s[key]):
+                return f"stream {s['name']!r} {key} {repr(s[key])[:60]}"
         side_size = side_bytes(s.get("side_dtype", "f32"))
-        if side_size is None:
-            return f"stream {s['name']!r} side_dtype {s.get('side_dtype')!r}"
         total += s["rows"] * (s["code_bytes"] + side_size * s["n_side"])
         if "options" in s:
             if version != STATE_VERSION:

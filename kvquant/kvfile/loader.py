@@ -4,13 +4,14 @@ identity or stream options, the records (cut at the first damaged block, bad tok
 tail), bad side values made inert, a v1 file upgraded in memory; every step in the load report.
 
 :func:`load` is the one entry; the CacheFile it fills owns the records and writes the file."""
+import hashlib
 import os
 
 import numpy as np
 
 from kvquant.kvfile import engine, kvq
 from kvquant.kvfile.errors import CacheFileMismatch, CacheFileRefused
-from kvquant.kvfile.fileio import pread_exact
+from kvquant.kvfile.fileio import open_regular, pread_exact
 from kvquant.kvfile.identity import build_codec, codec_identity, sanitize_rows, side_kind
 from kvquant.kvfile.records import CacheRecords
 from kvquant.streams.options import StreamOptions
@@ -61,15 +62,31 @@ def load(cf):
     """Fill ``cf`` (its records, tier, layout, commit state and report) from the file at
     ``cf.path``, or leave it empty with the reason in ``cf.report``."""
     try:
-        fd = os.open(cf.path, os.O_RDONLY)
+        fd, st = open_regular(cf.path, os.O_RDONLY)
     except FileNotFoundError:
         cf.report.add("new", f"no cache file at {cf.path}: starting empty")
         return
+    if fd is None:   # never started over: a save would rename a file over it
+        raise CacheFileMismatch(
+            f"{cf.path} is {st}, not a cache file: refusing to read or replace it (give the "
+            "path of a regular file)", "not-a-file", cf.path, None)
     try:
-        size = os.fstat(fd).st_size
-        head = pread_exact(fd, min(size, _HEAD_BYTES), 0)
+        size = st.st_size
+        if cf._lock_state is not None and cf._lock_state[0] == "busy":
+            # another writer holds the file: read it once, whole, and remember what was read,
+            # so that a first write after that writer closes can tell whether it changed
+            snapshot = pread_exact(fd, size, 0)
+            size = len(snapshot)
+            cf._view = (st.st_dev, st.st_ino, size, hashlib.sha256(snapshot).digest())
+
+            def read(n, offset):
+                return snapshot[offset:offset + n]
+        else:
+            def read(n, offset):
+                return pread_exact(fd, n, offset)
+        head = read(min(size, _HEAD_BYTES), 0)
         try:
-            _load_from(cf, fd, size, head)
+            _load_from(cf, read, size, head)
         except CacheFileRefused as exc:
             _refused(cf, exc)
     finally:
@@ -92,14 +109,14 @@ def _ignored(cf, message, **detail):
                   "first save)", **detail)
 
 
-def _load_from(cf, fd, size, head):
+def _load_from(cf, read, size, head):
     rep = cf.report
     if size == 0:
         rep.add("new", f"{cf.path} is empty: starting empty")
         return
     magic = head[:8]
     if magic == kvq.MAGIC:
-        return _load_kvq(cf, fd, size, head)
+        return _load_kvq(cf, read, size, head)
     known = (kvq.MAGIC, *engine.MAGICS.values())
     if size < 8 and any(m.startswith(head) for m in known):
         return _ignored(cf, f"ignoring {cf.path}: a torn header ({size} bytes)")
@@ -111,13 +128,13 @@ def _load_from(cf, fd, size, head):
             return _ignored(cf, f"ignoring {cf.path}: the .coli_kv header is short "
                             f"({size} of {engine.HEADER_BYTES} bytes)")
         ftier, words = engine.parse_header(head)
-        return _load_engine(cf, fd, size, ftier, words)
+        return _load_engine(cf, read, size, ftier, words)
     raise CacheFileMismatch(
         f"{cf.path} is not a cache file (magic {bytes(magic)!r}): refusing to read or "
         "overwrite it", "not-a-cache", cf.path, None)
 
 
-def _load_engine(cf, fd, size, ftier, words):
+def _load_engine(cf, read, size, ftier, words):
     rep, path = cf.report, cf.path
     rep.file_tier = ftier
     count, tag = words[6], words[7]
@@ -172,7 +189,7 @@ def _load_engine(cf, fd, size, ftier, words):
         rep.add("uncommitted-tail", f"{path}: {size - engine.HEADER_BYTES - count * rec} "
                 "byte(s) past the committed records ignored (an append that did not "
                 "commit, or a truncation)")
-    buf = pread_exact(fd, n * rec, engine.HEADER_BYTES)
+    buf = read(n * rec, engine.HEADER_BYTES)
     n = min(n, len(buf) // rec)
     tokens, codes, side = layout.from_bytes(buf, n)
     if upgrade:
@@ -205,10 +222,10 @@ def _loaded_states(cf, state, k):
     return states
 
 
-def _commit_with_window(cf, fd, layout, valid):
+def _commit_with_window(cf, read, layout, valid):
     """The newest valid commit slot whose window slot (same letter) holds its count and seq,
     and that window; the other commit when the newest one's window slot is damaged."""
-    slots = [layout.parse_window_slot(pread_exact(fd, layout.window_slot_bytes,
+    slots = [layout.parse_window_slot(read(layout.window_slot_bytes,
                                                   layout.window_slot_offset(i)))
              for i in (0, 1)]
     for n, (idx, count, seq, tail_crc) in enumerate(sorted(valid, key=lambda v: -v[2])):
@@ -302,7 +319,27 @@ def _post_load(cf, tokens, codes, side, codecs):
     return k, changed
 
 
-def _load_kvq(cf, fd, size, head):
+def _check_model_id(cf, file_id):
+    """Refuse a kvq file recording another model identity (or one the running cache does not
+    give); report a file that records none."""
+    mine = cf.model_id
+    if file_id == mine:
+        return
+    if file_id is None:
+        cf.report.add("model-id", f"{cf.path} records no model identity: {mine} not checked "
+                      "(a file written without model_id)")
+        return
+    if mine is None:
+        raise CacheFileMismatch(
+            f"{cf.path} records model identity {file_id}; this cache was opened without "
+            "model_id: refusing it (open with model_id= the running model's identity, e.g. "
+            "kvquant.kvfile.model_digest(model_path), to resume it)", "model", cf.path, "kvq")
+    raise CacheFileMismatch(
+        f"{cf.path} was written for model {file_id}, the running model is {mine}: its rows "
+        "belong to other weights; refusing it", "model", cf.path, "kvq")
+
+
+def _load_kvq(cf, read, size, head):
     rep, path = cf.report, cf.path
     rep.file_tier = "kvq"
     header, header_crc, data_offset, header_json = kvq.read_header(path, head, size)
@@ -334,6 +371,7 @@ def _load_kvq(cf, fd, size, head):
                 f"{cf.mode[fs['name']]!r}: its codes hold rows after another offset, "
                 "scales or sinks; refusing it (open with the file's stream spec to resume it)",
                 "options", path, "kvq")
+    _check_model_id(cf, header.get("model_id"))
     layout = cf._kvq_layout(header["block_records"])
     if layout.record_bytes != header["record_bytes"]:
         raise kvq._corrupt(path, "record size disagrees with the codecs", "header")
@@ -343,7 +381,7 @@ def _load_kvq(cf, fd, size, head):
         raise kvq._corrupt(path, "both commit slots fail their checksum", "commit")
     windows = None
     if layout.window_streams:
-        (idx, count, seq, tail_crc), windows = _commit_with_window(cf, fd, layout, valid)
+        (idx, count, seq, tail_crc), windows = _commit_with_window(cf, read, layout, valid)
     else:
         idx, count, seq, tail_crc = max(valid, key=lambda v: v[2])
     if invalid:
@@ -355,7 +393,7 @@ def _load_kvq(cf, fd, size, head):
     full, tail = divmod(count, B)
     needed = full * stride + tail * rec
     avail = max(0, size - data_offset)
-    buf = pread_exact(fd, min(needed, avail), data_offset)
+    buf = read(min(needed, avail), data_offset)
     good, problem, parts = kvq.verify_blocks(buf, count, layout, tail_crc)
     if problem:
         kind, at = problem
@@ -375,7 +413,7 @@ def _load_kvq(cf, fd, size, head):
     states = None
     if layout.state_streams:
         state = layout.parse_state(
-            path, pread_exact(fd, layout.state_bytes, layout.state_offset))
+            path, read(layout.state_bytes, layout.state_offset))
         states = _loaded_states(cf, state, k)
     windows = {name: _loaded_window(cf, name, rows, count, k)
                for name, rows in (windows or {}).items()}
@@ -391,5 +429,9 @@ def _load_kvq(cf, fd, size, head):
     # a file whose commit sequence number is about to run out.
     cf._needs_rewrite = changed or seq >= 2**62
     rep.status = "loaded"
-    rep.add("loaded", f"loaded {k} record(s) from {path} (kvq, checksums verified)",
-            records=k)
+    if problem or k < good:
+        rep.add("loaded", f"loaded {k} of the {count} record(s) committed in {path} (kvq; "
+                f"{count - k} lost, see above)", records=k, lost=count - k)
+    else:
+        rep.add("loaded", f"loaded {k} record(s) from {path} (kvq, checksums verified)",
+                records=k)

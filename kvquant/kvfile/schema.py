@@ -8,7 +8,7 @@ import numpy as np
 INT32_MAX = 2**31 - 1
 # The engine's "< 3.4e38f" bound on side values (a float32 literal, just below FLT_MAX).
 SIDE_MAX = np.float32(3.4e38)
-_STREAM_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,31}\Z")
+STREAM_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,31}\Z")
 
 
 def _check_int(value, name, low, high=INT32_MAX):
@@ -104,7 +104,7 @@ class Stream:
     spec: str = "f32"
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not _STREAM_NAME.match(self.name):
+        if not isinstance(self.name, str) or not STREAM_NAME.match(self.name):
             raise ValueError(f"stream name {self.name!r} must be 1..32 characters of "
                              "[A-Za-z0-9_.-] starting with a letter")
         _check_int(self.dim, f"stream {self.name!r} dim", 1, 1 << 24)
