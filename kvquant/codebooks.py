@@ -24,9 +24,11 @@ Storage. One JSON file per (dist, dim, bits) in ``kvquant/data/codebooks/``: Gau
 ``kvquant codebooks fit`` command, which writes to ``--out``, by default ``./codebooks``; to
 install fitted codebooks, write them into ``kvquant/data/codebooks`` of a source tree and
 reinstall). :func:`load_codebook` reads them (checking a SHA-256 of the levels) and fits anything
-else on the fly.
+else on the fly. :func:`use_codebooks` lends codebooks of one's own (a refit, levels fitted to
+another density) to the codecs built inside a ``with`` block, without installing them.
 """
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -63,6 +65,7 @@ __all__ = [
     "quantizer_mse",
     "read_codebook",
     "regenerate",
+    "use_codebooks",
     "write_codebook",
 ]
 
@@ -899,7 +902,55 @@ def load_codebook(dist, dim, bits):
         dim = None
     elif dim is None:
         raise ValueError("dist='beta' needs dim, an integer >= 2; got None")
-    return _load_cached(dist, dim, bits)
+    lent = _LENT.get(_identity(dist, dim, bits))
+    return lent if lent is not None else _load_cached(dist, dim, bits)
+
+
+_LENT = {}   # identity -> Codebook, while a use_codebooks block is open
+
+
+@contextlib.contextmanager
+def use_codebooks(*codebooks):
+    """Inside the ``with`` block, :func:`load_codebook` returns these codebooks for their
+    (dist, dim, bits) instead of the stored ones.
+
+    A codec keeps the levels it was built with, so ``get_codec("tq4", 64)`` inside the block
+    uses a lent ``beta-d64-b4`` for its whole life, and outside it the stored one. Its spec is
+    the same string; what tells the two apart is ``codec.codebook_checksum`` (the SHA-256 of
+    the levels), which the ``.kvq`` cache file records and checks: a file written with a lent
+    codebook is refused under the stored one, and the other way round.
+
+    Parameters
+    ----------
+    *codebooks : Codebook
+        At most one per identity (``beta-d64-b4``, ``gaussian-b3``, ...). Levels fitted to any
+        density go in as ``Codebook(dist="beta", dim=..., bits=..., levels=..., ...)`` (the
+        slot of the codec that will use them), in N(0, 1) units.
+
+    Yields
+    ------
+    None
+
+    Raises
+    ------
+    TypeError
+        Something that is not a Codebook.
+    ValueError
+        Two codebooks of the same identity, or one already lent by an enclosing block.
+    """
+    lent = {}
+    for cb in codebooks:
+        if not isinstance(cb, Codebook):
+            raise TypeError(f"use_codebooks takes Codebook objects, got {type(cb).__name__}")
+        if cb.identity in lent or cb.identity in _LENT:
+            raise ValueError(f"two codebooks for {cb.identity} in use at once: lend one")
+        lent[cb.identity] = cb
+    _LENT.update(lent)
+    try:
+        yield
+    finally:
+        for identity in lent:
+            del _LENT[identity]
 
 
 def regenerate(dists=DISTS, dims=STORED_BETA_DIMS, bits_list=range(1, 9), directory=None,

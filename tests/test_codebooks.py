@@ -396,3 +396,46 @@ def test_cli_names_the_bad_value_first(argv, message, tmp_path, capsys):
         args.func(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_use_codebooks_lends_levels_to_codecs_built_inside(tmp_path):
+    from kvquant import get_codec
+    from kvquant.kvfile import CacheFile, CacheFileMismatch, Stream
+    stored = load_codebook("beta", 64, 3)
+    # Levels 10% wider than the fit: a codebook the codec must visibly use.
+    lent = Codebook(dist="beta", dim=64, bits=3, levels=stored.levels * 1.1, mse=math.nan,
+                    tol=stored.tol)
+    with cbm.use_codebooks(lent):
+        assert load_codebook("beta", 64, 3) is lent
+        inside = get_codec("tq3", 64)
+    outside = get_codec("tq3", 64)
+    assert load_codebook("beta", 64, 3) is stored
+    np.testing.assert_array_equal(inside.levels, lent.levels_f32)
+    np.testing.assert_array_equal(outside.levels, stored.levels_f32)
+    assert inside.codebook_checksum == lent.checksum != outside.codebook_checksum
+    # Decoded coordinates (rotated basis, unit rows) lie on the lent levels.
+    X = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    enc = inside.encode(X)
+    Y = inside.rotation.rotate(inside.decode(enc)) * np.sqrt(64) / enc.side
+    assert np.abs(Y[..., None] - lent.levels).min(axis=-1).max() < 1e-4 * np.abs(lent.levels).max()
+    # A cache file written with the lent codebook is refused under the stored one.
+    with cbm.use_codebooks(lent):
+        with CacheFile.open(tmp_path / "c.kvq", streams=[Stream("K", 64, 1, "tq3")]) as cf:
+            cf.append([1, 2], streams={"K": X[:2, None, :]})
+    with pytest.raises(CacheFileMismatch):
+        CacheFile.open(tmp_path / "c.kvq", streams=[Stream("K", 64, 1, "tq3")])
+
+
+def test_use_codebooks_refuses_bad_arguments():
+    stored = load_codebook("beta", 64, 3)
+    with pytest.raises(TypeError, match="Codebook"):
+        with cbm.use_codebooks(stored.levels):
+            pass
+    with pytest.raises(ValueError, match="beta-d64-b3"):
+        with cbm.use_codebooks(stored, stored):
+            pass
+    with cbm.use_codebooks(stored):
+        with pytest.raises(ValueError, match="beta-d64-b3"):
+            with cbm.use_codebooks(stored):
+                pass
+    assert load_codebook("beta", 64, 3) is stored
