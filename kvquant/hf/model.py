@@ -43,9 +43,21 @@ class HFModel:
         self.context_length = getattr(text, "max_position_embeddings", None)
         self.name = name or os.path.basename(str(getattr(model.config, "_name_or_path", "")
                                                  ).rstrip("/")) or type(model).__name__
+        self.bos_token_id = None
+        if tokenizer is not None and getattr(tokenizer, "add_bos_token", False):
+            self.bos_token_id = tokenizer.bos_token_id
+        self.n_layers = int(text.num_hidden_layers)
+        self.n_kv_heads = int(getattr(text, "num_key_value_heads", None)
+                              or text.num_attention_heads)
+        self.head_dim = int(getattr(text, "head_dim", None)
+                            or text.hidden_size // text.num_attention_heads)
+        # Gemma 2 caps its logits (tanh); transformers applies it in the causal LM's forward.
+        self._softcap = getattr(text, "final_logit_softcapping", None)
         params = inspect.signature(type(model).forward).parameters
         # transformers renamed past_key_values to cache during 5.x; take the model's own name
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        decoder_params = inspect.signature(type(model.get_decoder()).forward).parameters
+        self._decoder_cache_kw = "cache" if "cache" in decoder_params else "past_key_values"
 
     @classmethod
     def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, name=None,
@@ -63,14 +75,10 @@ class HFModel:
 
     def describe(self):
         """What results record of the model."""
-        text = self.model.config.get_text_config(decoder=True)
         return {"model": self.name, "backend": "transformers",
                 "architecture": type(self.model).__name__,
-                "n_layers": int(text.num_hidden_layers),
-                "n_kv_heads": int(getattr(text, "num_key_value_heads", None)
-                                  or text.num_attention_heads),
-                "head_dim": int(getattr(text, "head_dim", None)
-                                or text.hidden_size // text.num_attention_heads),
+                "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
+                "head_dim": self.head_dim,
                 "dtype": str(self.model.dtype).replace("torch.", ""),
                 "key_channels": self.key_channels,
                 "attention": "decode: codec consumers; prefill: decoded block + BLAS "
@@ -94,6 +102,34 @@ class HFModel:
         or a list of one per layer)."""
         return KVQuantCache(self.model.config, pair_spec, key_channels=self.key_channels)
 
+    def _check_tokens(self, tokens):
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}")
+        return ids
+
+    def forward_hidden(self, tokens, cache):
+        """Run ``tokens`` after those already in ``cache`` (appending them to it) through the
+        decoder: its final hidden states after the output norm, float32 (n_tokens, hidden), for
+        :meth:`logits` to turn into logits a block of rows at a time."""
+        ids = self._check_tokens(tokens)
+        with torch.inference_mode():
+            out = self.model.get_decoder()(input_ids=torch.from_numpy(ids)[None], use_cache=True,
+                                           **{self._decoder_cache_kw: cache})
+        return out.last_hidden_state[0].to(torch.float32).numpy()
+
+    def logits(self, hidden_rows):
+        """Logits (float32, (m, vocab_size)) of rows of :meth:`forward_hidden`: the model's
+        output head, and its final softcapping where the config has one."""
+        with torch.inference_mode():
+            h = torch.from_numpy(np.ascontiguousarray(hidden_rows, dtype=np.float32))
+            logits = self.model.get_output_embeddings()(h.to(self.model.dtype))
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits.to(torch.float32).numpy()
+
     def forward(self, tokens, cache, last_only=False):
         """Run ``tokens`` after those already in ``cache`` (appending them to it).
 
@@ -102,11 +138,7 @@ class HFModel:
         logits : ndarray of shape (n_tokens, vocab_size), or (1, vocab_size) with
             ``last_only``, float32
         """
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise ValueError("forward needs at least one token")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}")
+        ids = self._check_tokens(tokens)
         with torch.inference_mode():
             out = self.model(input_ids=torch.from_numpy(ids)[None], use_cache=True,
                              logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
