@@ -1,9 +1,19 @@
 """kvquant: what a KV-cache codec costs in bytes, error, speed and next-token flips."""
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming it (argparse prints the usage first), exit status 2;
+    ``kvquant <command> --help`` shows the usage."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _parse_codecs(text):
@@ -43,9 +53,12 @@ def _distortion_data(args):
         X = np.load(args.data, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"kvquant distortion: cannot read {args.data!r} as a .npy array: {exc}")
-    if X.ndim != 2:
+    if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] < 1:
         raise SystemExit(f"kvquant distortion: {args.data!r} holds shape {X.shape}; "
-                         "expected a 2-D array (n_rows, dim)")
+                         "expected a 2-D array (n_rows, dim) with at least one row and column")
+    if X.dtype.kind != "f":
+        raise SystemExit(f"kvquant distortion: {args.data!r} holds {X.dtype} values; expected "
+                         "float32 or float64 rows (convert with X.astype(np.float32))")
     return [(args.data, X)]
 
 
@@ -53,6 +66,10 @@ def cmd_distortion(args):
     from kvquant.codecs import WIDTH_RULE, get_codec
     from kvquant.metrics import measure_distortion, measure_stream_distortion
 
+    if args.rows < 1:
+        raise SystemExit(f"kvquant distortion: --rows must be >= 1, got {args.rows}")
+    if not args.data and (not args.dim or min(args.dim) < 1):
+        raise SystemExit(f"kvquant distortion: --dim needs widths >= 1, got {args.dim}")
     if args.data:
         datasets = _distortion_data(args)
     else:
@@ -78,7 +95,10 @@ def cmd_distortion(args):
                         skipped.append(spec)
                         continue
                     raise SystemExit(f"kvquant distortion: {exc}")
-                row = measure_distortion(codec, X, n_threads=args.threads)
+                try:
+                    row = measure_distortion(codec, X, n_threads=args.threads)
+                except ValueError as exc:   # rows the codec refuses (NaN/inf, out of range)
+                    raise SystemExit(f"kvquant distortion: {spec}: {exc}")
             if label is not None:
                 row["data"], row["rows"] = label, int(X.shape[0])
             results.append(row)
@@ -146,7 +166,7 @@ def _int_list(text):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="kvquant", description=__doc__)
+    parser = _Parser(prog="kvquant", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("distortion", help="relative L2 error and bytes per row of codecs")
@@ -186,8 +206,24 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run a command. A bad input is one line on stderr and exit status 2, never a traceback:
+    the commands raise ``SystemExit("kvquant <command>: <problem>")``. Output into a closed
+    pipe (``kvquant ... | head``) ends the command quietly."""
+    try:
+        args = build_parser().parse_args(argv)
+        status = args.func(args)
+        sys.stdout.flush()      # inside the try: a closed pipe fails here, not at exit
+        return status
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        raise
+    except BrokenPipeError:
+        # the reader went away: stop writing, and keep Python's exit flush from failing again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""Every bad input to the command line: one line on stderr naming the problem, exit status 2,
+no traceback; and output into a closed pipe ends quietly."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kvquant.cli", *args], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def assert_one_line_error(res, *needles):
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _npy(tmp_path, name, array):
+    path = tmp_path / name
+    np.save(path, array)
+    return str(path)
+
+
+@pytest.mark.parametrize("make, needles", [
+    (lambda d: _npy(d, "ints.npy", np.arange(64).reshape(8, 8)), ("int64", "float32")),
+    (lambda d: _npy(d, "empty.npy", np.zeros((0, 64), np.float32)), ("(0, 64)", "one row")),
+    (lambda d: _npy(d, "flat.npy", np.zeros(64, np.float32)), ("(64,)", "2-D")),
+    (lambda d: _npy(d, "nan.npy", np.where(np.eye(64, dtype=bool)[:4], np.nan, 1.0)
+                    .astype(np.float32)), ("kv8", "row")),
+])
+def test_distortion_bad_data(tmp_path, make, needles):
+    res = run("distortion", "--codecs", "kv8", "--data", make(tmp_path))
+    assert_one_line_error(res, "kvquant distortion", *needles)
+
+
+def test_distortion_csv_is_not_a_npy(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("1.0,2.0\n3.0,4.0\n")
+    assert_one_line_error(run("distortion", "--data", str(path)), "cannot read", "rows.csv")
+
+
+@pytest.mark.parametrize("rows", ["0", "-5"])
+def test_distortion_rows_must_be_positive(rows):
+    assert_one_line_error(run("distortion", "--rows", rows), "--rows must be >= 1", rows)
+
+
+def test_distortion_dims_must_be_positive():
+    assert_one_line_error(run("distortion", "--dim", "0"), "--dim")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["distortion", "--dim", "x"], "comma-separated integers"),
+    (["distortion", "--no-such-flag"], "unrecognized arguments"),
+    (["no-such-command"], "invalid choice"),
+    (["budget", "--ram"], "expected one argument"),
+])
+def test_argument_errors_are_one_line(args, needle):
+    assert_one_line_error(run(*args), needle, "--help")
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `kvquant distortion ... | head -0`: the reader is gone before the first line is written
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, "-m", "kvquant.cli", "distortion", "--codecs",
+                              "kv8", "--dim", "64", "--rows", "64"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
