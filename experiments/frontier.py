@@ -438,7 +438,7 @@ FAMILY_STYLE = {
     "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
-    "recent window": ("#ff1493", "p", "+ recent window of 16 f32 rows (w16; w64: 64)"),
+    "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -490,7 +490,7 @@ def plot_frontier(result, out):
         with open(result) as f:
             result = json.load(f)
     rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
-    fig = Figure(figsize=(10.5, 5.8), layout="constrained")
+    fig = Figure(figsize=(15.0, 7.0), layout="constrained")
     ax = fig.subplots()
     seen = set()
     for x in rows:
@@ -500,27 +500,33 @@ def plot_frontier(result, out):
                 ms=11 if base else 6, mec="black" if base else color, mew=1.2 if base else 0.5,
                 zorder=4 if base else 3, label=None if x["family"] in seen else label)
         seen.add(x["family"])
-    # Labels: points at the same bits get a column of labels, LABEL_GAP decades apart around
-    # their points (leader lines), on the right unless another column is close on that side.
-    # Only the front and the baselines are named (the table names every point).
+    # Numbers beside the front's points and the baselines (a key beside the axes names them
+    # in words; the table names every point). Points at the same bits get a column of numbers,
+    # LABEL_GAP decades apart around their points (leader lines).
+    from kvquant_experiments.plots import numbered_key, spec_label
     front_codecs = {rows[i]["codec"] for i in pareto_front(rows)}
+    named = sorted((x for x in rows if x["codec"] in front_codecs or x["family"] in BASELINES),
+                   key=lambda x: (x["bits_per_value"], -x["kld_mean"]))
+    number = {x["codec"]: n for n, x in enumerate(named, 1)}
     columns = {}
-    for x in rows:
-        if x["codec"] in front_codecs or x["family"] in BASELINES:
-            columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
+    for x in named:
+        columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
     for bits, col in columns.items():
         col.sort(key=lambda x: -x["kld_mean"])
         right = not any(0 < b - bits < 0.4 for b in columns)
         ys = _spread([math.log10(max(x["kld_mean"], 1e-12)) for x in col], LABEL_GAP)
         for x, ly in zip(col, ys):
-            name = short_label(x["codec"])
-            ax.annotate(name, (bits, x["kld_mean"]), xytext=(bits + (0.15 if right else -0.15),
-                                                             10 ** ly),
-                        textcoords="data", fontsize=6.5, va="center",
+            color = FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]
+            ax.annotate(str(number[x["codec"]]), (bits, x["kld_mean"]),
+                        xytext=(bits + (0.12 if right else -0.12), 10 ** ly),
+                        textcoords="data", fontsize=7, va="center", color=color,
                         ha="left" if right else "right",
                         fontweight="bold" if x["family"] in BASELINES else "normal",
                         arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
                                     "shrinkA": 0, "shrinkB": 4})
+    entries = [(number[x["codec"]], f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} "
+                f"bits, {x['kld_mean']:.2e}", FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0])
+               for x in named]
     front = [rows[i] for i in pareto_front(rows)]
     fx, fy = [], []
     for i, x in enumerate(front):  # staircase: a front point holds until the next one
@@ -549,10 +555,10 @@ def plot_frontier(result, out):
     text = {"code": "Python source", "pydoc": "pydoc prose"}.get(t.get("name"), t.get("name"))
     ax.set_title(f"{result['meta']['model']['model']} KV cache: quality per byte ({text}, "
                  f"{t['positions']} positions, chunks of {t['chunk_tokens']})", fontsize=10)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
-              title="named: the front and llama.cpp\nh = fp16 side values\n"
-                    "@c = center, @cs = + 1 f32 sink,\n@cns = + normalize, w16 = + recent=16",
-              title_fontsize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
+    numbered_key(fig, entries, title="numbered: the Pareto front and llama.cpp's formats\n"
+                                     "(configuration: bits/value, mean KLD)")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
