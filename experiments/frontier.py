@@ -18,6 +18,15 @@ Run::
     python -m kvquant_experiments.frontier --list          # configurations and their bits only
     python -m kvquant_experiments.frontier --plot-only RUN/frontier-....json
 
+Held out: the picks are made on a tune text only (pydoc), and the headline numbers measured on
+texts they were not picked on::
+
+    # per budget (3.5, 4.5, 5.5, 8.5 bits), the lowest mean KLD of a grid run on the tune text
+    python -m kvquant_experiments.frontier --choose-from data/results/frontier-smollm2-N2048-c512-p4.json \
+        --choices-out data/results/frontier-choices.json
+    # exactly those picks, plus f32, kv8, q8_0, q8_0+rot, q4_0, q4_0+rot, tq4, on any text
+    python -m kvquant_experiments.frontier --choices data/results/frontier-choices.json --text code
+
 Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,png}`` into
 ``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
@@ -505,7 +514,9 @@ def plot_frontier(result, out):
     # LABEL_GAP decades apart around their points (leader lines).
     from kvquant_experiments.plots import numbered_key, spec_label
     front_codecs = {rows[i]["codec"] for i in pareto_front(rows)}
-    named = sorted((x for x in rows if x["codec"] in front_codecs or x["family"] in BASELINES),
+    picks = picks_of(result)
+    named = sorted((x for x in rows if x["codec"] in front_codecs or x["family"] in BASELINES
+                    or x["codec"] in picks),
                    key=lambda x: (x["bits_per_value"], -x["kld_mean"]))
     number = {x["codec"]: n for n, x in enumerate(named, 1)}
     columns = {}
@@ -525,8 +536,9 @@ def plot_frontier(result, out):
                         arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
                                     "shrinkA": 0, "shrinkB": 4})
     entries = [(number[x["codec"]], f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} "
-                f"bits, {x['kld_mean']:.2e}", FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0])
-               for x in named]
+                f"bits, {x['kld_mean']:.2e}"
+                + (f" (pick {picks[x['codec']]} bits)" if x["codec"] in picks else ""),
+                FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]) for x in named]
     front = [rows[i] for i in pareto_front(rows)]
     fx, fy = [], []
     for i, x in enumerate(front):  # staircase: a front point holds until the next one
@@ -557,8 +569,9 @@ def plot_frontier(result, out):
                  f"{t['positions']} positions, chunks of {t['chunk_tokens']})", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
-    numbered_key(fig, entries, title="numbered: the Pareto front and llama.cpp's formats\n"
-                                     "(configuration: bits/value, mean KLD)")
+    numbered_key(fig, entries, title="numbered: the Pareto front, llama.cpp's formats"
+                                     + (" and the picks" if picks else "")
+                                     + "\n(configuration: bits/value, mean KLD)")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
@@ -604,7 +617,8 @@ def main(argv=None):
                         + ", ".join(HELD_OUT_BASELINES) + "; --configs adds more) on --text")
     p.add_argument("--list", action="store_true", help="print configurations and bits, run nothing")
     p.add_argument("--plot-only", metavar="JSON", default=None,
-                   help="redraw the figure, CSV and markdown table from a frontier JSON")
+                   help="redraw the figure from a frontier JSON (and its CSV and markdown table "
+                        "into --out when given)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
@@ -640,8 +654,10 @@ def main(argv=None):
     if args.plot_only:
         with open(args.plot_only) as f:
             result = json.load(f)
-        out = os.path.dirname(os.path.abspath(args.plot_only))
-        paths = write_frontier(result, out)[1:]
+        # the CSV and markdown again only where --out says; the figure beside the JSON or at
+        # --figure
+        paths = write_frontier(result, args.out)[1:] if args.out else []
+        out = args.out or os.path.dirname(os.path.abspath(args.plot_only))
         paths.append(plot_frontier(result, args.figure or os.path.join(
             out, result_stem(result) + ".png")))
         print(format_markdown(result))
