@@ -186,6 +186,16 @@ class CellBatch:
         self._futures = {executor.submit(_run_one, fn, cell): (i, cell, path)
                          for i, cell, path in todo}
 
+    def _completed(self, bar):
+        """The futures as they complete; the bar redrawn every second meanwhile, so that its
+        elapsed time shows a long cell still running."""
+        pending = set(self._futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            if bar is not None and not done:
+                bar.refresh()
+            yield from done
+
     @property
     def computed(self):
         return len(self._futures)
@@ -194,7 +204,7 @@ class CellBatch:
         """Block until every cell is done; returns the results in the order of the cells."""
         bar = _progress_bar(len(self._futures), self._desc, self._progress)
         try:
-            for future in cf.as_completed(self._futures):
+            for future in self._completed(bar):
                 i, cell, path = self._futures[future]
                 result, env, seconds = future.result()
                 self.work_seconds += seconds

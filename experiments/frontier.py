@@ -22,7 +22,8 @@ Held out: the picks are made on a tune text only (pydoc), and the headline numbe
 texts they were not picked on::
 
     # per budget (3.5, 4.5, 5.5, 8.5 bits), the lowest mean KLD of a grid run on the tune text
-    python -m kvquant_experiments.frontier --choose-from data/results/frontier-smollm2-N2048-c512-p4.json \
+    python -m kvquant_experiments.frontier \
+        --choose-from data/results/frontier-smollm2-N2048-c512-p4.json \
         --choices-out data/results/frontier-choices.json
     # exactly those picks, plus f32, kv8, q8_0, q8_0+rot, q4_0, q4_0+rot, tq4, on any text
     python -m kvquant_experiments.frontier --choices data/results/frontier-choices.json --text code
@@ -275,7 +276,8 @@ CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token",
                "kld_p99", "kld_p99_9", "kld_max", "ppl", "ppl_f32", "cor_ln_ppl",
                "mean_ln_ppl_ratio", "mean_ln_ppl_ratio_se", "ppl_ratio", "ppl_ratio_se",
                "ppl_ratio_boot_lo", "ppl_ratio_boot_hi", "dp_mean", "dp_mean_se", "dp_rms",
-               "dp_rms_se", "tf_k", "tf_n", "greedy_k", "greedy_n", "tf_kld_mean", "on_front", "goal_4p5",
+               "dp_rms_se", "tf_k", "tf_n", "greedy_k", "greedy_n", "tf_kld_mean", "on_front",
+               "goal_4p5",
                "goal_8p5", "beats_q8_0_rot"]
 
 
@@ -473,20 +475,6 @@ def _spread(ys, gap):
         top = total / n + (n - 1) * gap / 2
         out += [top - i * gap for i in range(n)]
     return out
-
-
-SHORT = [(":codebook=gaussian", ":gauss"), (":side=unbiased", ":unb"), (":side_dtype=f16", "h"),
-         (",recent=16", "w16"), (",recent=64", "w64"), ("@recent=16", "@w16"),
-         ("@center,normalize,sinks=1", "@cns"), ("@center,sinks=1", "@cs"),
-         ("@center", "@c"), ("@sinks=1", "@s")]
-
-
-def short_label(pair_spec):
-    """Figure label: ``h`` = fp16 side values, ``@c`` center, ``n`` normalize, ``s`` one sink,
-    ``w16`` a recent window of 16 rows."""
-    for long, short in SHORT:
-        pair_spec = pair_spec.replace(long, short)
-    return pair_spec
 
 
 def plot_frontier(result, out):
