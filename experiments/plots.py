@@ -63,13 +63,23 @@ def _stream_label(stream_spec):
     return words[0] + (" (" + ", ".join(words[1:]) + ")" if len(words) > 1 else "")
 
 
-def spec_label(pair_spec):
+def spec_label(pair_spec, streams=("K", "V")):
     """A codec or pair spec in words for a legend: ``"K polar5 (f16 side, centered, ...) /
-    V polar4 (...)"``; a plain spec is kept as it is."""
+    V polar4 (...)"`` (``streams``: the two streams' names, L and R on the MLA model); a plain
+    spec is kept as it is."""
     if "/" not in pair_spec:
         return _stream_label(pair_spec)
     k, v = pair_spec.split("/", 1)
-    return f"K {_stream_label(k)} / V {_stream_label(v)}"
+    a, b = streams
+    return f"{a} {_stream_label(k)} / {b} {_stream_label(v)}"
+
+
+def _stream_names(row_or_model):
+    """("L", "R") for the MLA model (a model name or a table row with ``streams``), else K/V."""
+    if isinstance(row_or_model, dict):
+        names = [n.upper() for n in row_or_model.get("streams", {})]
+        return tuple(names) if len(names) == 2 else ("K", "V")
+    return ("L", "R") if row_or_model == "tiny-mla" else ("K", "V")
 
 
 def numbered_key(fig, entries, title=None, loc="outside right upper", fontsize=6.5):
@@ -231,7 +241,8 @@ def plot_flip_pareto(table_json, out):
         placed.append((p["bits_per_value"], math.log10(y)))
         ax.annotate(str(n), (p["bits_per_value"], y), fontsize=7, color=st["color"],
                     xytext=(5 + 9 * near, -2), textcoords="offset points", va="center")
-        entries.append((n, f"{spec_label(p['codec'])}: {p['bits_per_value']:.2f} bits, "
+        names = _stream_names(next(r for r in table["rows"] if r["codec"] == p["codec"]))
+        entries.append((n, f"{spec_label(p['codec'], names)}: {p['bits_per_value']:.2f} bits, "
                            f"{p['kld']:.2e}", st["color"]))
     front = pareto_front(pts)
     ax.plot([pts[i]["bits_per_value"] for i in front],
@@ -272,9 +283,12 @@ def plot_flip_strip(positions_json, out):
     ys, xs = np.nonzero(flipped)
     ax.plot(xs, ys, ls="none", marker="o", ms=2.5, mfc="#00bfff", mec="none",
             label="argmax differs from f32")
-    ax.set_yticks(range(len(codecs)), [spec_label(c) for c in codecs], fontsize=6.5)
+    names = _stream_names(data["model"])
+    ax.set_yticks(range(len(codecs)), [spec_label(c, names) for c in codecs], fontsize=6.5)
     ax.set_xlabel("position")
-    ax.set_title(f"{data['model']}: where next-token predictions move ({data['source']})",
+    import textwrap
+    title = f"{data['model']}: where next-token predictions move ({data['source']})"
+    ax.set_title("\n".join(textwrap.wrap(title, width=int(8 * fig.get_figwidth()))),
                  fontsize=8)
     ax.grid(False)
     fig.colorbar(im, ax=ax, label="KL(f32 || codec), nats", shrink=0.9)
@@ -409,7 +423,8 @@ def plot_kld_by_position(result, out):
             x = [(e[j] + e[j + 1] - 1) / 2 for j in range(len(b["n"]))]
             y = [v if v and v > 0 else math.nan for v in b["kld_mean"]]
             ax.plot(x, y, marker="o", ms=3, lw=1.3, color=cmap(i % cmap.N),
-                    label=f"{spec_label(r['codec'])}  (mean {r['kld_mean']:.2e})")
+                    label=f"{spec_label(r['codec'], _stream_names(r))}  "
+                          f"(mean {r['kld_mean']:.2e})")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlim(0, t["chunk_tokens"])

@@ -540,9 +540,6 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
     t0 = time.perf_counter()
     spd = guarded("speed", speed.run_speed, data, resume=resume, progress=progress, smoke=smoke)
     timings["speed (serial, this process)"] = time.perf_counter() - t0
-    if not isinstance(spd, _Failure) and spd.get("reused_steps"):
-        log(f"speed: the decode-step timings of {spd['reused_steps']} cell(s) are reused from an "
-            "earlier run (--fresh re-times them)")
 
     log("figures and tables")
     t0 = time.perf_counter()
