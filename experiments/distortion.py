@@ -150,7 +150,7 @@ def distortion_cell(cell, data_dir=None):
 
 
 def run_sweep(results_dir, codecs=None, dims=None, kinds=None, rows=None, seed=None,
-              executor=None, resume=True, progress=True, smoke=None):
+              executor=None, resume=True, progress=True, smoke=None, tally=None):
     """Run (or resume) the sweep and write ``distortion.csv`` / ``distortion.json``.
 
     Unset arguments come from :func:`default_grid`. Real kinds are dropped, with the reason
@@ -187,7 +187,8 @@ def run_sweep(results_dir, codecs=None, dims=None, kinds=None, rows=None, seed=N
     cells = make_cells(grid["codecs"], grid["dims"], kinds, grid["rows"], grid["seed"])
     results = run_cells(functools.partial(distortion_cell, data_dir=str(data_dir)), cells,
                         results_dir / "distortion", lambda c: cell_stem(c, STEM_ORDER),
-                        executor=executor, resume=resume, progress=progress, desc="distortion")
+                        executor=executor, resume=resume, progress=progress, desc="distortion",
+                        tally=tally)
     flat = [{**{k: c[k] for k in ("kind", "dim", "rows", "seed")}, **r}
             for c, r in zip(cells, results)]
     csv_path = write_csv(results_dir / "distortion.csv", flat, columns=CSV_COLUMNS)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from kvquant_experiments.common import environment, read_json, write_json
 
-__all__ = ["CellBatch", "SerialExecutor", "open_executor", "run_cells", "submit_cells"]
+__all__ = ["CellBatch", "SerialExecutor", "open_executor", "run_cells", "submit_cells",
+           "tally_batch"]
 
 
 class SerialExecutor(cf.Executor):
@@ -163,6 +164,7 @@ class CellBatch:
         self.cells = list(cells)
         self.results = [None] * len(self.cells)
         self.reused = 0
+        self.work_seconds = 0.0   # the computed cells' own seconds, where they ran
         self._progress, self._desc = progress, desc
         todo = []
         for i, cell in enumerate(self.cells):
@@ -177,9 +179,22 @@ class CellBatch:
                     self.reused += 1
                     continue
             todo.append((i, cell, path))
+        if self.reused and desc:
+            print(f"{desc}: reused {self.reused} cells from {self.out_dir} (--fresh recomputes)",
+                  file=sys.stderr, flush=True)
         executor = executor if executor is not None else SerialExecutor()
         self._futures = {executor.submit(_run_one, fn, cell): (i, cell, path)
                          for i, cell, path in todo}
+
+    def _completed(self, bar):
+        """The futures as they complete; the bar redrawn every second meanwhile, so that its
+        elapsed time shows a long cell still running."""
+        pending = set(self._futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            if bar is not None and not done:
+                bar.refresh()
+            yield from done
 
     @property
     def computed(self):
@@ -189,9 +204,10 @@ class CellBatch:
         """Block until every cell is done; returns the results in the order of the cells."""
         bar = _progress_bar(len(self._futures), self._desc, self._progress)
         try:
-            for future in cf.as_completed(self._futures):
+            for future in self._completed(bar):
                 i, cell, path = self._futures[future]
                 result, env, seconds = future.result()
+                self.work_seconds += seconds
                 self.results[i] = result
                 if result.get("available", True):
                     write_json(path, {"params": cell, "result": result, "environment": env,
@@ -210,7 +226,17 @@ def submit_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=
     return CellBatch(fn, cells, out_dir, stem, executor, resume, progress, desc)
 
 
-def run_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=True, desc=None):
+def tally_batch(tally, batch):
+    """Add a waited :class:`CellBatch`'s ``reused``, ``computed`` and ``work_seconds`` (the
+    computed cells' own seconds) to the dict ``tally`` (None: nothing)."""
+    if tally is not None:
+        for key in ("reused", "computed", "work_seconds"):
+            tally[key] = tally.get(key, 0) + getattr(batch, key)
+    return tally
+
+
+def run_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=True, desc=None,
+              tally=None):
     """Map ``fn`` over ``cells``, one result file per cell, resuming from files already written.
 
     Parameters
@@ -232,10 +258,15 @@ def run_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=Tru
         Reuse a stored result whose parameters equal the cell's.
     progress : bool
         A tqdm bar on stderr (when tqdm is installed).
+    tally : dict, optional
+        Counts added to it (:func:`tally_batch`): what a caller times and announces.
 
     Returns
     -------
     list of dict
         The results, in the order of ``cells``.
     """
-    return submit_cells(fn, cells, out_dir, stem, executor, resume, progress, desc).wait()
+    batch = submit_cells(fn, cells, out_dir, stem, executor, resume, progress, desc)
+    results = batch.wait()
+    tally_batch(tally, batch)
+    return results

@@ -25,6 +25,20 @@ __all__ = [
     "table_cell",
 ]
 
+# The frontier's picks (data/results/frontier-choices.json, chosen on the tune text pydoc; a test
+# checks that the two agree), in budget order 3.5, 4.5, 5.5, 8.5 bits per value.
+PICKS = [
+    "polar4:side_dtype=f16@center,normalize,sinks=1/polar3:side_dtype=f16@center,sinks=1",
+    "polar4:side_dtype=f16@center,normalize,sinks=1,recent=16"
+    "/polar3:side_dtype=f16@center,sinks=1,recent=16",
+    "polar5:side_dtype=f16@center,normalize,sinks=1,recent=16"
+    "/polar4:side_dtype=f16@center,sinks=1,recent=16",
+    "tq8:side_dtype=f16@center,normalize,sinks=1/tq8:side_dtype=f16@center,sinks=1",
+]
+# The real model's text in the report: held out (the picks were chosen on pydoc).
+REPORT_TEXT = "code"
+TABLE_CELL_VERSION = 2   # cells of older versions (without llama.cpp's statistics) are not reused
+
 # What the report runs on each model (the tiny table adds the polar and llama.cpp rows to the
 # library's defaults; the real one is shorter than `kvquant flips` to fit the report's budget).
 REPORT_CODECS = {
@@ -32,14 +46,15 @@ REPORT_CODECS = {
     "smollm2": ["f32", "kv8", "tq2", "tq3", "tq4", "tq4:compat=colibri", "tq4:side=unbiased",
                 "polar4", "polar4:compat=colibri", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot",
                 "kv8/tq4", "tq8", "polar5/polar4",
-                # the quality-per-byte frontier's best (experiments/frontier.py): stream options
-                # (keys centered and normalized, values centered, the first row in f32) and fp16
-                # side values; the same stream options on llama.cpp's rotated q4_0 beside it
+                # the quality-per-byte frontier's best at 4.4 bits without a window: stream
+                # options (keys centered and normalized, values centered, the first row in f32)
+                # and fp16 side values; the same stream options on llama.cpp's rotated q4_0
                 "polar5:side_dtype=f16@center,normalize,sinks=1/polar4:side_dtype=f16@center,sinks=1",
                 "q4_0+rot@center,normalize,sinks=1/q4_0+rot@center,sinks=1",
-                # and with a recent window of 16 f32 rows (each query reads them exactly)
-                "polar5:side_dtype=f16@center,normalize,sinks=1,recent=16"
-                "/polar4:side_dtype=f16@center,sinks=1,recent=16"],
+                # the frontier's picks at 3.5, 4.5, 5.5 and 8.5 bits, chosen on pydoc
+                # (data/results/frontier-choices.json; the 5.5 pick is the pair above with a
+                # recent window of 16 f32 rows): the report runs them on a held-out text
+                *PICKS],
 }
 TINY_EXTRAS = ["polar3", "polar4", "polar6", "polar6:compat=colibri", "q8_0/kv8", "q4_0/kv8",
                "q4_0+rot/kv8"]
@@ -122,7 +137,7 @@ def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None,
     cells = []
     for gi, group in enumerate(groups):
         cell = {"sweep": "flips", "model": model_name, "group": f"{gi + 1}of{n_groups}",
-                "codecs": group}
+                "codecs": group, "version": TABLE_CELL_VERSION}
         if model_name != "tiny-mla":
             cell.update(positions=int(positions), chunk_tokens=int(chunk_tokens),
                         prompts=int(prompts), **_text_params(text))
@@ -191,26 +206,17 @@ def position_stem(cell):
 def pareto_points(table):
     """(codec, bits per value, KLD, kind of KLD) per row of a flip table; f32 excluded.
 
-    Bits per value = 8 x stored bytes per token / values per token (side values included); the
-    fixed bytes of stream options (f32 sinks, offsets, scales) are spread over the context of one
-    text chunk (or the protocol's sequence). The KLD is the real-text mean when the table has
-    text, else the teacher-forced mean.
+    Bits per value count every stored byte (:func:`kvquant_experiments.flip_runs.add_storage`):
+    the codes and side values of each token, plus the fixed bytes of stream options (f32 sinks,
+    recent-window copies, offsets, scales) spread over the context of one text chunk (or the
+    protocol's sequence), as the tables' B/token. The KLD is the real-text mean when the table
+    has text, else the teacher-forced mean.
     """
-    rows = table["rows"]
-    f32 = next(r for r in rows if r["codec"] == "f32")
-    values_per_token = f32["bytes_per_token"] / 4.0
-    key = "kld_mean" if "kld_mean" in f32 else "tf_kld_mean"
-    meta = table["meta"]
-    context = (meta["text"]["chunk_tokens"] if "text" in meta
-               else meta["protocol"]["prompt_tokens"] + meta["protocol"]["new_tokens"])
-    points = []
-    for r in rows:
-        if r["codec"] == "f32":
-            continue
-        per_token = r["bytes_per_token"] + r.get("fixed_bytes", 0) / context
-        points.append({"codec": r["codec"], "bits_per_value": 8.0 * per_token / values_per_token,
-                       "kld": r[key], "kld_kind": key})
-    return points
+    from kvquant_experiments.flip_runs import add_storage
+    rows = add_storage(table["rows"], table["meta"])
+    key = "kld_mean" if "kld_mean" in rows[0] else "tf_kld_mean"
+    return [{"codec": r["codec"], "bits_per_value": r["bits_per_value"], "kld": r[key],
+             "kld_kind": key} for r in rows if r["codec"] != "f32"]
 
 
 def pareto_front(points, key="kld"):
@@ -243,7 +249,7 @@ def save_positions(result, path):
 
 
 def submit_model(model_name, results_dir, executor=None, smoke=None, codecs=None, sizes=None,
-                 n_groups=1, resume=True, text="pydoc"):
+                 n_groups=1, resume=True, text="pydoc", progress=False):
     """Submit the table and position cells of one model; returns a handle for :func:`finish`.
 
     ``sizes`` (real model): ``positions``, ``chunk_tokens``, ``prompts`` (default
@@ -261,10 +267,11 @@ def submit_model(model_name, results_dir, executor=None, smoke=None, codecs=None
         sizes = {}
     flips_dir = Path(results_dir) / "flips"
     tables = submit_cells(table_cell, table_cells(model_name, ok, n_groups, **sizes), flips_dir,
-                          table_stem, executor, resume, False)
+                          table_stem, executor, resume, progress, desc=f"{model_name} flip table")
     positions = submit_cells(position_cell, position_cells(model_name, ok, smoke,
                                                            sizes.get("text", "pydoc")), flips_dir,
-                             position_stem, executor, resume, False)
+                             position_stem, executor, resume, progress,
+                             desc=f"{model_name} flip positions")
     return {"model": model_name, "codecs": ok, "unavailable": missing, "tables": tables,
             "positions": positions, "dir": flips_dir}
 
@@ -291,6 +298,7 @@ def finish(handle):
             "unavailable": handle["unavailable"], "table_json": table_json,
             "table_csv": table_csv, "positions_json": pos_json,
             "reused": handle["tables"].reused + handle["positions"].reused,
+            "work_seconds": handle["tables"].work_seconds + handle["positions"].work_seconds,
             "computed": handle["tables"].computed + handle["positions"].computed}
 
 

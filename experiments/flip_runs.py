@@ -28,11 +28,14 @@ __all__ = [
     "DEFAULT_POSITIONS",
     "POSITION_CSV_COLUMNS",
     "add_cli",
+    "add_storage",
+    "format_llama_tables",
     "format_markdown",
     "model_tag",
     "run_chunks",
     "run_flips",
     "result_stem",
+    "storage_context",
     "write_results",
 ]
 
@@ -119,6 +122,7 @@ def run_chunks(executor, source, specs, chunks, groups_per_chunk=1, progress=Non
     stats = []
     for chunk_parts in parts:
         merged = {"n": chunk_parts[0]["n"], "nll_f32": chunk_parts[0]["nll_f32"],
+                  "nll_f32_at": chunk_parts[0]["nll_f32_at"],
                   "reference_s": sum(p["reference_s"] for p in chunk_parts), "specs": {}}
         for spec in specs:
             merged["specs"][spec] = next(p["specs"][spec] for p in chunk_parts
@@ -146,7 +150,7 @@ def _run_protocol(executor, source, codecs, prompts, n_groups, progress):
 # --------------------------------------------------------------------------------------------
 def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUNK_TOKENS,
               n_prompts=None, workers=None, model=None, progress=None, text="pydoc",
-              scheduler=None):
+              scheduler=None, score="all"):
     """Build the flip table of a model.
 
     Parameters
@@ -173,6 +177,9 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     scheduler : None, "serial", Dask address or distributed.Client
         Where the tasks run (:func:`kvquant_experiments.executor.open_executor`); None: as
         ``workers`` says.
+    score : {"all", "second-half"}
+        Text positions that enter the statistics: every one (default), or the second half of
+        each chunk as llama-perplexity scores (:func:`kvquant.flips.scored_from`).
 
     Returns
     -------
@@ -188,6 +195,7 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         codecs.insert(0, "f32")
     if len(set(codecs)) != len(codecs):
         raise ValueError(f"a codec is listed twice in {codecs}")
+    flips.scored_from(1, score)   # a bad score fails before any work
     if workers is None and (model is not None or scheduler is not None):
         workers = 1
     # a bad text fails before the model loads
@@ -244,8 +252,8 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     if positions:
         meta["text"] = {**resolved.describe(), "text_tokens": int(tokens.size),
                         "positions": positions, "chunk_tokens": chunk_tokens,
-                        "chunk_starts": [int(s) for s, _ in chunks]}
-        for row, text_row in zip(rows, flips.combine_chunks(codecs, stats)):
+                        "chunk_starts": [int(s) for s, _ in chunks], "score": score}
+        for row, text_row in zip(rows, flips.combine_chunks(codecs, stats, score=score)):
             assert row["codec"] == text_row["codec"]
             row.update({k: v for k, v in text_row.items() if k != "codec"})
     import kvquant
@@ -255,10 +263,38 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     meta["executor"] = executor_description
     meta["workers"] = workers
     meta["elapsed_s"] = time.perf_counter() - t_start
-    f32_bytes = next(r["bytes_per_token"] for r in rows if r["codec"] == "f32")
-    for r in rows:
-        r["compression"] = f32_bytes / r["bytes_per_token"]
+    add_storage(rows, meta)
     return {"meta": meta, "rows": rows}
+
+
+def storage_context(meta):
+    """Tokens over which a table spreads the fixed bytes of stream options: the text chunk's
+    context, or the protocol's sequence (prompt + greedy tokens) without text."""
+    if "text" in meta:
+        return int(meta["text"]["chunk_tokens"])
+    return int(meta["protocol"]["prompt_tokens"]) + int(meta["protocol"]["new_tokens"])
+
+
+def add_storage(rows, meta):
+    """Every byte in the rows' sizes: ``marginal_bytes_per_token`` (what each further token
+    adds), ``fixed_bytes`` (stream options: f32 sink rows, recent-window copies, offsets and
+    scales), ``context_tokens`` (:func:`storage_context`), ``bytes_per_token`` = marginal +
+    fixed / context (all the cache stores, per token of that context), ``bits_per_value`` and
+    ``compression`` (f32 bytes per token over it). Rows of older results, whose
+    ``bytes_per_token`` was the marginal one, are read as such."""
+    context = storage_context(meta)
+    for r in rows:
+        if "marginal_bytes_per_token" not in r:
+            r["marginal_bytes_per_token"] = r["bytes_per_token"]
+        r["fixed_bytes"] = int(r.get("fixed_bytes", 0))
+        r["context_tokens"] = context
+        r["bytes_per_token"] = r["marginal_bytes_per_token"] + r["fixed_bytes"] / context
+    f32 = next(r for r in rows if r["codec"] == "f32")
+    values_per_token = f32["marginal_bytes_per_token"] / 4.0
+    for r in rows:
+        r["compression"] = f32["bytes_per_token"] / r["bytes_per_token"]
+        r["bits_per_value"] = 8.0 * r["bytes_per_token"] / values_per_token
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,9 +313,41 @@ def _streams(row):
     return a if a == b else f"{na.upper()} {a} / {nb.upper()} {b}"
 
 
-def format_markdown(result):
-    """The table as markdown (Wilson 95% intervals in brackets, in percent)."""
+def _pm(r, key, se_key, fmt="{:.3e}", scale=1.0):
+    v = r.get(key)
+    if v is None:
+        return "-"
+    cell = fmt.format(scale * v)
+    se = r.get(se_key) if se_key else None
+    return cell + (" ± " + fmt.format(scale * se) if se is not None else "")
+
+
+def _boot(r, key, fmt="{:.3e}"):
+    b = (r.get("bootstrap") or {}).get(key)
+    return f" [{fmt.format(b[0])}, {fmt.format(b[1])}]" if b else ""
+
+
+def intervals_note(result):
+    """What the brackets and ± of the tables are."""
+    rows = result["rows"]
+    boot = next((r["bootstrap"] for r in rows if r.get("bootstrap")), None)
+    note = ("±: llama.cpp's standard error (positions taken as independent, so nominal: "
+            "positions of a chunk share a context); ")
+    if boot:
+        note += (f"[lo, hi] after mean KLD and PPL ratio: {100 * boot['level']:.0f}% "
+                 f"{boot['method']}; ")
+    else:
+        note += "no bootstrap interval (one chunk); "
+    return note + "same top: Wilson 95% interval (percent)."
+
+
+def format_markdown(result, llama=True):
+    """The table as markdown: sizes with every byte (fixed bytes of stream options spread over
+    the context), agreement with Wilson 95% intervals (percent), and with text the mean KLD and
+    PPL ratio with llama.cpp's standard error and the bootstrap interval over chunks; with
+    ``llama``, llama.cpp's whole statistic set in two more tables."""
     meta, rows = result["meta"], result["rows"]
+    add_storage(rows, meta)
     has_text = "text" in meta
     lines = []
     proto = meta["protocol"]
@@ -287,29 +355,87 @@ def format_markdown(result):
             f"{proto['prompt_tokens']} tokens + {proto['new_tokens']} greedy tokens")
     if has_text:
         t = meta["text"]
+        scored = ("the second half of each chunk scored, as llama-perplexity"
+                  if t.get("score") == "second-half" else "every position scored")
         head += (f"; real text: {t['positions']} positions of {t['source']} in chunks of "
-                 f"{t['chunk_tokens']} tokens")
+                 f"{t['chunk_tokens']} tokens ({scored})")
     lines.append(head + f". Attention: {meta['model']['attention']}.")
     lines.append("")
-    cols = ["codec", "B/token", "ratio", "TF agree", "greedy agree", "TF KLD"]
+    context = storage_context(meta)
+    cols = ["codec", "B/token", "fixed B", "bits/value", "ratio", "TF agree", "greedy agree",
+            "TF KLD"]
     if has_text:
-        cols += ["same top % [95% CI]", "mean KLD", "p99 KLD", "PPL ratio", "text s"]
+        cols += ["same top % [95% CI]", "mean KLD ± SE [bootstrap]", "p99 KLD",
+                 "PPL ratio ± SE [bootstrap]", "text s"]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for r in rows:
-        cells = [_streams(r), str(r["bytes_per_token"]), f"{r['compression']:.2f}",
+        cells = [_streams(r), f"{r['bytes_per_token']:.1f}", str(r["fixed_bytes"]),
+                 f"{r['bits_per_value']:.2f}", f"{r['compression']:.2f}",
                  _frac(r["tf"]), _frac(r["greedy"]), f"{r['tf_kld_mean']:.2e}"]
         if has_text:
-            cells += [_pct(r["same_top"]), f"{r['kld_mean']:.2e}", f"{r['kld_p99']:.2e}",
-                      f"{r['ppl_ratio']:.4f}",
+            cells += [_pct(r["same_top"]),
+                      _pm(r, "kld_mean", "kld_mean_se") + _boot(r, "kld_mean"),
+                      f"{r['kld_p99']:.2e}",
+                      _pm(r, "ppl_ratio", "ppl_ratio_se", "{:.4f}") + _boot(r, "ppl_ratio",
+                                                                             "{:.4f}"),
                       f"{r['text_s']:.1f}" if "text_s" in r else "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"B/token: every stored byte per token of a {context}-token context: each token's "
+                 "codes and side values, plus the fixed bytes of stream options (fixed B: f32 "
+                 "sink rows, recent-window copies, offsets and scales, per cache) spread over "
+                 f"the {context} tokens; bits/value and ratio (against f32) from it.")
     if has_text:
         lines.append("")
-        lines.append(f"PPL(f32) = {rows[0]['ppl_f32']:.3f}. text s: seconds of the codec's "
-                     "prefills and metrics, summed over chunks (the f32 reference's prefill "
-                     "not included).")
+        lines.append(f"PPL(f32) = {rows[0]['ppl_f32']:.3f}. " + intervals_note(result)
+                     + " text s: seconds of the codec's prefills and metrics, summed over "
+                     "chunks (the f32 reference's prefill not included).")
+        if llama and "ppl_se" in rows[0]:
+            lines += ["", *format_llama_tables(result)]
     return "\n".join(lines)
+
+
+def format_llama_tables(result):
+    """llama.cpp's ``--kl-divergence`` statistics under its names (Δp in percent, as it prints
+    them): one table of means and KLD percentiles, one of Δp percentiles."""
+    from kvquant.metrics import DP_PERCENTILES, KLD_PERCENTILES
+    rows = [r for r in result["rows"] if "ppl_se" in r]
+    lines = ["llama.cpp's statistics (`llama-perplexity --kl-divergence`, same definitions; "
+             "± its standard error):", ""]
+    cols = ["codec", "Mean PPL(Q)", "Mean PPL(base)", "Cor(ln PPL(Q), ln PPL(base))",
+            "Mean ln(PPL(Q)/PPL(base))", "Mean PPL(Q)/PPL(base)", "Mean KLD",
+            "Maximum KLD"] + [f"{100 * f:g}% KLD" for _, f in KLD_PERCENTILES[:4]] + [
+            "Median KLD"] + [f"{100 * f:g}% KLD" for _, f in KLD_PERCENTILES[4:]] + [
+            "Minimum KLD", "Mean Δp", "RMS Δp", "Same top p"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cor = r.get("cor_ln_ppl")
+        cells = [_streams(r), _pm(r, "ppl", "ppl_se", "{:.4f}"),
+                 _pm(r, "ppl_f32", "ppl_f32_se", "{:.4f}"),
+                 f"{100 * cor:.2f}%" if cor is not None else "-",
+                 _pm(r, "mean_ln_ppl_ratio", "mean_ln_ppl_ratio_se", "{:.5f}"),
+                 _pm(r, "ppl_ratio", "ppl_ratio_se", "{:.5f}"),
+                 _pm(r, "kld_mean", "kld_mean_se"), f"{r['kld_max']:.3e}"]
+        cells += [f"{r['kld_' + k]:.3e}" for k, _ in KLD_PERCENTILES[:4]]
+        cells += [f"{r['kld_median']:.3e}"]
+        cells += [f"{r['kld_' + k]:.3e}" for k, _ in KLD_PERCENTILES[4:]]
+        cells += [f"{r['kld_min']:.3e}", _pm(r, "dp_mean", "dp_mean_se", "{:.3f}%", 100),
+                  _pm(r, "dp_rms", "dp_rms_se", "{:.3f}%", 100),
+                  _pm(r, "same_top_p", "same_top_se", "{:.3f}%", 100)]
+        lines.append("| " + " | ".join(cells) + " |")
+    cols = (["codec", "Maximum Δp"] + [f"{100 * f:g}% Δp" for _, f in DP_PERCENTILES[:5]]
+            + ["Median Δp"] + [f"{100 * f:g}% Δp" for _, f in DP_PERCENTILES[5:]]
+            + ["Minimum Δp"])
+    lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [_streams(r), f"{100 * r['dp_max']:.3f}%"]
+        cells += [f"{100 * r['dp_' + k]:.3f}%" for k, _ in DP_PERCENTILES[:5]]
+        cells += [f"{100 * r['dp_median']:.3f}%"]
+        cells += [f"{100 * r['dp_' + k]:.3f}%" for k, _ in DP_PERCENTILES[5:]]
+        cells += [f"{100 * r['dp_min']:.3f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def result_stem(result):
@@ -320,13 +446,26 @@ def result_stem(result):
     if "text" in meta:
         t = meta["text"]
         stem += f"-{t.get('name', 'pydoc')}-N{t['positions']}-c{t['chunk_tokens']}"
+        if t.get("score") == "second-half":
+            stem += "-half"
     return stem
 
 
-CSV_COLUMNS = ["codec", "streams", "bytes_per_token", "compression", "tf_k", "tf_n",
-               "tf_lo", "tf_hi", "greedy_k", "greedy_n", "greedy_lo", "greedy_hi", "tf_kld_mean",
-               "same_top_k", "same_top_n", "same_top_lo", "same_top_hi", "kld_mean", "kld_p99",
-               "kld_max", "ppl", "ppl_f32", "ppl_ratio", "text_s"]
+def _llama_keys():
+    from kvquant.metrics import LLAMA_STATISTICS
+    keys = []
+    for _, value, se in LLAMA_STATISTICS:
+        keys += [value] + ([se] if se else [])
+    return keys
+
+
+CSV_COLUMNS = (["codec", "streams", "bytes_per_token", "fixed_bytes", "marginal_bytes_per_token",
+                "context_tokens", "bits_per_value", "compression", "tf_k", "tf_n",
+                "tf_lo", "tf_hi", "greedy_k", "greedy_n", "greedy_lo", "greedy_hi",
+                "tf_kld_mean", "same_top_k", "same_top_n", "same_top_lo", "same_top_hi"]
+               + [k for k in _llama_keys() if k not in ("same_top_p",)]
+               + ["n_scored", "kld_mean_boot_lo", "kld_mean_boot_hi", "ppl_ratio_boot_lo",
+                  "ppl_ratio_boot_hi", "boot_chunks", "text_s"])
 POSITION_CSV_COLUMNS = ["codec", "pos_lo", "pos_hi", "n", "kld_mean", "same_top"]
 
 
@@ -348,6 +487,7 @@ def write_results(result, out_dir, figure=True):
     """Write ``<stem>.json``, ``<stem>.csv`` and, with text metrics, ``<stem>-positions.csv``
     and the KL-divergence-by-position figure ``<stem>-kld-by-position.png`` (when matplotlib
     is installed and ``figure``) in ``out_dir``; returns the paths written."""
+    add_storage(result["rows"], result["meta"])
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, result_stem(result))
     with open(stem + ".json", "w") as f:
@@ -364,6 +504,11 @@ def write_results(result, out_dir, figure=True):
                 if key in r:
                     for part in ("k", "n", "lo", "hi"):
                         flat[f"{key}_{part}"] = r[key][part]
+            for key, (lo, hi) in ((k, v) for k, v in (r.get("bootstrap") or {}).items()
+                                  if k in ("kld_mean", "ppl_ratio")):
+                flat[f"{key}_boot_lo"], flat[f"{key}_boot_hi"] = lo, hi
+            if r.get("bootstrap"):
+                flat["boot_chunks"] = r["bootstrap"]["n_chunks"]
             w.writerow(flat)
     pos = position_rows(result)
     if pos:
@@ -400,7 +545,7 @@ def cmd_flips(args):
         result = run_flips(args.model, codecs=codecs, positions=args.positions,
                            chunk_tokens=args.chunk_tokens, n_prompts=args.prompts,
                            workers=args.workers, progress=_progress(args.quiet), text=args.text,
-                           scheduler=args.scheduler)
+                           scheduler=args.scheduler, score=args.score)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"kvquant flips: {exc}")
     out = args.out if args.out is not None else result_stem(result)
@@ -437,6 +582,9 @@ def add_cli(sub):
     p.add_argument("--text", default="pydoc",
                    help="a UTF-8 text file, or a built-in text: " + "; ".join(
                        f"{k}: {v[0]}" for k, v in TEXTS.items()))
+    p.add_argument("--score", choices=flips.SCORES, default="all",
+                   help="text positions in the statistics: all, or the second half of each "
+                        "chunk as llama-perplexity scores")
     p.add_argument("--prompts", type=int, default=None,
                    help="prompts of the engine's protocol (default 8; 1 on tiny-mla)")
     p.add_argument("--workers", type=int, default=None,

@@ -18,6 +18,16 @@ Run::
     python -m kvquant_experiments.frontier --list          # configurations and their bits only
     python -m kvquant_experiments.frontier --plot-only RUN/frontier-....json
 
+Held out: the picks are made on a tune text only (pydoc), and the headline numbers measured on
+texts they were not picked on::
+
+    # per budget (3.5, 4.5, 5.5, 8.5 bits), the lowest mean KLD of a grid run on the tune text
+    python -m kvquant_experiments.frontier \
+        --choose-from data/results/frontier-smollm2-N2048-c512-p4.json \
+        --choices-out data/results/frontier-choices.json
+    # exactly those picks, plus f32, kv8, q8_0, q8_0+rot, q4_0, q4_0+rot, tq4, on any text
+    python -m kvquant_experiments.frontier --choices data/results/frontier-choices.json --text code
+
 Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,png}`` into
 ``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
@@ -156,9 +166,21 @@ def pareto_front(points):
     return front(points, key="kld_mean")
 
 
+def _boot_columns(row):
+    boot = row.get("bootstrap") or {}
+    out = {}
+    for key in ("kld_mean", "ppl_ratio"):
+        lo, hi = boot.get(key) or (None, None)
+        out[f"{key}_boot_lo"], out[f"{key}_boot_hi"] = lo, hi
+    return out
+
+
 def frontier_rows(result):
     """Flat rows of a frontier result: bits, family, metrics, front membership, goal flags."""
     from kvquant.models import split_pair_spec
+
+    from kvquant_experiments.flip_runs import add_storage
+    add_storage(result["rows"], result["meta"])
     rows = []
     for r in result["rows"]:
         k_spec, v_spec = split_pair_spec(r["codec"])
@@ -168,6 +190,12 @@ def frontier_rows(result):
             "same_top": r["same_top"]["p"], "same_top_lo": r["same_top"]["lo"],
             "same_top_hi": r["same_top"]["hi"], "kld_mean": r["kld_mean"],
             "kld_p99": r["kld_p99"], "kld_max": r["kld_max"], "ppl_ratio": r["ppl_ratio"],
+            **{k: r.get(k) for k in ("kld_mean_se", "ppl_ratio_se", "ppl", "ppl_f32",
+                                     "mean_ln_ppl_ratio", "mean_ln_ppl_ratio_se", "cor_ln_ppl",
+                                     "kld_median", "kld_p99_9", "kld_p95", "kld_p90",
+                                     "dp_mean", "dp_mean_se", "dp_rms", "dp_rms_se")},
+            **_boot_columns(r),
+            "fixed_bytes": r.get("fixed_bytes", 0),
             "tf_k": r["tf"]["k"], "tf_n": r["tf"]["n"], "greedy_k": r["greedy"]["k"],
             "greedy_n": r["greedy"]["n"], "tf_kld_mean": r["tf_kld_mean"],
         })
@@ -193,7 +221,7 @@ def frontier_rows(result):
 def run_frontier(configs=None, positions=DEFAULTS["positions"],
                  chunk_tokens=DEFAULTS["chunk_tokens"], prompts=DEFAULTS["prompts"],
                  workers=None, progress=None, text="pydoc", model=MODEL, scheduler=None,
-                 loaded=None):
+                 loaded=None, score="all"):
     """``run_flips`` of ``model`` (a name or GGUF path) over ``configs`` (pair specs) on
     ``text`` (``loaded``: that model already built, run in this process); adds
     ``bits_per_value`` per row (the model's head_dim; fixed costs of stream
@@ -206,14 +234,14 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
     t0 = time.perf_counter()
     result = run_flips(model, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
                        n_prompts=prompts, workers=workers, progress=progress, text=text,
-                       scheduler=scheduler, model=loaded)
+                       scheduler=scheduler, model=loaded, score=score)
     cfg = result["meta"]["model"]
     d = cfg["head_dim"]
     rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows
     for r in result["rows"]:
         r["bits_per_value"] = bits_per_value(r["codec"], d, tokens=chunk_tokens)
         per_token = bits_per_value(r["codec"], d)
-        from_cache = 8.0 * r["bytes_per_token"] / (rows_per_token * d)
+        from_cache = 8.0 * r["marginal_bytes_per_token"] / (rows_per_token * d)
         if abs(from_cache - per_token) > 1e-9:
             raise AssertionError(f"{r['codec']}: {per_token} bits from the codecs, "
                                  f"{from_cache} from the cache")
@@ -236,13 +264,20 @@ def _model_tag(result):
 def result_stem(result):
     """``frontier-<model>-<text>-N<positions>-c<chunk tokens>-p<prompts>``."""
     t = result["meta"]["text"]
-    return (f"frontier-{_model_tag(result)}-{t.get('name', 'pydoc')}-N{t['positions']}"
-            f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}")
+    kind = "frontier-choices" if result["meta"].get("frontier", {}).get("choices") else "frontier"
+    return (f"{kind}-{_model_tag(result)}-{t.get('name', 'pydoc')}-N{t['positions']}"
+            f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}"
+            + ("-half" if t.get("score") == "second-half" else ""))
 
 
-CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token", "same_top",
-               "same_top_lo", "same_top_hi", "kld_mean", "kld_p99", "kld_max", "ppl_ratio",
-               "tf_k", "tf_n", "greedy_k", "greedy_n", "tf_kld_mean", "on_front", "goal_4p5",
+CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token", "fixed_bytes",
+               "same_top", "same_top_lo", "same_top_hi", "kld_mean", "kld_mean_se",
+               "kld_mean_boot_lo", "kld_mean_boot_hi", "kld_median", "kld_p90", "kld_p95",
+               "kld_p99", "kld_p99_9", "kld_max", "ppl", "ppl_f32", "cor_ln_ppl",
+               "mean_ln_ppl_ratio", "mean_ln_ppl_ratio_se", "ppl_ratio", "ppl_ratio_se",
+               "ppl_ratio_boot_lo", "ppl_ratio_boot_hi", "dp_mean", "dp_mean_se", "dp_rms",
+               "dp_rms_se", "tf_k", "tf_n", "greedy_k", "greedy_n", "tf_kld_mean", "on_front",
+               "goal_4p5",
                "goal_8p5", "beats_q8_0_rot"]
 
 
@@ -256,6 +291,23 @@ def write_frontier(result, out_dir):
     with open(stem + ".md", "w") as f:
         f.write(format_markdown(result) + "\n")
     return [stem + ".json", stem + ".csv", stem + ".md"]
+
+
+def _with_error(x, key, fmt):
+    cell = fmt.format(x[key])
+    if x.get(key + "_se") is not None:
+        cell += " ± " + fmt.format(x[key + "_se"])
+    if x.get(key + "_boot_lo") is not None:
+        cell += f" [{fmt.format(x[key + '_boot_lo'])}, {fmt.format(x[key + '_boot_hi'])}]"
+    return cell
+
+
+def _intervals_note(result):
+    from kvquant_experiments.flip_runs import intervals_note
+    if not any("kld_mean_se" in r for r in result["rows"]):
+        return ("(A result of an earlier version: no standard errors or bootstrap intervals; "
+                "rerun for them.)")
+    return intervals_note(result)
 
 
 def format_markdown(result):
@@ -280,20 +332,108 @@ def format_markdown(result):
         + ("; B+: also <= q8_0+rot's (llama.cpp rotates a quantized cache since PR #21038)"
            + (f" = {q8r['kld_mean']:.2e}" if q8r else "")) + ".",
         "",
-        "| K/V | bits/value | same top-1 % [95% CI] | mean KLD | p99 KLD | PPL ratio | "
-        "TF agree | greedy agree | F | goal |",
+        "",
+        _intervals_note(result),
+        "",
+        "| K/V | bits/value | same top-1 % [95% CI] | mean KLD ± SE [bootstrap] | p99 KLD | "
+        "PPL ratio ± SE [bootstrap] | TF agree | greedy agree | F | goal |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    picks = picks_of(result)
+    if picks:
+        tune = {p["tune_text"] for p in meta["frontier"]["choices"].values()}
+        text_name = t.get("name", t["source"])
+        lines[0] += (f" Picks (`pick <= b`) were chosen on {', '.join(sorted(tune))}"
+                     + (" (this text: not held out)." if text_name in tune
+                        else f"; {text_name} is held out."))
     for x in rows:
         goal = ",".join(g for g, ok in (("A", x["goal_4p5"]), ("B", x["goal_8p5"]),
                                         ("B+", x["beats_q8_0_rot"])) if ok)
+        if x["codec"] in picks:
+            goal = ", ".join(filter(None, [goal, "pick " + picks[x["codec"]]]))
         lines.append(
             f"| {x['codec']} | {x['bits_per_value']:.2f} | {100 * x['same_top']:.2f} "
             f"[{100 * x['same_top_lo']:.2f}, {100 * x['same_top_hi']:.2f}] | "
-            f"{x['kld_mean']:.2e} | {x['kld_p99']:.2e} | {x['ppl_ratio']:.4f} | "
+            f"{_with_error(x, 'kld_mean', '{:.2e}')} | {x['kld_p99']:.2e} | "
+            f"{_with_error(x, 'ppl_ratio', '{:.4f}')} | "
             f"{x['tf_k']}/{x['tf_n']} | {x['greedy_k']}/{x['greedy_n']} | "
             f"{'F' if x['on_front'] else ''} | {goal} |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out discipline: picks on a tune text, headline numbers on others
+# --------------------------------------------------------------------------------------------
+CHOICE_BUDGETS = (3.5, 4.5, 5.5, 8.5)
+TUNE_TEXT = "pydoc"
+# What a run of the picks measures beside them, on the same text.
+HELD_OUT_BASELINES = ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4"]
+
+
+def choose(result, budgets=CHOICE_BUDGETS, source=None):
+    """The frontier's picks: per budget, the configuration with the lowest mean KLD among those
+    at or under that many bits per value (f32 excluded; ties: fewer bits), on the result's text.
+
+    Returns
+    -------
+    dict ``{"<budget>": {"pair": "<K spec>/<V spec>", "bits", "tune_text", "model",
+    "tune_kld_mean", "from"}}``, the layout of ``data/results/frontier-choices.json``.
+    """
+    from kvquant.models import split_pair_spec
+    rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
+    t = result["meta"]["text"]
+    out = {}
+    for budget in budgets:
+        fits = [x for x in rows if x["bits_per_value"] <= budget + 1e-9]
+        if not fits:
+            raise ValueError(f"no configuration of the result fits {budget} bits per value")
+        best = min(fits, key=lambda x: (x["kld_mean"], x["bits_per_value"]))
+        k_spec, v_spec = split_pair_spec(best["codec"])
+        out[f"{budget:g}"] = {
+            "pair": f"{k_spec}/{v_spec}", "bits": round(best["bits_per_value"], 4),
+            "tune_text": t.get("name", t["source"]),
+            "model": result["meta"].get("model_name", MODEL),
+            "tune_kld_mean": best["kld_mean"],
+            "from": source or result_stem(result),
+        }
+    return out
+
+
+def load_choices(path):
+    """Read a choices file (:func:`choose`), checking its layout; returns the dict."""
+    with open(path) as f:
+        choices = json.load(f)
+    if not isinstance(choices, dict) or not choices:
+        raise ValueError(f"{path}: a choices file maps budgets to picks, got {type(choices)}")
+    for budget, pick in choices.items():
+        try:
+            float(budget)
+        except ValueError:
+            raise ValueError(f"{path}: key {budget!r} is not a budget in bits") from None
+        missing = {"pair", "bits", "tune_text"} - set(pick)
+        if missing:
+            raise ValueError(f"{path}: budget {budget} lacks {sorted(missing)}")
+    return choices
+
+
+def choice_configs(choices, extra=()):
+    """The configurations a run of the picks measures: the baselines, then each pick once,
+    then ``extra``."""
+    configs = list(HELD_OUT_BASELINES)
+    for pick in choices.values():
+        if pick["pair"] not in configs:
+            configs.append(pick["pair"])
+    configs += [c for c in extra if c not in configs]
+    return configs
+
+
+def picks_of(result):
+    """{pair spec: budget label} of the picks a result was run with (empty for a grid run)."""
+    choices = result["meta"].get("frontier", {}).get("choices") or {}
+    out = {}
+    for budget, pick in choices.items():
+        out.setdefault(pick["pair"], []).append(budget)
+    return {k: "<= " + ", ".join(v) for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,7 +449,7 @@ FAMILY_STYLE = {
     "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
-    "recent window": ("#ff1493", "p", "+ recent window of 16 f32 rows (w16; w64: 64)"),
+    "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -337,20 +477,6 @@ def _spread(ys, gap):
     return out
 
 
-SHORT = [(":codebook=gaussian", ":gauss"), (":side=unbiased", ":unb"), (":side_dtype=f16", "h"),
-         (",recent=16", "w16"), (",recent=64", "w64"), ("@recent=16", "@w16"),
-         ("@center,normalize,sinks=1", "@cns"), ("@center,sinks=1", "@cs"),
-         ("@center", "@c"), ("@sinks=1", "@s")]
-
-
-def short_label(pair_spec):
-    """Figure label: ``h`` = fp16 side values, ``@c`` center, ``n`` normalize, ``s`` one sink,
-    ``w16`` a recent window of 16 rows."""
-    for long, short in SHORT:
-        pair_spec = pair_spec.replace(long, short)
-    return pair_spec
-
-
 def plot_frontier(result, out):
     """Mean KLD (log) against bits per value; baselines highlighted, the lower-left Pareto front
     drawn, the two budgets and goals marked. ``result``: a frontier result or its JSON path."""
@@ -361,7 +487,7 @@ def plot_frontier(result, out):
         with open(result) as f:
             result = json.load(f)
     rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
-    fig = Figure(figsize=(10.5, 5.8), layout="constrained")
+    fig = Figure(figsize=(15.0, 7.0), layout="constrained")
     ax = fig.subplots()
     seen = set()
     for x in rows:
@@ -371,27 +497,36 @@ def plot_frontier(result, out):
                 ms=11 if base else 6, mec="black" if base else color, mew=1.2 if base else 0.5,
                 zorder=4 if base else 3, label=None if x["family"] in seen else label)
         seen.add(x["family"])
-    # Labels: points at the same bits get a column of labels, LABEL_GAP decades apart around
-    # their points (leader lines), on the right unless another column is close on that side.
-    # Only the front and the baselines are named (the table names every point).
+    # Numbers beside the front's points and the baselines (a key beside the axes names them
+    # in words; the table names every point). Points at the same bits get a column of numbers,
+    # LABEL_GAP decades apart around their points (leader lines).
+    from kvquant_experiments.plots import numbered_key, spec_label
     front_codecs = {rows[i]["codec"] for i in pareto_front(rows)}
+    picks = picks_of(result)
+    named = sorted((x for x in rows if x["codec"] in front_codecs or x["family"] in BASELINES
+                    or x["codec"] in picks),
+                   key=lambda x: (x["bits_per_value"], -x["kld_mean"]))
+    number = {x["codec"]: n for n, x in enumerate(named, 1)}
     columns = {}
-    for x in rows:
-        if x["codec"] in front_codecs or x["family"] in BASELINES:
-            columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
+    for x in named:
+        columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
     for bits, col in columns.items():
         col.sort(key=lambda x: -x["kld_mean"])
         right = not any(0 < b - bits < 0.4 for b in columns)
         ys = _spread([math.log10(max(x["kld_mean"], 1e-12)) for x in col], LABEL_GAP)
         for x, ly in zip(col, ys):
-            name = short_label(x["codec"])
-            ax.annotate(name, (bits, x["kld_mean"]), xytext=(bits + (0.15 if right else -0.15),
-                                                             10 ** ly),
-                        textcoords="data", fontsize=6.5, va="center",
+            color = FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]
+            ax.annotate(str(number[x["codec"]]), (bits, x["kld_mean"]),
+                        xytext=(bits + (0.12 if right else -0.12), 10 ** ly),
+                        textcoords="data", fontsize=7, va="center", color=color,
                         ha="left" if right else "right",
                         fontweight="bold" if x["family"] in BASELINES else "normal",
                         arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
                                     "shrinkA": 0, "shrinkB": 4})
+    entries = [(number[x["codec"]], f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} "
+                f"bits, {x['kld_mean']:.2e}"
+                + (f" (pick {picks[x['codec']]} bits)" if x["codec"] in picks else ""),
+                FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]) for x in named]
     front = [rows[i] for i in pareto_front(rows)]
     fx, fy = [], []
     for i, x in enumerate(front):  # staircase: a front point holds until the next one
@@ -420,10 +555,11 @@ def plot_frontier(result, out):
     text = {"code": "Python source", "pydoc": "pydoc prose"}.get(t.get("name"), t.get("name"))
     ax.set_title(f"{result['meta']['model']['model']} KV cache: quality per byte ({text}, "
                  f"{t['positions']} positions, chunks of {t['chunk_tokens']})", fontsize=10)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5),
-              title="named: the front and llama.cpp\nh = fp16 side values\n"
-                    "@c = center, @cs = + 1 f32 sink,\n@cns = + normalize, w16 = + recent=16",
-              title_fontsize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
+    numbered_key(fig, entries, title="numbered: the Pareto front, llama.cpp's formats"
+                                     + (" and the picks" if picks else "")
+                                     + "\n(configuration: bits/value, mean KLD)")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
@@ -455,17 +591,48 @@ def main(argv=None):
     p.add_argument("--figure", default=None,
                    help="figure path (default: <stem>.png in the output folder; the README's "
                         "is data/figures/frontier_smollm2.png)")
+    p.add_argument("--score", choices=("all", "second-half"), default="all",
+                   help="text positions in the statistics (second-half: as llama-perplexity)")
+    p.add_argument("--choose-from", metavar="JSON", default=None,
+                   help="write the picks of a frontier result on its (tune) text, one per budget "
+                        f"({', '.join(f'{b:g}' for b in CHOICE_BUDGETS)} bits), to "
+                        "--choices-out; run nothing")
+    p.add_argument("--choices-out", default="frontier-choices.json",
+                   help="where --choose-from writes (the repo's: "
+                        "data/results/frontier-choices.json)")
+    p.add_argument("--choices", metavar="JSON", default=None,
+                   help="run exactly the picks of a choices file (plus the baselines "
+                        + ", ".join(HELD_OUT_BASELINES) + "; --configs adds more) on --text")
     p.add_argument("--list", action="store_true", help="print configurations and bits, run nothing")
     p.add_argument("--plot-only", metavar="JSON", default=None,
-                   help="redraw the figure, CSV and markdown table from a frontier JSON")
+                   help="redraw the figure from a frontier JSON (and its CSV and markdown table "
+                        "into --out when given)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
+    if args.choose_from:
+        with open(args.choose_from) as f:
+            tuned = json.load(f)
+        choices = choose(tuned, source=os.path.basename(args.choose_from))
+        write_json(args.choices_out, choices)
+        for budget, pick in choices.items():
+            print(f"<= {budget} bits: {pick['pair']} ({pick['bits']:.2f} bits, mean KLD "
+                  f"{pick['tune_kld_mean']:.3e} on {pick['tune_text']})")
+        print(f"wrote {args.choices_out}")
+        return 0
+    choices = None
+    extra = []
     if args.configs:
         from kvquant.codecs import split_spec_list
-        configs = split_spec_list(args.configs)
+        extra = configs = split_spec_list(args.configs)
     else:
         configs = list(DEFAULT_CONFIGS)
+    if args.choices:
+        try:
+            choices = load_choices(args.choices)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"frontier: {exc}")
+        configs = choice_configs(choices, extra)
     if args.list:
         from kvquant.models import load_model
         head_dim = load_model(args.model).head_dim
@@ -475,8 +642,10 @@ def main(argv=None):
     if args.plot_only:
         with open(args.plot_only) as f:
             result = json.load(f)
-        out = os.path.dirname(os.path.abspath(args.plot_only))
-        paths = write_frontier(result, out)[1:]
+        # the CSV and markdown again only where --out says; the figure beside the JSON or at
+        # --figure
+        paths = write_frontier(result, args.out)[1:] if args.out else []
+        out = args.out or os.path.dirname(os.path.abspath(args.plot_only))
         paths.append(plot_frontier(result, args.figure or os.path.join(
             out, result_stem(result) + ".png")))
         print(format_markdown(result))
@@ -491,9 +660,12 @@ def main(argv=None):
     try:
         result = run_frontier(configs, positions=args.positions, chunk_tokens=args.chunk_tokens,
                               prompts=args.prompts, workers=args.workers, progress=progress,
-                              text=args.text, model=args.model, scheduler=args.scheduler)
+                              text=args.text, model=args.model, scheduler=args.scheduler,
+                              score=args.score)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"frontier: {exc}")
+    if choices:
+        result["meta"]["frontier"]["choices"] = choices
     out = args.out or result_stem(result)
     paths = write_frontier(result, out)
     paths.append(plot_frontier(result, args.figure or os.path.join(

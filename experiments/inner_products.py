@@ -87,7 +87,7 @@ def inner_product_cell(cell, data_dir=None):
 
 
 def run_sweep(results_dir, codecs=None, dims=None, kinds=None, rows=None, queries=None, seed=None,
-              executor=None, resume=True, progress=True, smoke=None):
+              executor=None, resume=True, progress=True, smoke=None, tally=None):
     """Run (or resume) the sweep; writes ``inner_products.csv`` / ``.json``; returns the rows."""
     grid = default_grid(smoke)
     for key, value in (("codecs", codecs), ("dims", dims), ("kinds", kinds), ("rows", rows),
@@ -103,7 +103,7 @@ def run_sweep(results_dir, codecs=None, dims=None, kinds=None, rows=None, querie
                                           data_dir=str(results_dir / "inputs")),
                         cells, results_dir / "inner_products",
                         lambda c: cell_stem(c, STEM_ORDER), executor=executor, resume=resume,
-                        progress=progress, desc="inner products")
+                        progress=progress, desc="inner products", tally=tally)
     flat = [{**{k: c[k] for k in ("kind", "dim", "rows", "queries", "seed")}, **r}
             for c, r in zip(cells, results)]
     write_csv(results_dir / "inner_products.csv", flat, columns=CSV_COLUMNS)

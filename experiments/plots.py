@@ -11,6 +11,7 @@ from kvquant_experiments.common import read_json
 
 __all__ = [
     "FAMILY_STYLE",
+    "numbered_key",
     "plot_distortion",
     "plot_flip_pareto",
     "plot_flip_strip",
@@ -18,6 +19,7 @@ __all__ = [
     "plot_kld_by_position",
     "plot_speed_encode",
     "plot_speed_step",
+    "spec_label",
 ]
 
 # One colour and marker per codec family; llama.cpp baselines are points (no line).
@@ -40,6 +42,55 @@ _RC = {"text.usetex": False, "font.size": 9, "axes.grid": True, "grid.alpha": 0.
 
 KIND_TITLES = {"gaussian": "Gaussian rows", "heavy": "heavy-tailed rows with outlier channels",
                "smollm2-k": "SmolLM2 K rows (after RoPE)", "smollm2-v": "SmolLM2 V rows"}
+
+
+_STREAM_WORDS = {"center": "centered", "normalize": "normalized"}
+
+
+def _stream_label(stream_spec):
+    codec, _, opts = stream_spec.partition("@")
+    base, _, copts = codec.partition(":")
+    words = [base]
+    for opt in filter(None, copts.split(",")):
+        k, _, v = opt.partition("=")
+        words.append({"side_dtype": f"{v} side", "alloc": f"{v} alloc",
+                      "codebook": f"{v} codebook", "side": f"{v} side",
+                      "compat": v}.get(k, opt))
+    for opt in filter(None, opts.split(",")):
+        k, _, v = opt.partition("=")
+        words.append(_STREAM_WORDS.get(k) or {"sinks": f"{v} f32 sink", "recent":
+                                             f"last {v} rows f32"}.get(k, opt))
+    return words[0] + (" (" + ", ".join(words[1:]) + ")" if len(words) > 1 else "")
+
+
+def spec_label(pair_spec, streams=("K", "V")):
+    """A codec or pair spec in words for a legend: ``"K polar5 (f16 side, centered, ...) /
+    V polar4 (...)"`` (``streams``: the two streams' names, L and R on the MLA model); a plain
+    spec is kept as it is."""
+    if "/" not in pair_spec:
+        return _stream_label(pair_spec)
+    k, v = pair_spec.split("/", 1)
+    a, b = streams
+    return f"{a} {_stream_label(k)} / {b} {_stream_label(v)}"
+
+
+def _stream_names(row_or_model):
+    """("L", "R") for the MLA model (a model name or a table row with ``streams``), else K/V."""
+    if isinstance(row_or_model, dict):
+        names = [n.upper() for n in row_or_model.get("streams", {})]
+        return tuple(names) if len(names) == 2 else ("K", "V")
+    return ("L", "R") if row_or_model == "tiny-mla" else ("K", "V")
+
+
+def numbered_key(fig, entries, title=None, loc="outside right upper", fontsize=6.5):
+    """A legend of numbered entries (the numbers drawn beside the points): ``entries`` is a list
+    of (number, text, colour)."""
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], ls="none", marker=f"${n}$", ms=7 if n < 10 else 9, color=c)
+               for n, _, c in entries]
+    return fig.legend(handles, [t for _, t, _ in entries], loc=loc, fontsize=fontsize,
+                      title=title, title_fontsize=fontsize + 0.5, frameon=False,
+                      handletextpad=0.6)
 
 
 def _figure(ncols=1, nrows=1, width=5.0, height=3.8):
@@ -116,8 +167,10 @@ def _shared_legend(fig, axes):
     for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
+    # columns that fit the figure's width (~2 inches per entry), so no entry is cut off
+    per_row = max(1, int(fig.get_figwidth() // 2.0))
     fig.legend(list(handles.values()), list(handles), loc="outside lower center",
-               ncol=min(6, len(handles)), fontsize=7, frameon=False)
+               ncol=min(per_row, len(handles)), fontsize=7, frameon=False)
 
 
 def plot_inner_products(results, out, kind="gaussian", dim=None):
@@ -162,37 +215,50 @@ def plot_inner_products(results, out, kind="gaussian", dim=None):
 
 
 def plot_flip_pareto(table_json, out):
-    """KL divergence from the f32 cache against bits per value, Pareto front drawn."""
+    """KL divergence from the f32 cache (log) against bits per value stored (every byte: the
+    fixed bytes of stream options spread over the context), Pareto front drawn; points are
+    numbered and a key beside the axes names each configuration in words."""
     from kvquant_experiments.distortion import codec_family
     from kvquant_experiments.flip_report import pareto_front, pareto_points
     table = read_json(table_json)
     pts = pareto_points(table)
     if not pts:
         raise ValueError(f"{table_json}: no quantized rows to plot")
-    fig, axes = _figure(width=6.0, height=4.2)
+    # the key holds one line per point: the figure grows with it, the axes keep their width
+    fig, axes = _figure(width=12.0, height=max(4.8, 1.3 + 0.14 * len(pts)))
     ax = axes[0][0]
     floor = min((p["kld"] for p in pts if p["kld"] > 0), default=1e-12)
-    placed = []  # (x, log10 y) of labels already written: stagger labels of nearby points
-    for p in sorted(pts, key=lambda p: (p["bits_per_value"], -p["kld"])):
+    order = sorted(range(len(pts)), key=lambda i: (pts[i]["bits_per_value"], -pts[i]["kld"]))
+    entries, placed = [], []
+    for n, i in enumerate(order, 1):
+        p = pts[i]
         fam = codec_family(p["codec"].split("/")[0])
         st = _style(fam if "/" not in p["codec"] else "")
         y = max(p["kld"], floor * 0.5)
         ax.plot(p["bits_per_value"], y, marker=st["marker"], color=st["color"], ls="none", ms=6)
         near = sum(1 for x0, ly0 in placed
-                   if abs(x0 - p["bits_per_value"]) < 0.4 and abs(ly0 - math.log10(y)) < 0.12)
+                   if abs(x0 - p["bits_per_value"]) < 0.25 and abs(ly0 - math.log10(y)) < 0.08)
         placed.append((p["bits_per_value"], math.log10(y)))
-        ax.annotate(p["codec"], (p["bits_per_value"], y), fontsize=6,
-                    xytext=(4, 2 - 7 * near), textcoords="offset points")
+        ax.annotate(str(n), (p["bits_per_value"], y), fontsize=7, color=st["color"],
+                    xytext=(5 + 9 * near, -2), textcoords="offset points", va="center")
+        names = _stream_names(next(r for r in table["rows"] if r["codec"] == p["codec"]))
+        entries.append((n, f"{spec_label(p['codec'], names)}: {p['bits_per_value']:.2f} bits, "
+                           f"{p['kld']:.2e}", st["color"]))
     front = pareto_front(pts)
     ax.plot([pts[i]["bits_per_value"] for i in front],
             [max(pts[i]["kld"], floor * 0.5) for i in front], color="0.3", lw=1, ls="--",
             label="Pareto front")
     ax.set_yscale("log")
-    ax.set_xlabel("bits per value stored (K and V or L and R, side values included)")
+    ax.set_xlabel("bits per value stored (K and V or L and R)\nside values and the fixed bytes "
+                  "of stream options included")
     kind = "real-text mean KLD" if pts[0]["kld_kind"] == "kld_mean" else "teacher-forced mean KLD"
     ax.set_ylabel(f"{kind} vs f32 (nats)")
-    ax.set_title(f"{table['meta']['model']['model']}: KL divergence against storage")
-    ax.legend(fontsize=7)
+    meta = table["meta"]
+    where = (f", text {meta['text'].get('name', meta['text']['source'])}" if "text" in meta
+             else ", the engine's protocol")
+    ax.set_title(f"{meta['model']['model']}: KL divergence against storage{where}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    numbered_key(fig, entries, title="point: configuration, bits/value, mean KLD")
     return _save(fig, out)
 
 
@@ -217,9 +283,12 @@ def plot_flip_strip(positions_json, out):
     ys, xs = np.nonzero(flipped)
     ax.plot(xs, ys, ls="none", marker="o", ms=2.5, mfc="#00bfff", mec="none",
             label="argmax differs from f32")
-    ax.set_yticks(range(len(codecs)), codecs, fontsize=7)
+    names = _stream_names(data["model"])
+    ax.set_yticks(range(len(codecs)), [spec_label(c, names) for c in codecs], fontsize=6.5)
     ax.set_xlabel("position")
-    ax.set_title(f"{data['model']}: where next-token predictions move ({data['source']})",
+    import textwrap
+    title = f"{data['model']}: where next-token predictions move ({data['source']})"
+    ax.set_title("\n".join(textwrap.wrap(title, width=int(8 * fig.get_figwidth()))),
                  fontsize=8)
     ax.grid(False)
     fig.colorbar(im, ax=ax, label="KL(f32 || codec), nats", shrink=0.9)
@@ -263,7 +332,7 @@ def plot_speed_step(results, out, threads=None):
         ax.set_xlabel("cached rows T")
         ax.set_ylabel("one decode step, microseconds")
         ax.set_title(f"one decode step, d = {dim}, {threads} thread{'s' if threads > 1 else ''}")
-        ax.legend(fontsize=6, ncol=2)
+    _shared_legend(fig, axes)
     return _save(fig, out)
 
 
@@ -354,7 +423,8 @@ def plot_kld_by_position(result, out):
             x = [(e[j] + e[j + 1] - 1) / 2 for j in range(len(b["n"]))]
             y = [v if v and v > 0 else math.nan for v in b["kld_mean"]]
             ax.plot(x, y, marker="o", ms=3, lw=1.3, color=cmap(i % cmap.N),
-                    label=f"{r['codec']}  (mean {r['kld_mean']:.2e})")
+                    label=f"{spec_label(r['codec'], _stream_names(r))}  "
+                          f"(mean {r['kld_mean']:.2e})")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlim(0, t["chunk_tokens"])

@@ -264,6 +264,10 @@ def _speed_section(res, out, figures):
     from kvquant_experiments import plots
     sec = Section("speed", "Speed: consumers against numpy f32, encode throughput")
     grid = res["grid"]
+    if res.get("reused_steps"):
+        sec.para(f"**Reused timings**: {res['reused_steps']} decode-step cell(s) come from an "
+                 "earlier run in `data/speed/` (not re-timed now); `kvquant report --fresh` "
+                 "re-times them.")
     if res["step"]:
         threads = min(grid["threads"])
         plots.plot_speed_step(Path(out) / "data" / "speed.json", figures / "speed_step.png",
@@ -318,6 +322,36 @@ def _speed_section(res, out, figures):
                    for r in enc])
     missing = {k: v for k, v in res["unavailable"].items() if k != "*"}
     _note_unavailable(sec, missing)
+    return sec
+
+
+def _committed_frontier_section():
+    """The frontier's picks (chosen on the tune text) and their held-out runs, as committed in
+    the source tree's data/results (not recomputed by the report: a grid run takes ~12 min)."""
+    import json
+
+    sec = Section("frontier", "Quality per byte: the frontier's picks on held-out texts")
+    results = Path(__file__).resolve().parent.parent / "data" / "results"
+    choices_path = results / "frontier-choices.json"
+    if not choices_path.is_file():
+        sec.not_available("the committed frontier results",
+                          f"{choices_path} is not there (an installed copy without the source "
+                          "tree)")
+        return sec
+    choices = json.loads(choices_path.read_text())
+    sec.para("From committed runs, not recomputed here. The picks (`data/results/"
+             "frontier-choices.json`, from `python -m kvquant_experiments.frontier "
+             "--choose-from <grid run on the tune text>`): per budget, the lowest mean KLD of "
+             "the frontier's grid on the tune text. `python -m kvquant_experiments.frontier "
+             "--choices data/results/frontier-choices.json --text T` runs exactly them on any "
+             "text.")
+    sec.table(["budget (bits/value)", "pick (K / V)", "bits/value", "tune text",
+               "mean KLD on it"],
+              [[b, f"`{c['pair']}`", f"{c['bits']:.2f}", c["tune_text"],
+                _fmt(c.get("tune_kld_mean"), 3)] for b, c in choices.items()])
+    for path in sorted(results.glob("frontier-choices-*.md")):
+        sec.add(f"**{path.name}** (held out unless it says so):", "", path.read_text().strip(),
+                "")
     return sec
 
 
@@ -379,7 +413,7 @@ def _real_wanted(real, smoke):
 
 def run_report(out="report", smoke=None, scheduler=None, workers=None, real="auto", full=False,
                fresh=False, progress=True, figures_to=None, command=None, log=None,
-               text="pydoc"):
+               text=None):
     """Run every section and write ``out/REPORT.md``, ``out/figures``, ``out/data``.
 
     Parameters
@@ -400,9 +434,11 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         Recompute cells whose result files exist.
     figures_to : path, optional
         Also copy the headline figures there (e.g. ``data/figures`` for the README).
-    text : str
+    text : str, optional
         The real model's text: a built-in name or a UTF-8 file
-        (:func:`kvquant_experiments.texts.load_text`).
+        (:func:`kvquant_experiments.texts.load_text`); default
+        :data:`kvquant_experiments.flip_report.REPORT_TEXT` (held out: the frontier's picks
+        were chosen on pydoc).
 
     Returns
     -------
@@ -413,6 +449,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
     from kvquant_experiments.executor import open_executor
     _require_plotting()
     t_start = time.perf_counter()
+    text = flip_report.REPORT_TEXT if text is None else text
     smoke = is_smoke() if smoke is None else bool(smoke)
     out = Path(out)
     data, figures = out / "data", out / "figures"
@@ -434,9 +471,20 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
             return _Failure(f"{type(exc).__name__}: {exc}")
 
     def timed(key, fn, *args, **kwargs):
+        """fn(...) with ``tally``: the section's own work is the sum of its computed cells'
+        seconds (where they ran), apart from the wall time, which other jobs sharing the
+        workers lengthen."""
         t0 = time.perf_counter()
-        result = guarded(key, fn, *args, **kwargs)
-        timings[key] = time.perf_counter() - t0
+        tally = {}
+        result = guarded(key, fn, *args, tally=tally, **kwargs)
+        wall = time.perf_counter() - t0
+        timings[f"{key}: own work ({tally.get('computed', 0)} cells computed, "
+                f"{tally.get('reused', 0)} reused)"] = tally.get("work_seconds", 0.0)
+        timings[f"{key}: wall"] = wall
+        counts["reused"] += tally.get("reused", 0)
+        counts["computed"] += tally.get("computed", 0)
+        log(f"{key}: {wall:.0f} s wall, {tally.get('work_seconds', 0.0):.0f} s of its own cells"
+            + (f"; reused {tally['reused']} cells" if tally.get("reused") else ""))
         return result
 
     want_real, real_reason = _real_wanted(real, smoke)
@@ -444,7 +492,15 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         log(f"executor: {ex.description}")
         n_workers = getattr(ex, "_max_workers", None) or 2
         handles = {}
-        # The long model jobs first, so that they overlap the sweeps.
+        log("distortion sweep")
+        dist = timed("distortion", distortion.run_sweep, data, executor=ex, resume=resume,
+                     progress=progress, smoke=smoke)
+        log("inner-product sweep")
+        inner = timed("inner products", inner_products.run_sweep, data, executor=ex,
+                      resume=resume, progress=progress, smoke=smoke)
+        # The sweeps first, then the model jobs: each has the workers to itself, so that its
+        # bar and its times are its own (the long model jobs queued first would hold both
+        # workers while the sweeps' bars stood still).
         if want_real:
             if full:
                 from kvquant_experiments.flip_runs import (DEFAULT_CHUNK_TOKENS, DEFAULT_CODECS,
@@ -458,30 +514,32 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
             handles["smollm2"] = guarded("real-model flips", flip_report.submit_model,
                                          "smollm2", data, ex, smoke=smoke, codecs=codecs,
                                          sizes=sizes, n_groups=n_workers, resume=resume,
-                                         text=text)
+                                         text=text, progress=progress)
             log(f"real model: {sizes['positions']} text positions, {sizes['prompts']} prompts")
         handles["tiny-mla"] = guarded("tiny-model flips", flip_report.submit_model, "tiny-mla",
-                                      data, ex, smoke=smoke, resume=resume)
-        log("distortion sweep")
-        dist = timed("distortion", distortion.run_sweep, data, executor=ex, resume=resume,
-                     progress=progress, smoke=smoke)
-        log("inner-product sweep")
-        inner = timed("inner products", inner_products.run_sweep, data, executor=ex,
-                      resume=resume, progress=progress, smoke=smoke)
-        log("waiting for the flip tables")
-        t0 = time.perf_counter()
+                                      data, ex, smoke=smoke, resume=resume, progress=progress)
+        log("waiting for the flip tables (one bar per model job)")
         flips = {}
         for name, handle in handles.items():
+            t0 = time.perf_counter()
             flips[name] = handle if isinstance(handle, _Failure) else guarded(
                 f"{name} flips", flip_report.finish, handle)
             if not isinstance(flips[name], _Failure):
-                counts["reused"] += flips[name]["reused"]
-                counts["computed"] += flips[name]["computed"]
-        timings["flips (after the sweeps)"] = time.perf_counter() - t0
+                f = flips[name]
+                counts["reused"] += f["reused"]
+                counts["computed"] += f["computed"]
+                timings[f"{name} flips: own work ({f['computed']} cells computed, "
+                        f"{f['reused']} reused)"] = f["work_seconds"]
+                timings[f"{name} flips: wait after the sweeps"] = time.perf_counter() - t0
+                log(f"{name} flips: {f['work_seconds']:.0f} s of its own cells"
+                    + (f"; reused {f['reused']} cells from {handle['dir']}"
+                       if f["reused"] else ""))
     executor_description = ex.description
 
     log("speed (serial, this process)")
-    spd = timed("speed", speed.run_speed, data, resume=resume, progress=progress, smoke=smoke)
+    t0 = time.perf_counter()
+    spd = guarded("speed", speed.run_speed, data, resume=resume, progress=progress, smoke=smoke)
+    timings["speed (serial, this process)"] = time.perf_counter() - t0
 
     log("figures and tables")
     t0 = time.perf_counter()
@@ -492,6 +550,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
                   "Inner products"),
         "tiny-mla": ("Token flips: the tiny MLA model (the engine's protocol)", "Flips (tiny-mla)"),
         "smollm2": ("Token flips: the real model (SmolLM2-135M)", "Flips (smollm2)"),
+        "frontier": ("Quality per byte: the frontier's picks on held-out texts", "Frontier"),
         "speed": ("Speed: consumers against numpy f32, encode throughput", "Speed"),
         "memory": ("Memory: bytes per token and the context a RAM budget holds", "Memory"),
         "cache_files": ("Cache files: tiers on disk", "Cache files"),
@@ -514,10 +573,15 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
     real_note = ("K (after RoPE) and V rows of every layer and KV head go through the codec "
                  "before attention reads them. Run at the report's size; `kvquant report "
                  "--full` or `kvquant flips --model smollm2` for the full table. The last rows "
-                 "carry stream options (`@center`, `@normalize`, `@sinks=1`; fp16 side values): "
-                 "the best of the quality-per-byte frontier (`python -m "
-                 "kvquant_experiments.frontier`, goal: mean KLD <= 0.02 at <= 4.5 bits per "
-                 "value), beside the same options on llama.cpp's rotated q4_0.")
+                 "carry stream options (`@center`, `@normalize`, `@sinks=1`, `recent=16`; fp16 "
+                 "side values): the quality-per-byte frontier's picks at 3.5, 4.5, 5.5 and 8.5 "
+                 "bits per value (`python -m kvquant_experiments.frontier`, "
+                 "`data/results/frontier-choices.json`), chosen on the tune text pydoc; this "
+                 f"table's text ({text}) "
+                 + ("is the tune text itself: not held out." if text == "pydoc" else
+                    "was not used for picking them (held out).")
+                 + " Beside them: the frontier's best 4.4-bit pair without a window and the same "
+                 "options on llama.cpp's rotated q4_0.")
     sections = [
         section("distortion", lambda d: _distortion_section(d, out, figures), dist),
         section("codebooks", _codebook_section, dist),
@@ -532,6 +596,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         sec = Section("smollm2", *titles["smollm2"])
         sec.not_available("the real-model table", real_reason)
         sections.append(sec)
+    sections.append(section("frontier", _committed_frontier_section))
     sections.append(section("speed", lambda r: _speed_section(r, out, figures), spd))
     sections.append(section("memory", _memory_section))
     sections.append(section("cache_files", lambda: _cache_file_section(out)))
@@ -643,9 +708,10 @@ def add_cli(subparsers):
     p.add_argument("--smoke", action="store_true", help="small grids (as KVQUANT_SMOKE=1)")
     p.add_argument("--fresh", action="store_true",
                    help="recompute cells whose result files already exist")
-    p.add_argument("--text", default="pydoc",
+    p.add_argument("--text", default="code",
                    help="the real model's text: a UTF-8 file or a built-in text (pydoc, code, "
-                        "docstrings)")
+                        "docstrings); default code, held out from the frontier's picks "
+                        "(chosen on pydoc)")
     p.add_argument("--figures-to", default=None,
                    help="also copy the headline figures there (the README's: data/figures)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -14,6 +14,7 @@ other). They are not reproducible numbers, so a resumed run keeps the stored one
 fresh run to measure again.
 """
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from kvquant_experiments.common import (cell_stem, codec_status, environment, is_smoke,
                                         read_json, stable_seed, write_csv, write_json)
-from kvquant_experiments.executor import SerialExecutor, run_cells
+from kvquant_experiments.executor import SerialExecutor, run_cells, submit_cells
 
 __all__ = ["collect", "default_grid", "encode_cell", "has_consumers", "run_speed", "step_cell",
            "time_call"]
@@ -145,13 +146,16 @@ def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=
     # Per d, T ascending: a codec whose step exceeds the budget at some T is not timed at larger
     # T (named in the report), so one slow consumer cannot hold the report for minutes.
     step_cells, steps, slow = [], [], {}
+    reused_steps = 0
     for d in grid["dims"]:
         timed = list(grid["codecs"])
         for t in sorted(grid["T"]):
             cell = {"sweep": "speed_step", "dim": int(d), "T": int(t), "codecs": timed,
                     "threads": [int(n) for n in grid["threads"]], "repeats": grid["repeats"]}
-            result = run_cells(step_cell, [cell], results_dir / "speed", _step_stem,
-                               executor=serial, resume=resume, progress=False)[0]
+            batch = submit_cells(step_cell, [cell], results_dir / "speed", _step_stem,
+                                 executor=serial, resume=resume, progress=False)
+            result = batch.wait()[0]
+            reused_steps += batch.reused
             step_cells.append(cell)
             steps.append(result)
             nt = min(cell["threads"])
@@ -160,6 +164,10 @@ def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=
                     timed = [c for c in timed if c != row["codec"]]
                     slow.setdefault(row["codec"], []).append(
                         f"beyond T = {t} at d = {d} ({row[f'codec_s_{nt}t']:.2f} s per step)")
+    if reused_steps and progress is not None:
+        print(f"decode-step speed: reused {reused_steps} stored timing cells from "
+              f"{results_dir / 'speed'} (timings of an earlier run, not re-timed; --fresh "
+              "re-times them)", file=sys.stderr, flush=True)
     enc_rows = [{"dim": c["dim"], "rows": c["rows"], "threads": c["threads"], **r}
                 for c, r in zip(enc_cells, enc)]
     loads = [r["load_average"] for r in steps if r.get("load_average")]
@@ -184,7 +192,7 @@ def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=
                                             "encode": enc_rows, "step": step_rows,
                                             "unavailable": unavailable, "load_average": load})
     return {"encode": enc_rows, "step": step_rows, "unavailable": unavailable, "grid": grid,
-            "load_average": load}
+            "load_average": load, "reused_steps": reused_steps}
 
 
 def collect(results_dir):

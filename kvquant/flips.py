@@ -15,8 +15,18 @@ Two measurements, both against the same model with an f32 cache (REFERENCE.md §
   :func:`combine_chunks`). Chunks may be as long as the model's trained context: the metrics are
   computed in row blocks within a stated memory bound.
 
+Every row also carries llama.cpp's ``llama-perplexity --kl-divergence`` statistic set under its
+names, with the same definitions (:func:`kvquant.metrics.llama_statistics`, docs/reference.md
+§3): mean PPL(Q) and PPL(base), Cor(ln PPL(Q), ln PPL(base)), mean ln(PPL(Q)/PPL(base)) and
+PPL(Q)/PPL(base), mean KLD, KLD percentiles, Δp (the change of the target token's
+probability) and its percentiles, RMS Δp and same top p, each mean with llama.cpp's standard
+error. ``score="second-half"`` scores only the second half of each chunk, as llama-perplexity
+does; the default scores every position.
+
 Proportions carry Wilson 95% intervals. Positions of one chunk share a context, so they are not
-independent trials: the intervals are the usual nominal ones (as llama.cpp's standard errors).
+independent trials: the Wilson intervals and llama.cpp's standard errors are nominal. The mean
+KLD and the PPL ratio also get a paired bootstrap interval over chunks
+(:func:`kvquant.metrics.chunk_bootstrap`), which does not assume independent positions.
 
 A codec configuration is a pair spec (:func:`kvquant.models.split_pair_spec`): ``"tq4"`` or
 ``"kv8/tq4"`` (K / V on Llama, L / R on the MLA model).
@@ -30,7 +40,7 @@ import time
 
 import numpy as np
 
-from kvquant.metrics import wilson_interval
+from kvquant.metrics import chunk_bootstrap, llama_statistics, wilson_interval
 from kvquant.models import cache_streams
 
 __all__ = [
@@ -42,6 +52,7 @@ __all__ = [
     "metric_block_rows",
     "nll_rows",
     "position_bins",
+    "scored_from",
     "protocol_prompts",
     "text_chunks",
     "text_metrics",
@@ -268,9 +279,11 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
     Returns
     -------
     dict
-        ``{"n", "nll_f32", "reference_s", "specs": {spec: {"same" (count), "same_at" (bool per
-        position), "kld" (float64 per position), "nll" (sum), "seconds"}}}``; position i
-        predicts ids[i + 1] from ids[:i + 1].
+        ``{"n", "nll_f32", "nll_f32_at", "reference_s", "specs": {spec: {"same" (count),
+        "same_at" (bool per position), "kld" (float64 per position), "nll" (sum), "nll_at"
+        (float64 per position), "seconds"}}}``; position i predicts ids[i + 1] from
+        ids[:i + 1]; ``nll*_at`` are -ln p(ids[i + 1]), so the per-position arrays are a few
+        n-length vectors per spec.
     """
     ids = np.asarray(ids)
     inputs, targets = ids[:-1], ids[1:]
@@ -287,8 +300,9 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
         if spec != "f32":
             hidden[spec] = model.forward_hidden(inputs, model.new_cache(spec))
         specs[spec] = {"same": 0, "same_at": np.empty(n, dtype=bool), "kld": np.empty(n),
-                       "nll": 0.0, "seconds": time.perf_counter() - t0}
+                       "nll": 0.0, "nll_at": np.empty(n), "seconds": time.perf_counter() - t0}
     nll_f32 = 0.0
+    nll_f32_at = np.empty(n)
     for b0 in range(0, n, B):
         b = slice(b0, min(b0 + B, n))
         rows, tgt = np.arange(b.stop - b.start), targets[b]
@@ -297,7 +311,9 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
         lp_ref = log_softmax64(ref)
         del ref
         p_ref = np.exp(lp_ref)
-        nll_ref = -lp_ref[rows, tgt].sum()
+        nll_ref_at = -lp_ref[rows, tgt]
+        nll_f32_at[b] = nll_ref_at
+        nll_ref = nll_ref_at.sum()
         nll_f32 += nll_ref
         for spec, st in specs.items():
             t0 = time.perf_counter()
@@ -305,12 +321,14 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
                 st["same_at"][b] = True
                 st["kld"][b] = 0.0
                 st["nll"] += nll_ref
+                st["nll_at"][b] = nll_ref_at
             else:
                 logits = model.logits(hidden[spec][b])
                 st["same_at"][b] = logits.argmax(axis=1) == ref_top
                 lp = log_softmax64(logits)
                 del logits
-                st["nll"] -= lp[rows, tgt].sum()
+                st["nll_at"][b] = -lp[rows, tgt]
+                st["nll"] += st["nll_at"][b].sum()
                 np.subtract(lp_ref, lp, out=lp)
                 lp *= p_ref
                 st["kld"][b] = np.maximum(lp.sum(axis=1), 0.0)
@@ -319,7 +337,8 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
     for st in specs.values():
         st["same"] = int(st["same_at"].sum())
         st["nll"] = float(st["nll"])
-    return {"n": n, "nll_f32": float(nll_f32), "reference_s": reference_s, "specs": specs}
+    return {"n": n, "nll_f32": float(nll_f32), "nll_f32_at": nll_f32_at,
+            "reference_s": reference_s, "specs": specs}
 
 
 def position_bins(max_positions, n_bins=POSITION_BINS):
@@ -330,51 +349,85 @@ def position_bins(max_positions, n_bins=POSITION_BINS):
     return list(range(0, max_positions, width)) + [max_positions]
 
 
-def combine_chunks(pair_specs, stats, n_bins=POSITION_BINS):
-    """Rows of same-top-p, KL divergence and perplexity ratio from :func:`chunk_stats` results.
+SCORES = ("all", "second-half")
+
+
+def scored_from(n, score="all"):
+    """First scored position of a chunk of ``n`` predictions: 0 (``"all"``) or n // 2
+    (``"second-half"``: as llama-perplexity, which scores the second half of each window so that
+    every scored token has at least half a window of context)."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return 0 if score == "all" else int(n) // 2
+
+
+def combine_chunks(pair_specs, stats, n_bins=POSITION_BINS, score="all", bootstrap=True):
+    """Rows of same-top-p, KL divergence, perplexity ratio and llama.cpp's statistic set from
+    :func:`chunk_stats` results.
+
+    Parameters
+    ----------
+    pair_specs : list of str
+    stats : list of dict
+        :func:`chunk_stats` of each chunk.
+    n_bins : int
+        Position bins of ``by_position``.
+    score : {"all", "second-half"}
+        Positions that enter the statistics (:func:`scored_from`); ``by_position`` bins only
+        the scored ones.
+    bootstrap : bool
+        Add the paired bootstrap intervals over chunks (:func:`kvquant.metrics.chunk_bootstrap`).
 
     Returns
     -------
-    list of dict, one per spec: ``same_top`` (proportion), ``kld_mean``, ``kld_p99``,
-    ``kld_max``, ``ppl``, ``ppl_f32``, ``ppl_ratio``, ``mean_ln_ppl_ratio``, ``text_s``, and
-    ``by_position``: the positions in a chunk cut into equal bins (:func:`position_bins`),
-    with ``edges`` (bin i holds positions edges[i] <= p < edges[i + 1], position p predicting
-    the token after p + 1 of context), ``n``, ``kld_mean`` and ``same_top`` (fraction) per bin.
+    list of dict, one per spec: every key of :func:`kvquant.metrics.llama_statistics` (llama.cpp's
+    statistics with their standard errors), ``same_top`` (proportion with its Wilson interval
+    and llama.cpp's ``se``), ``kld_mean``, ``kld_p99``, ``kld_max``, ``ppl``, ``ppl_f32``,
+    ``ppl_ratio``, ``mean_ln_ppl_ratio``, ``bootstrap`` (``kld_mean`` and ``ppl_ratio`` intervals
+    over chunks, or None with one chunk), ``text_s``, and ``by_position``: the positions in a
+    chunk cut into equal bins (:func:`position_bins`), with ``edges`` (bin i holds positions
+    edges[i] <= p < edges[i + 1], position p predicting the token after p + 1 of context), ``n``,
+    ``kld_mean`` and ``same_top`` (fraction) per bin.
     """
-    n_pos = sum(st["n"] for st in stats)
-    nll_ref = sum(st["nll_f32"] for st in stats)
-    ppl_ref = math.exp(nll_ref / n_pos)
+    starts = [scored_from(st["n"], score) for st in stats]
+    n_pos = sum(st["n"] - s0 for st, s0 in zip(stats, starts))
+    for st in stats:
+        if "nll_f32_at" not in st:
+            raise ValueError("chunk stats without per-position log-likelihoods (an older "
+                             "result): recompute them with kvquant.flips.chunk_stats")
+    nll_base = np.concatenate([st["nll_f32_at"][s0:] for st, s0 in zip(stats, starts)])
     edges = position_bins(max(st["n"] for st in stats), n_bins)
-    pos = np.concatenate([np.arange(st["n"]) for st in stats])
+    pos = np.concatenate([np.arange(s0, st["n"]) for st, s0 in zip(stats, starts)])
     which = np.searchsorted(edges, pos, side="right") - 1
     counts = np.bincount(which, minlength=len(edges) - 1)
+    chunk_n = np.array([st["n"] - s0 for st, s0 in zip(stats, starts)], dtype=np.float64)
+    chunk_base = np.array([st["nll_f32_at"][s0:].sum() for st, s0 in zip(stats, starts)])
     rows = []
     for spec in pair_specs:
         per = [st["specs"][spec] for st in stats]
-        kld = np.concatenate([p["kld"] for p in per])
-        same_at = np.concatenate([p["same_at"] for p in per])
-        nll = sum(p["nll"] for p in per)
+        kld = np.concatenate([p["kld"][s0:] for p, s0 in zip(per, starts)])
+        same_at = np.concatenate([p["same_at"][s0:] for p, s0 in zip(per, starts)])
+        nll = np.concatenate([p["nll_at"][s0:] for p, s0 in zip(per, starts)])
         with np.errstate(invalid="ignore"):
             bin_kld = np.bincount(which, weights=kld, minlength=counts.size) / counts
             bin_same = np.bincount(which, weights=same_at, minlength=counts.size) / counts
-        rows.append({
-            "codec": spec,
-            "same_top": proportion(sum(p["same"] for p in per), n_pos),
-            "kld_mean": float(kld.mean()),
-            "kld_p99": float(np.percentile(kld, 99)),
-            "kld_max": float(kld.max()),
-            "ppl": math.exp(nll / n_pos),
-            "ppl_f32": ppl_ref,
-            "ppl_ratio": math.exp((nll - nll_ref) / n_pos),
-            "mean_ln_ppl_ratio": (nll - nll_ref) / n_pos,
+        row = {"codec": spec, **llama_statistics(nll, nll_base, kld, same_at)}
+        row["same_top"] = {**proportion(int(same_at.sum()), n_pos), "se": row["same_top_se"]}
+        if bootstrap:
+            boot = chunk_bootstrap(
+                [p["kld"][s0:].sum() for p, s0 in zip(per, starts)],
+                [p["nll_at"][s0:].sum() for p, s0 in zip(per, starts)] - chunk_base, chunk_n)
+            row["bootstrap"] = boot
+        row.update({
             "text_s": float(sum(p["seconds"] for p in per)),
             "by_position": {"edges": edges, "n": counts.tolist(),
                             "kld_mean": bin_kld.tolist(), "same_top": bin_same.tolist()},
         })
+        rows.append(row)
     return rows
 
 
-def text_metrics(model, pair_specs, chunks, progress=None, block_rows=None):
+def text_metrics(model, pair_specs, chunks, progress=None, block_rows=None, score="all"):
     """Same-top-p, KL divergence and perplexity ratio of each spec against the f32 cache, over
     ``chunks`` (a list of (start, ids), :func:`text_chunks`) in this process; see
     :func:`combine_chunks`.
@@ -389,7 +442,7 @@ def text_metrics(model, pair_specs, chunks, progress=None, block_rows=None):
         stats.append(chunk_stats(model, pair_specs, ids, block_rows=block_rows))
         if progress:
             progress(f"text chunk {ci + 1}/{len(chunks)} ({ids.size - 1} positions) done")
-    return combine_chunks(pair_specs, stats)
+    return combine_chunks(pair_specs, stats, score=score)
 
 
 def protocol_prompts(model_name, tokens=None, n_prompts=1):

@@ -1,0 +1,80 @@
+"""Held-out discipline: the frontier's picks come from a tune-text run only, the committed choices
+file is what the command makes, and a rerun of the cells says what it reused."""
+import json
+
+import pytest
+
+from _experiments_env import ROOT, ensure_importable
+
+ensure_importable()
+
+from kvquant_experiments import executor, flip_report, frontier  # noqa: E402
+
+RESULTS = ROOT / "data" / "results"
+TUNE_RUN = RESULTS / "frontier-smollm2-N2048-c512-p4.json"
+
+
+@pytest.fixture(scope="module")
+def tune_run():
+    return json.loads(TUNE_RUN.read_text())
+
+
+def test_committed_choices_are_the_picks_of_the_tune_run(tune_run):
+    committed = json.loads((RESULTS / "frontier-choices.json").read_text())
+    made = frontier.choose(tune_run, source=TUNE_RUN.name)
+    assert {b: (c["pair"], c["bits"], c["tune_text"]) for b, c in made.items()} == {
+        b: (c["pair"], c["bits"], c["tune_text"]) for b, c in committed.items()}
+    assert list(committed) == ["3.5", "4.5", "5.5", "8.5"]
+    assert {c["tune_text"] for c in committed.values()} == {"pydoc"}
+    assert tune_run["meta"]["text"]["name"] == "pydoc"
+    # the report runs exactly these picks
+    assert [c["pair"] for c in committed.values()] == flip_report.PICKS
+
+
+def test_each_pick_is_the_lowest_kld_within_its_budget(tune_run):
+    rows = [r for r in tune_run["rows"] if r["codec"] != "f32"]
+    for budget, pick in frontier.choose(tune_run).items():
+        fits = [r for r in rows if r["bits_per_value"] <= float(budget) + 1e-9]
+        best = min(r["kld_mean"] for r in fits)
+        assert pick["tune_kld_mean"] == best
+        assert pick["bits"] <= float(budget)
+
+
+def test_a_run_of_the_picks_measures_the_baselines_and_each_pick_once(tune_run):
+    choices = frontier.choose(tune_run)
+    configs = frontier.choice_configs(choices, extra=["tq4", "polar5/polar4"])
+    assert configs[:7] == ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4"]
+    assert configs[7:11] == [c["pair"] for c in choices.values()]
+    assert configs[11:] == ["polar5/polar4"]
+
+
+def test_choose_from_writes_where_asked_and_bad_files_are_refused(tmp_path, capsys):
+    out = tmp_path / "picks.json"
+    assert frontier.main(["--choose-from", str(TUNE_RUN), "--choices-out", str(out)]) == 0
+    assert set(json.loads(out.read_text())) == {"3.5", "4.5", "5.5", "8.5"}
+    assert "<= 4.5 bits" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"four": {"pair": "tq4/tq4", "bits": 4.5, "tune_text": "pydoc"}}))
+    with pytest.raises(ValueError, match="not a budget"):
+        frontier.load_choices(bad)
+    bad.write_text(json.dumps({"4.5": {"pair": "tq4/tq4"}}))
+    with pytest.raises(ValueError, match="lacks"):
+        frontier.load_choices(bad)
+
+
+def _cell(cell):
+    return {"available": True, "x": cell["x"] * 2}
+
+
+def test_a_rerun_announces_the_cells_it_reused(tmp_path, capsys):
+    cells = [{"x": i} for i in range(3)]
+    tally = {}
+    executor.run_cells(_cell, cells, tmp_path, lambda c: f"c{c['x']}", progress=False,
+                       desc="toy", tally=tally)
+    assert tally["computed"] == 3 and tally["reused"] == 0 and tally["work_seconds"] >= 0
+    assert "reused" not in capsys.readouterr().err
+    again = {}
+    executor.run_cells(_cell, cells, tmp_path, lambda c: f"c{c['x']}", progress=False,
+                       desc="toy", tally=again)
+    assert again == {"reused": 3, "computed": 0, "work_seconds": 0.0}
+    assert f"toy: reused 3 cells from {tmp_path}" in capsys.readouterr().err
