@@ -189,6 +189,12 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     from kvquant.models import load_model
     from kvquant_experiments.executor import open_executor
     t_start = time.perf_counter()
+    # counts fail before any work, with the option's name
+    for name, value, low in (("positions", positions, 0), ("chunk tokens", chunk_tokens, 1),
+                             ("prompts", n_prompts, 1), ("workers", workers, 1)):
+        if value is not None and (isinstance(value, bool) or int(value) != value
+                                  or value < low):
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     kind = _kind(model_name)
     codecs = list(codecs or DEFAULT_CODECS[kind])
     if "f32" not in codecs:
@@ -538,14 +544,35 @@ def _progress(quiet):
     return progress
 
 
+def _hf_model(args):
+    """The ``--backend hf`` model: a local transformers checkpoint folder through
+    :mod:`kvquant.hf` (one process: worker processes would load the numpy models)."""
+    if args.model == "tiny-mla":
+        raise ValueError("--backend hf needs --model DIR, a local transformers checkpoint folder")
+    if (args.workers or 1) > 1 or args.scheduler not in (None, "serial"):
+        raise ValueError("--backend hf runs in this process: drop --workers / --scheduler")
+    if not os.path.isdir(args.model):
+        raise ValueError(f"--backend hf: {args.model!r} is not a folder; give a local "
+                         "transformers checkpoint folder (config.json and safetensors)")
+    try:
+        from kvquant.hf import load_hf_model
+    except ImportError as exc:
+        raise ImportError(f"--backend hf needs the hf extra ({exc}): pip install "
+                          "torch==2.13.0, then pip install -e '.[hf]'") from None
+    return load_hf_model(args.model)
+
+
 def cmd_flips(args):
     from kvquant.codecs import split_spec_list
     try:
         codecs = split_spec_list(args.codecs) if args.codecs else None
+        model = None
+        if args.backend == "hf":
+            model = _hf_model(args)
         result = run_flips(args.model, codecs=codecs, positions=args.positions,
                            chunk_tokens=args.chunk_tokens, n_prompts=args.prompts,
                            workers=args.workers, progress=_progress(args.quiet), text=args.text,
-                           scheduler=args.scheduler, score=args.score)
+                           scheduler=args.scheduler, score=args.score, model=model)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"kvquant flips: {exc}")
     out = args.out if args.out is not None else result_stem(result)
@@ -570,7 +597,11 @@ def add_cli(sub):
                     "95%% intervals.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny-mla",
-                   help="tiny-mla, smollm2, another name load_model knows, or a GGUF file path")
+                   help="tiny-mla, smollm2, gemma3-270m, a GGUF file path, or with --backend "
+                        "hf a local transformers checkpoint folder")
+    p.add_argument("--backend", choices=("numpy", "hf"), default="numpy",
+                   help="numpy: kvquant's own forward of the model; hf: the model in "
+                        "transformers with kvquant's cache and attention (kvquant.hf)")
     p.add_argument("--codecs", default=None,
                    help="comma-separated specs (options may follow, as in "
                         "tq3:codebook=gaussian,side=unbiased); 'A/B' gives K/V (or L/R) "
@@ -605,7 +636,8 @@ def add_cli(sub):
 def main(argv=None):
     """``kvquant flips ...`` (also ``python -m kvquant_experiments.flip_runs ...``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvquant")
+    from kvquant.cli import OneLineErrorParser
+    parser = OneLineErrorParser(prog="kvquant")
     sub = parser.add_subparsers(dest="command", required=True)
     add_cli(sub)
     args = parser.parse_args(["flips", *argv])

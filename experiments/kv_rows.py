@@ -173,7 +173,8 @@ def add_cli(sub):
 def main(argv=None):
     """``kvquant dump-kv ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvquant")
+    from kvquant.cli import OneLineErrorParser
+    parser = OneLineErrorParser(prog="kvquant")
     sub = parser.add_subparsers(dest="command", required=True)
     add_cli(sub)
     args = parser.parse_args(["dump-kv", *argv])

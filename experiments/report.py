@@ -739,7 +739,8 @@ def cmd_report(args):
 def main(argv=None):
     """``kvquant report ...`` (also ``python -m kvquant_experiments.report ...``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvquant")
+    from kvquant.cli import OneLineErrorParser
+    parser = OneLineErrorParser(prog="kvquant")
     sub = parser.add_subparsers(dest="command", required=True)
     add_cli(sub)
     args = parser.parse_args(["report", *argv])

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """An argument error is one line naming it (argparse prints the usage first), exit status 2;
     ``kvquant <command> --help`` shows the usage."""
 
@@ -166,7 +166,7 @@ def _int_list(text):
 
 
 def build_parser():
-    parser = _Parser(prog="kvquant", description=__doc__)
+    parser = OneLineErrorParser(prog="kvquant", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("distortion", help="relative L2 error and bytes per row of codecs")

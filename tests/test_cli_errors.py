@@ -77,3 +77,19 @@ def test_output_into_a_closed_pipe_ends_quietly():
         os.close(write_end)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompts", "0"], "prompts must be an integer >= 1, got 0"),
+    (["--positions", "-5"], "positions must be an integer >= 0, got -5"),
+    (["--chunk-tokens", "0"], "chunk tokens must be an integer >= 1, got 0"),
+    (["--workers", "0"], "workers must be an integer >= 1, got 0"),
+    (["--text", "no-such-file.txt"], "no-such-file.txt"),
+    (["--codecs", "tq4,nosuch9"], "nosuch9"),
+    (["--prompts", "x"], "invalid int value"),
+])
+def test_flips_bad_counts_and_names(tmp_path, args, needle):
+    res = run("flips", "--model", "tiny-mla" if args[0] == "--codecs" else "smollm2", *args,
+              cwd=tmp_path)
+    assert_one_line_error(res, needle)
+    assert list(tmp_path.iterdir()) == []          # nothing written

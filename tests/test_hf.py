@@ -383,3 +383,54 @@ def test_smollm2_gguf_kld_matches_numpy_forward():
     assert math.isclose(theirs["f32"]["ppl_f32"], ours["f32"]["ppl_f32"], rel_tol=1e-4)
     for s in ("q4_0+rot", "tq4"):
         assert math.isclose(theirs[s]["kld_mean"], ours[s]["kld_mean"], rel_tol=0.05), s
+
+
+def _checkpoint(folder):
+    """A random Llama saved as a local checkpoint folder, with a byte-level BPE tokenizer
+    (256 byte tokens, no merges) so that any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    cfg, cls = _config("llama")
+    cfg.vocab_size = len(vocab)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return model
+
+
+def test_kvquant_flips_with_the_hf_backend(tmp_path):
+    """`kvquant flips --backend hf --model DIR`: the table of a local checkpoint, its f32 row
+    exact and its codec rows measured through the kvquant attention."""
+    folder = tmp_path / "ckpt"
+    _checkpoint(folder)
+    text = tmp_path / "text.txt"
+    text.write_text("The cache holds every key and value row the model has seen. " * 40)
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "kvquant.cli", "flips", "--backend", "hf",
+                          "--model", str(folder), "--codecs", "f32,tq4,tq2", "--text", str(text),
+                          "--positions", "96", "--chunk-tokens", "48", "--prompts", "1",
+                          "--json", "--quiet", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    import json
+    rows = {r["codec"]: r for r in json.loads(res.stdout)["rows"]}
+    assert rows["f32"]["kld_mean"] == 0.0
+    assert 0.0 < rows["tq4"]["kld_mean"] < rows["tq2"]["kld_mean"]
+    assert any(p.suffix == ".json" for p in out.iterdir())
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--workers", "2"], "drop --workers"),
+    ([], "is not a folder"),
+])
+def test_the_hf_backend_refusals(tmp_path, extra, needle):
+    res = subprocess.run([sys.executable, "-m", "kvquant.cli", "flips", "--backend", "hf",
+                          "--model", str(tmp_path / "nothing-here"), *extra],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr

@@ -279,6 +279,13 @@ class KVQuantCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     # -- what it holds ---------------------------------------------------------------------------
+    stream_names = ("k", "v")
+
+    def stream(self, layer, name, head=0):
+        """The stream ``name`` ("k" or "v") of one layer and KV head, as
+        :meth:`kvquant.cache.QuantizedKVCache.stream` gives it."""
+        return self.layers[layer].kv.stream(0, name, head)
+
     @property
     def specs(self):
         """(K spec, V spec) of every layer."""
