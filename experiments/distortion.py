@@ -32,7 +32,7 @@ __all__ = [
     "theory_curves",
 ]
 
-# REFERENCE.md §2: Lloyd-Max MSE per coordinate of N(0, 1), bits 1..6 (Max 1960).
+# docs/reference.md §2: Lloyd-Max MSE per coordinate of N(0, 1), bits 1..6 (Max 1960).
 LLOYD_MAX_GAUSSIAN_MSE = {1: 0.363380, 2: 0.117482, 3: 0.034548, 4: 0.009501, 5: 0.0025047,
                           6: 0.00064424}
 

@@ -1,7 +1,7 @@
 """Inner products through a codec: the bias (slope) and the error of q . x^ against q . x.
 
 An MSE-optimal codec shrinks inner products: regressing q . x^ on q . x gives a slope of 1 - D
-(D the relative MSE; 0.883, 0.966, 0.990 at 2, 3, 4 bits, REFERENCE.md §2). Storing the
+(D the relative MSE; 0.883, 0.966, 0.990 at 2, 3, 4 bits, docs/reference.md §2). Storing the
 unbiased side value |x|^2 / <x, x^> instead of the norm puts the slope back at 1 at no storage
 cost. Per cell (input kind, d, codec): rows X, Gaussian queries Q (independent, seeded from the
 parameters), S = Q X^T and S^ = Q X^^T in float64:

@@ -1,13 +1,13 @@
 """Bytes per token and the context a RAM budget holds, from :mod:`kvquant.budget`.
 
 The GLM-5.2 rows of the engine (latent L 512 wide + roped key R 64 wide per layer and token) are
-checked against the engine's numbers of REFERENCE.md §1.6; SmolLM2 and the tiny model follow.
+checked against the engine's numbers of docs/reference.md §1.6; SmolLM2 and the tiny model follow.
 """
 from kvquant_experiments.common import codec_status
 
 __all__ = ["REFERENCE_LAYER_ROW_BYTES", "SPECS", "budget_section_data"]
 
-# REFERENCE.md §1.6: bytes per layer-row per token at GLM-5.2 shapes (L 512 + R 64).
+# docs/reference.md §1.6: bytes per layer-row per token at GLM-5.2 shapes (L 512 + R 64).
 REFERENCE_LAYER_ROW_BYTES = {"f32": 2304, "kv8": 584, "tq4": 296, "tq4:compat=colibri": 296,
                              "polar2": 116, "polar3": 188, "polar4": 260, "polar5": 332,
                              "polar6": 404}

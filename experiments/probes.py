@@ -148,7 +148,7 @@ def fp8_roundtrip(X, fmt="e4m3", group=None):
     """Rows through fp8 with one f32 scale per ``group`` values (per row when None).
 
     The scale maps the group's largest magnitude to the format's maximum; the arithmetic is
-    kv8's (REFERENCE.md §1.1): y = x * (max / amax) in float32, rounded to fp8 (nearest, ties to
+    kv8's (docs/reference.md §1.1): y = x * (max / amax) in float32, rounded to fp8 (nearest, ties to
     even, by ``ml_dtypes``), decoded as y * (amax / max); a group whose amax is not above 1e-35
     decodes to zeros.
 

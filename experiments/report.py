@@ -207,7 +207,7 @@ def _inner_section(res, out, figures):
                                     "side value")
     sec.para(
         "q·x̂ regressed on q·x for Gaussian queries: an MSE-optimal codec with the norm as side "
-        "value has slope 1 − D (REFERENCE.md §2: 0.883, 0.966, 0.990 at 2, 3, 4 bits); "
+        "value has slope 1 − D (docs/reference.md §2: 0.883, 0.966, 0.990 at 2, 3, 4 bits); "
         "`side=unbiased` stores |x|²/⟨x, x̂⟩ instead, same bytes, slope 1. Relative RMS error "
         "of q·x̂ includes the bias; 'debiased' removes the fitted slope.")
     avail = [r for r in res["rows"] if r.get("available")]
@@ -368,7 +368,7 @@ def _memory_section():
     checks = data["glm_checks"]
     if checks:
         ok = all(c["match"] for c in checks)
-        sec.para("GLM-5.2 bytes per layer-row against the engine (REFERENCE.md §1.6): "
+        sec.para("GLM-5.2 bytes per layer-row against the engine (docs/reference.md §1.6): "
                  + ", ".join(f"`{c['codec']}` {c['bytes']} B"
                              + ("" if c["match"] else f" (engine {c['engine']} B: MISMATCH)")
                              for c in checks)
@@ -567,7 +567,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
 
     tiny_note = ("Random weights (seeded numpy, not the engine's torch draw): near-tied logits, "
                  "so this measures perturbation, not quality; the engine's own seed table "
-                 "(REFERENCE.md §1.8: KV8 30/32 & 14/20, polar 6 bits 30/32 & 17/20, 4-bit codec "
+                 "(docs/reference.md §1.8: KV8 30/32 & 14/20, polar 6 bits 30/32 & 17/20, 4-bit codec "
                  "23/32 & 10/20) comes from other weights and is not expected to match row for "
                  "row.")
     real_note = ("K (after RoPE) and V rows of every layer and KV head go through the codec "

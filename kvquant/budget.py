@@ -1,6 +1,6 @@
 """Memory budget of a quantized KV cache: bytes per row, pool bytes, the context that fits.
 
-The engine sizes its pool as (REFERENCE.md §1.6)
+The engine sizes its pool as (docs/reference.md §1.6)
 
     pool = slots x [(n_layers + extra_layers) x context x row_bytes + context x extra_f32 x 4]
 
@@ -64,7 +64,7 @@ MODELS = {
         streams=(Stream("L", 512), Stream("R", 64, grouped_scales=False)),
         note="MLA: latent L (kv_lora 512) and rope R (64) per layer; the engine's pool counts "
              "n_layers + 1 layers. Indexer rows are not counted (their width is not in "
-             "REFERENCE.md): give extra_f32_per_token in a JSON shape to add them."),
+             "docs/reference.md): give extra_f32_per_token in a JSON shape to add them."),
     "smollm2": ModelShape(
         "smollm2", n_layers=30,
         streams=(Stream("k", 64, count=3), Stream("v", 64, count=3)),
@@ -72,7 +72,7 @@ MODELS = {
     "tiny-mla": ModelShape(
         "tiny-mla", n_layers=5,
         streams=(Stream("L", 32), Stream("R", 8, grouped_scales=False)),
-        note="the engine's glm_tiny oracle (REFERENCE.md §1.8)."),
+        note="the engine's glm_tiny oracle (docs/reference.md §1.8)."),
 }
 
 DEFAULT_CODECS = ("f32", "kv8", "kv8-g32", "tq8", "tq6", "tq4", "tq3", "tq2",

@@ -5,7 +5,7 @@ Units. The rotated codecs compute ``y = rotate(x) * sqrt(d) / |x|`` and snap eac
 
 * ``gaussian``: the Lloyd-Max quantizer of N(0, 1) (Max 1960), the engine's codebook family.
 * ``beta`` at dimension ``d``: one coordinate ``t`` of a uniformly random unit vector of R^d has
-  density proportional to ``(1 - t^2)^((d-3)/2)`` on [-1, 1] (REFERENCE.md §2); the levels are
+  density proportional to ``(1 - t^2)^((d-3)/2)`` on [-1, 1] (docs/reference.md §2); the levels are
   fitted to ``y = t * sqrt(d)``, whose variance is exactly 1 and whose density tends to N(0, 1).
 
 ``Codebook.mse`` is the mean squared error per coordinate in the same units, that is ``d`` times
@@ -1098,7 +1098,7 @@ def add_cli(subparsers):
 
 
 # --------------------------------------------------------------------------------------------
-# Polar angles (PolarQuant, REFERENCE.md §1.4)
+# Polar angles (PolarQuant, docs/reference.md §1.4)
 # --------------------------------------------------------------------------------------------
 
 _POLAR_GL_NODES, _POLAR_GL_WEIGHTS = np.polynomial.legendre.leggauss(24)

@@ -1,6 +1,6 @@
 """Token-flip tables: what a KV codec changes in a model's next-token predictions.
 
-Two measurements, both against the same model with an f32 cache (REFERENCE.md §1.8, §3):
+Two measurements, both against the same model with an f32 cache (docs/reference.md §1.8, §3):
 
 * **The engine's protocol** (both models). A prompt and the f32 run's 20 greedy tokens give a
   reference sequence. *Teacher forcing*: one prefill over the whole sequence with the codec's

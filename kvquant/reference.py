@@ -167,7 +167,7 @@ def tq_decode_rows(packed, side, levels, bits, n, seed=0x9E3779B9):
     return unrotate(Y, seed)
 
 
-# -- the engine's 4-bit codec, float32 step by step (REFERENCE.md §1.3) ----------------------
+# -- the engine's 4-bit codec, float32 step by step (docs/reference.md §1.3) ----------------------
 
 def fwht_f32(X):
     """Butterflies in the engine's order (h = 1, 2, 4, ...), every add in float32."""
@@ -207,7 +207,7 @@ def engine_tq4_encode_rows(X, levels):
 
 
 # -- compressed-domain consumers (kvquant._kernels.consumers) ----------------------------------
-# Written as the engine states them (REFERENCE.md §1.5), in float64: the scale factored out of
+# Written as the engine states them (docs/reference.md §1.5), in float64: the scale factored out of
 # each sum, the query rotated once, the context summed in the rotated basis and unrotated once.
 # Tests hold the kernels to these and to decode-then-dot, within the engine's tolerances.
 
@@ -265,7 +265,7 @@ def tq_context(packed, side, levels, bits, W, n, seed=0x9E3779B9):
     return unrotate(C @ L, seed)
 
 
-# -- PolarQuant (REFERENCE.md §1.4) ------------------------------------------------------------
+# -- PolarQuant (docs/reference.md §1.4) ------------------------------------------------------------
 # Written apart from kvquant/_kernels/polar.pyx: the transform on strided numpy views, nearest
 # centroid by distance (argmin) instead of boundaries, the radius allocation by a full sort
 # instead of a radix select, variable-width packing through numpy bit arrays.
@@ -469,7 +469,7 @@ def polar_lloyd_decode_rows(packed, radius, centroids, log2_cos2, log2_sin2, gai
     return unrotate(cur, seed)
 
 
-# -- llama.cpp Q8_0 / Q4_0 (REFERENCE.md §3) ---------------------------------------------------
+# -- llama.cpp Q8_0 / Q4_0 (docs/reference.md §3) ---------------------------------------------------
 # From the format's definition (ggml-quants.c, quantize_row_q8_0_ref / q4_0_ref), in float32 where
 # ggml computes in float32; rounding half away from zero as floor(|v| + 1/2) in float64.
 

@@ -1,4 +1,4 @@
-"""Randomized Hadamard rotation shared by the rotated codecs (REFERENCE.md §1.2).
+"""Randomized Hadamard rotation shared by the rotated codecs (docs/reference.md §1.2).
 
 rotate(x) = H (D x) / sqrt(n) and unrotate(y) = D (H y) / sqrt(n), with H the unnormalized
 Walsh-Hadamard matrix in natural (Sylvester) order and D = diag(signs). The seed, the sign hash and

@@ -1,5 +1,5 @@
 """Shared by the cache-file tests: small shapes, encoded rows, and .coli_kv bytes built by hand
-from REFERENCE.md §1.7 with struct (independent of kvquant.kvfile's writer)."""
+from docs/reference.md §1.7 with struct (independent of kvquant.kvfile's writer)."""
 import struct
 
 import numpy as np
@@ -30,7 +30,7 @@ def make_rows(rng, n, shape=SHAPE, mode="kv8", codec_factory=get_codec):
 
 
 def hand_engine_bytes(tier, shape, tag, rows, count=None):
-    """The bytes of a .coli_kv file, laid out field by field from REFERENCE.md §1.7."""
+    """The bytes of a .coli_kv file, laid out field by field from docs/reference.md §1.7."""
     tokens = rows["tokens"]
     n = len(tokens)
     out = bytearray(HAND_MAGIC[tier])

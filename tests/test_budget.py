@@ -1,4 +1,4 @@
-"""Memory budget: REFERENCE.md §1.6 reproduced exactly, and the `kvquant budget` command."""
+"""Memory budget: docs/reference.md §1.6 reproduced exactly, and the `kvquant budget` command."""
 import json
 
 import pytest

@@ -11,7 +11,7 @@ from conftest import gaussian_rows
 
 def assert_reads(stream, expected, q, w):
     """Scores and contexts of ``stream`` against float64 products with the rows it should hold
-    (the engine's identity-check tolerances, REFERENCE.md §1.5)."""
+    (the engine's identity-check tolerances, docs/reference.md §1.5)."""
     ref_s = q.astype(np.float64) @ expected.T.astype(np.float64)
     assert np.abs(stream.scores(q) - ref_s).max() <= 1e-5 * np.abs(ref_s).max()
     ref_c = w.astype(np.float64) @ expected.astype(np.float64)
@@ -105,7 +105,7 @@ def test_mla_building_blocks(rng):
     (("f32", "f32"), 2304), (("kv8", "kv8"), 584), (("tq4", "tq4"), 296),
 ])
 def test_bytes_per_token_reproduce_the_engine_rows(specs, per_token, rng):
-    """REFERENCE.md §1.6: one layer of L (512) and R (64) rows."""
+    """docs/reference.md §1.6: one layer of L (512) and R (64) rows."""
     cache = QuantizedKVCache(1, {"L": (specs[0], 512), "R": (specs[1], 64)})
     assert cache.bytes_per_token == per_token
     cache.append(0, L=gaussian_rows(rng, 10, 512), R=gaussian_rows(rng, 10, 64))

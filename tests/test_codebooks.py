@@ -33,7 +33,7 @@ def assert_matches_digits(value, published):
     assert abs(value - float(published)) <= half_unit, (value, published)
 
 
-# -- published constants (REFERENCE.md §2) ---------------------------------------------------
+# -- published constants (docs/reference.md §2) ---------------------------------------------------
 
 GAUSSIAN_MSE = ["0.363380", "0.117482", "0.034548", "0.009501", "0.0025047", "0.00064424"]
 GAUSSIAN_RATIO = ["1.45", "1.88", "2.21", "2.43", "2.56", "2.64"]

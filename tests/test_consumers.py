@@ -1,4 +1,4 @@
-"""Compressed-domain consumers: scores and contexts read from the codes (REFERENCE.md §1.5).
+"""Compressed-domain consumers: scores and contexts read from the codes (docs/reference.md §1.5).
 
 Every codec is held to the engine's identity checks against decode-then-dot, to the plain-numpy
 reference of kvquant.reference, to bit-identical results for 1 and 2 threads, and to bit-identical

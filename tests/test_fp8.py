@@ -1,4 +1,4 @@
-"""fp8 e4m3fn against REFERENCE.md §1.1, ml_dtypes and the numpy reference."""
+"""fp8 e4m3fn against docs/reference.md §1.1, ml_dtypes and the numpy reference."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -100,7 +100,7 @@ def test_row_scale_rule_and_error_bound(rng):
     bound = np.abs(X) / 16 + enc.side * 2.0**-10
     assert np.all(np.abs(Xh - X) <= bound * (1 + 1e-6))
     rel_mse = ((Xh - X) ** 2).sum() / (X**2).sum()
-    assert 4e-4 < rel_mse < 9e-4   # REFERENCE.md §2: ~6.6e-4 on Gaussian rows
+    assert 4e-4 < rel_mse < 9e-4   # docs/reference.md §2: ~6.6e-4 on Gaussian rows
 
 
 def test_inert_rows():

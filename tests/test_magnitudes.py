@@ -7,9 +7,9 @@ to codes that decode, score and give context finite and right:
 * decoded rows scale with the input: decoding the row scaled by 2^e gives 2^e times the decoded
   unit-scale row (tq, polar, kv8, f32; power-of-two scaling is exact in float32), so a huge row is
   as good as an ordinary one; zero and tiny rows (norm <= 1e-35) decode to 0;
-* the unit-scale rows meet an independent bound (kv8: REFERENCE.md §1.1's per-element bound;
+* the unit-scale rows meet an independent bound (kv8: docs/reference.md §1.1's per-element bound;
   q8_0/q4_0: gguf's own quantizer; rotated codecs: the relative error of a float64 reference);
-* scores and contexts equal decode-then-dot in float64 to rounding (REFERENCE.md §1.5);
+* scores and contexts equal decode-then-dot in float64 to rounding (docs/reference.md §1.5);
 * a refused row lies beyond the norm the codec promises to take (``Codec.safe_norm``).
 """
 import math
@@ -80,7 +80,7 @@ def _unit_error_bound(spec, codec, x1, d1):
     if spec == "f32":
         assert np.array_equal(d1, x1)
     elif codec.family == "kv8":
-        # REFERENCE.md §1.1: |err| <= |x|/16 + scale 2^-10 (+ float32 rounding of the product)
+        # docs/reference.md §1.1: |err| <= |x|/16 + scale 2^-10 (+ float32 rounding of the product)
         g = codec.group
         amax = np.abs(x64).reshape(-1, g).max(axis=1)
         scale = np.repeat(amax / 448.0, g)

@@ -17,7 +17,7 @@ from kvquant.rotation import ENGINE_SEED
 
 from conftest import gaussian_rows
 
-ENGINE_RELL2 = {2: 0.57, 3: 0.29, 4: 0.147, 5: 0.074, 6: 0.037}   # REFERENCE.md §1.4
+ENGINE_RELL2 = {2: 0.57, 3: 0.29, 4: 0.147, 5: 0.074, 6: 0.037}   # docs/reference.md §1.4
 VARIANTS = ("compat=colibri", "alloc=level", "alloc=radius")
 
 
@@ -43,7 +43,7 @@ def test_row_bytes_are_the_engine_formula(d, bits, row_bytes):
         codec = polar(bits, variant, d)
         assert codec.code_bytes == row_bytes
         assert codec.bytes_per_row == row_bytes + 4
-    # REFERENCE.md §1.6: L = 512 plus R = 64 rows with their radii
+    # docs/reference.md §1.6: L = 512 plus R = 64 rows with their radii
     assert [get_codec(f"polar{b}", 512).bytes_per_row + get_codec(f"polar{b}", 64).bytes_per_row
             for b in range(2, 7)] == [116, 188, 260, 332, 404]
 

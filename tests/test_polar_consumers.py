@@ -24,7 +24,7 @@ def _rows(rng, T, d):
 
 
 def _check_against(X_hat, Q, W, s, ctx):
-    """The engine's identity checks (REFERENCE.md §1.5) against float64 numpy."""
+    """The engine's identity checks (docs/reference.md §1.5) against float64 numpy."""
     X_hat = np.asarray(X_hat, np.float64)
     expected = Q.astype(np.float64) @ X_hat.T
     bound = np.linalg.norm(Q, axis=1)[:, None] * np.linalg.norm(X_hat, axis=1)[None, :] + 1e-6

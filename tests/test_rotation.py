@@ -1,4 +1,4 @@
-"""Randomized Hadamard rotation (REFERENCE.md §1.2) against the numpy reference."""
+"""Randomized Hadamard rotation (docs/reference.md §1.2) against the numpy reference."""
 import math
 
 import numpy as np

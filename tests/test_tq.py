@@ -26,7 +26,7 @@ def test_engine_compat_distortion(rng, d):
     X = gaussian_rows(rng, 2000, d)
     compat = relative_l2(X, get_codec("tq4:compat=colibri", d).roundtrip(X)).mean()
     ours = relative_l2(X, get_codec("tq4", d).roundtrip(X)).mean()
-    assert 0.094 <= compat <= 0.098          # REFERENCE.md §1.3: ~0.096
+    assert 0.094 <= compat <= 0.098          # docs/reference.md §1.3: ~0.096
     assert ours <= compat * 1.002            # the exact-dimension fit is no worse
 
 
@@ -78,7 +78,7 @@ def test_unbiased_side_removes_inner_product_shrink(rng, bits, shrink):
         approx = (get_codec(spec, d).roundtrip(X) * Q).sum(axis=1)
         return float((approx * exact).sum() / (exact * exact).sum())
 
-    assert slope(f"tq{bits}") == pytest.approx(shrink, abs=0.01)        # REFERENCE.md §2
+    assert slope(f"tq{bits}") == pytest.approx(shrink, abs=0.01)        # docs/reference.md §2
     assert slope(f"tq{bits}:side=unbiased") == pytest.approx(1.0, abs=0.01)
 
 

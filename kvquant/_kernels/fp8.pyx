@@ -1,5 +1,5 @@
 # fp8 e4m3fn (OCP) with one f32 scale per group of elements (per row when group == width).
-# Encoding follows the engine (REFERENCE.md §1.1; the group encoder is in fp8ops.h): round half to
+# Encoding follows the engine (docs/reference.md §1.1; the group encoder is in fp8ops.h): round half to
 # even, saturate to +-448, NaN -> 0, never emit 0x7F/0xFF; a group whose amax is not > 1e-35 or
 # exceeds 3.4e38f (the engine's literal) is inert (zero bytes, scale 1); elements are multiplied by
 # 448/amax, scale = amax/448.

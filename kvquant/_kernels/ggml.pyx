@@ -1,6 +1,6 @@
 # llama.cpp's cache block formats Q8_0 and Q4_0: blocks of 32 values, an fp16 scale d (little
 # endian) then the quants, optionally after the randomized Hadamard rotation of the row.
-# REFERENCE.md §3. The arithmetic is that of ggml's reference quantizers as the `gguf` package
+# docs/reference.md §3. The arithmetic is that of ggml's reference quantizers as the `gguf` package
 # writes them in numpy (its quants.quantize is the oracle of the tests):
 #   Q8_0  d = amax / 127; id = 1/d (0 when d == 0); q = roundf(x * id), half away from zero.
 #   Q4_0  m = the first element of largest |x|; d = m / -8; id = 1/d (0 when d == 0);

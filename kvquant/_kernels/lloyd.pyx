@@ -1,5 +1,5 @@
 # Rotated scalar codec ("tq<b>"): randomized Hadamard rotation, per-row radius, nearest level of a
-# b-bit Lloyd-Max codebook, codes bit-packed LSB first. REFERENCE.md §1.2-1.3 and §2.
+# b-bit Lloyd-Max codebook, codes bit-packed LSB first. docs/reference.md §1.2-1.3 and §2.
 # The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
 # decoder divides the radius by sqrtf(n).

@@ -1,5 +1,5 @@
 # PolarQuant ("polar<b>"): randomized Hadamard rotation, recursive pairwise polar transform, one
-# code per angle written LSB first through a bit cursor, level 1 first. REFERENCE.md §1.4 and
+# code per angle written LSB first through a bit cursor, level 1 first. docs/reference.md §1.4 and
 # docs/engine-arithmetic.md §4.
 #
 # Three modes share the transform and the layout (level l starts at bit level_starts[l]):

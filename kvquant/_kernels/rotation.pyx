@@ -1,5 +1,5 @@
 # Randomized Hadamard rotation: rotate(x) = H(D x) / sqrt(n), unrotate(y) = D (H y) / sqrt(n).
-# H is the unnormalized Walsh-Hadamard transform in natural order (REFERENCE.md §1.2).
+# H is the unnormalized Walsh-Hadamard transform in natural order (docs/reference.md §1.2).
 # rotate/unrotate are safe from the butterflies' float32 overflow (rowops.h): a row whose partial
 # sums would overflow is computed on a copy scaled by 2^-64, the same bits as before otherwise.
 from cython.parallel cimport parallel, prange

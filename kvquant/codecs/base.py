@@ -274,7 +274,7 @@ class Codec:
         Returns
         -------
         ndarray of shape (T,) or (m, T), dtype float32
-            ``q . x^_t`` with ``x^ = decode(enc)``, to rounding (REFERENCE.md §1.5).
+            ``q . x^_t`` with ``x^ = decode(enc)``, to rounding (docs/reference.md §1.5).
         """
         return self.scores_checked(*self.check_encoded(enc), q, n_threads)
 

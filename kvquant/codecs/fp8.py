@@ -1,4 +1,4 @@
-"""``kv8`` and ``kv8-g<N>``: fp8 e4m3fn with f32 scales (REFERENCE.md §1.1).
+"""``kv8`` and ``kv8-g<N>``: fp8 e4m3fn with f32 scales (docs/reference.md §1.1).
 
 ``kv8`` keeps one scale per row (scale = max|x| / 448), as the engine's KV8 tier; ``kv8-g<N>`` one
 scale per N consecutive elements (the engine's KV8_GS=N, applied here to any row).

@@ -1,6 +1,6 @@
 """``q8_0``, ``q4_0`` and their ``+rot`` variants: llama.cpp's quantized KV-cache types.
 
-Baselines that users already run (REFERENCE.md §3). A row is cut into blocks of 32 values; each
+Baselines that users already run (docs/reference.md §3). A row is cut into blocks of 32 values; each
 block stores an fp16 scale d (2 bytes, little endian) and its quants, exactly as a ggml tensor
 row, so ``EncodedRows.codes`` holds the row byte for byte as llama.cpp would and there are no side
 values:
@@ -15,7 +15,7 @@ values:
 Encoding is bit-identical to ``gguf.quants.quantize`` and decoding to ``gguf.quants.dequantize``
 for ``GGMLQuantizationType.Q8_0`` / ``Q4_0``.
 
-``+rot`` applies the orthonormal randomized Hadamard rotation of REFERENCE.md §1.2 to the row
+``+rot`` applies the orthonormal randomized Hadamard rotation of docs/reference.md §1.2 to the row
 first (and its inverse after decoding), as llama.cpp does for quantized caches since PR #21038
 (the engine's sign vector by default; ``seed=`` picks another). It needs a power-of-two width.
 

@@ -1,10 +1,10 @@
 """``tq<b>``: the rotated Lloyd-Max codec, b = 1..8 bits per element plus one side value.
 
-A row x of width n (a power of two) is rotated (randomized Hadamard, REFERENCE.md §1.2), scaled to
+A row x of width n (a power of two) is rotated (randomized Hadamard, docs/reference.md §1.2), scaled to
 unit variance per coordinate, y = rotate(x) * sqrt(n) / |x|, and each coordinate is snapped to the
 nearest level of a b-bit Lloyd-Max codebook (ties go to the lower level); codes are bit-packed LSB
 first. The side value is the norm |x| (default) or the unbiased scale |x|^2 / <x, v> with v the
-decoded unit-radius row (REFERENCE.md §2: removes the inner-product shrink of MSE codebooks).
+decoded unit-radius row (docs/reference.md §2: removes the inner-product shrink of MSE codebooks).
 
 The side value is stored as float32 (4 bytes) by default; ``side_dtype="f16"`` stores it as
 float16 (2 bytes: at d = 64, 0.25 instead of 0.5 bit per element). The codes do not depend on the

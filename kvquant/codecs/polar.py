@@ -1,6 +1,6 @@
 """``polar<b>``: PolarQuant, b = 2..6, one side value (the norm).
 
-A row x of width n (a power of two) is rotated (randomized Hadamard, REFERENCE.md §1.2), then
+A row x of width n (a power of two) is rotated (randomized Hadamard, docs/reference.md §1.2), then
 turned into n - 1 angles by a recursive pairwise polar transform: level 1 angles
 ``atan2(r[2j+1], r[2j])`` in (-pi, pi] with radii ``hypot(r[2j], r[2j+1])``; each deeper level
 repeats on the radii (angles in [0, pi/2]) until one radius, the norm, is left. Each angle gets one
@@ -19,7 +19,7 @@ Two variants share the transform and the byte budget
 ``ceil(((n/2) b + (n/2 - 1) max(b-1, 1)) / 8)`` bytes per row:
 
 ``compat="colibri"``
-    The engine's codec 0 bit for bit (REFERENCE.md §1.4, docs/engine-arithmetic.md §4): uniform
+    The engine's codec 0 bit for bit (docs/reference.md §1.4, docs/engine-arithmetic.md §4): uniform
     floor-and-clamp grids, level 1 on b bits over [-pi, pi), deeper levels on b-1 bits centred at
     pi/4 with half-width min(1.5/sqrt(2^(l-1)), pi/4); float32 libm arithmetic as the engine;
     f32 side values (so not with ``side_dtype="f16"``).

@@ -5,7 +5,7 @@ A cache written under one mode is never read as another.
 Tiers
 -----
 ``v1`` / ``v2`` / ``v3``
-    The engine's ``.coli_kv`` (REFERENCE.md §1.7), byte for byte: f32, fp8 (``kv8``), rotated
+    The engine's ``.coli_kv`` (docs/reference.md §1.7), byte for byte: f32, fp8 (``kv8``), rotated
     codecs (a codec whose ``engine_tag`` is set: ``tq4:compat=colibri`` = 0x104, polar b bits
     = b). MLA models only (streams L, R and f32 indexer rows). No checksums: see
     :mod:`kvquant.kvfile.engine`.

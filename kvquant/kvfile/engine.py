@@ -1,5 +1,5 @@
 """The engine's ``.coli_kv`` tiers v1 (f32), v2 (fp8) and v3 (rotated codecs), byte for byte
-(REFERENCE.md §1.7, docs/engine-arithmetic.md §6).
+(docs/reference.md §1.7, docs/engine-arithmetic.md §6).
 
     offset 0   8-byte magic  COLIKV1\\0 | COLIKV2\\0 | COLIKV3\\0
     offset 8   int32 x 8     n_layers, kv_lora, qk_rope, index_hd, n_index_layers, vocab,

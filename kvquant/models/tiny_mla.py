@@ -1,4 +1,4 @@
-"""``tiny-mla``: a numpy MLA decoder shaped like the engine's oracle glm_tiny (REFERENCE.md §1.8).
+"""``tiny-mla``: a numpy MLA decoder shaped like the engine's oracle glm_tiny (docs/reference.md §1.8).
 
 Vocab 256, hidden 128, 5 layers, 4 heads, q_lora 64, kv_lora 32, qk_nope 24, qk_rope 8, v_head 32,
 rope theta 1e4, RMSNorm, interleaved RoPE, dense SiLU MLPs (intermediate 64) in every layer.
