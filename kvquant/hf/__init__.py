@@ -27,7 +27,7 @@ try:
 except ImportError as exc:   # the optional extra is missing
     raise ImportError(
         f"kvquant.hf needs torch and transformers ({exc}); install the extra: "
-        "pip install torch==2.13.0 && pip install 'kvquant-lab[hf]'") from None
+        "pip install torch==2.13.0 && pip install -e '.[hf]' in the kvquant source tree") from None
 
 if not transformers.__version__.split(".")[0] == "5":
     raise ImportError(f"kvquant.hf follows the cache API of transformers 5.x; found "

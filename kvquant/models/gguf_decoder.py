@@ -132,7 +132,8 @@ class GGUFDecoder:
             import gguf
         except ImportError:
             raise ImportError(
-                "reading GGUF files needs the 'gguf' package: pip install 'kvquant-lab[models]'"
+                "reading GGUF files needs the 'gguf' package: pip install -e '.[models]' in the "
+                "kvquant source tree"
             ) from None
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r} is not one of {PREFILL_MODES}")

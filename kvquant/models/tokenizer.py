@@ -65,7 +65,7 @@ def tokenizer_from_gguf(reader):
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
         raise ImportError("the real model's tokenizer needs the 'tokenizers' package: "
-                          "pip install 'kvquant-lab[models]'") from None
+                          "pip install -e '.[models]' in the kvquant source tree") from None
     kind = _field(reader, "tokenizer.ggml.model")
     if kind == "llama":
         return _sentencepiece_bpe(reader)
