@@ -304,7 +304,7 @@ def gemma():
 
 @pytest.mark.slow
 def test_gemma3_270m_matches_transformers(gemma):
-    from kvquant.flips import pydoc_text
+    from kvquant_experiments.texts import pydoc_text
     with open(os.path.join(ORACLE, "gemma3_270m_transformers.json")) as f:
         fx = json.load(f)
     c = gemma.config
@@ -327,7 +327,7 @@ def test_gemma3_270m_matches_transformers(gemma):
 @pytest.mark.slow
 def test_gemma3_270m_past_the_window_matches_transformers(gemma):
     """Positions 512-639 of a 640-token text: the local layers read only their last 512 rows."""
-    from kvquant.flips import pydoc_text
+    from kvquant_experiments.texts import pydoc_text
     with open(os.path.join(ORACLE, "gemma3_270m_transformers.json")) as f:
         fx = json.load(f)["long"]
     ids = gemma.encode(pydoc_text()[slice(*fx["text_chars"])])[:fx["tokens"]]

@@ -173,7 +173,7 @@ def test_model_digest_of_the_real_model_starts_where_gguf_says(tmp_path):
     """SmolLM2's GGUF (~100 MB of metadata, a tokenizer and tensors): the data offset found by
     our header walk is the gguf package's, and the digest is that region's SHA-256."""
     gguf = pytest.importorskip("gguf")
-    from kvquant.models.llama_gguf import smollm2_path
+    from kvquant.models.packaged import smollm2_path
     from kvquant.kvfile.modelid import gguf_data_offset
     path = smollm2_path()
     if path is None:

@@ -25,7 +25,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from kvquant.flips import pydoc_text  # noqa: E402
+from kvquant_experiments.texts import pydoc_text  # noqa: E402
 from kvquant.models.packaged import load_smollm2, smollm2_path  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "data", "oracle", "smollm2_transformers.json")

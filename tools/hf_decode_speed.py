@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import kvquant.hf  # noqa: F401  (registers the 'kvquant' attention)
-from kvquant.flips import pydoc_text
+from kvquant_experiments.texts import pydoc_text
 from kvquant.hf import KVQuantCache
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

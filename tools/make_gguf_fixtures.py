@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from _gguf_writer import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
 
-from kvquant.flips import pydoc_text, stdlib_code_text  # noqa: E402
+from kvquant_experiments.texts import pydoc_text, stdlib_code_text  # noqa: E402
 from kvquant.models import load_model  # noqa: E402
 
 ORACLE = os.path.join(ROOT, "data", "oracle")
