@@ -635,12 +635,8 @@ def add_cli(sub):
 
 def main(argv=None):
     """``kvquant flips ...`` (also ``python -m kvquant_experiments.flip_runs ...``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from kvquant.cli import OneLineErrorParser
-    parser = OneLineErrorParser(prog="kvquant")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_cli(sub)
-    args = parser.parse_args(["flips", *argv])
+    from kvquant.cli import parse_subcommand
+    args = parse_subcommand(add_cli, "flips", argv)
     return args.func(args)
 
 

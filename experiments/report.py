@@ -738,12 +738,9 @@ def cmd_report(args):
 
 def main(argv=None):
     """``kvquant report ...`` (also ``python -m kvquant_experiments.report ...``)."""
+    from kvquant.cli import parse_subcommand
     argv = list(sys.argv[1:] if argv is None else argv)
-    from kvquant.cli import OneLineErrorParser
-    parser = OneLineErrorParser(prog="kvquant")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_cli(sub)
-    args = parser.parse_args(["report", *argv])
+    args = parse_subcommand(add_cli, "report", argv)
     args._argv = argv
     return args.func(args)
 

@@ -16,6 +16,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def parse_subcommand(add_cli, command, argv=None):
+    """Parse ``argv`` (default: the process's) as ``kvquant <command> ...`` for the research
+    package's command modules, whose ``add_cli(subparsers)`` registers ``command``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = OneLineErrorParser(prog="kvquant")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args([command, *argv])
+
+
 def _parse_codecs(text):
     from kvquant.codecs import split_spec_list
     try:

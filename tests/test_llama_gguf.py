@@ -21,26 +21,13 @@ from kvquant import flips  # noqa: E402
 from kvquant_experiments import flip_runs, texts  # noqa: E402
 from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF, rope_adjacent  # noqa: E402
 from kvquant.models.packaged import load_smollm2, smollm2_path  # noqa: E402
+from _gguf_writer import bytes_to_unicode  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(__file__), os.pardir, "data", "oracle",
                        "smollm2_transformers.json")
 
 
 # -- a small GGUF of our own ---------------------------------------------------------------------
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table (byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "1 2"]
 
