@@ -130,6 +130,12 @@ def environment():
     }
 
 
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(path, write):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +143,8 @@ def _atomic_write(path, write):
     try:
         with os.fdopen(fd, "w", newline="") as f:
             write(f)
+        # mkstemp makes the file private (0600); a result file gets the mode open() would give
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -180,3 +180,16 @@ def test_polar_fixed_widths_sweep(tmp_path):
     assert abs(engine["rel_l2"] - result["codecs"]["polar4:alloc=level"]) < 0.03 * engine["rel_l2"]
     assert result["codecs"]["polar4"] < engine["rel_l2"]
     assert (tmp_path / "polar-fixed-widths-d16-b4-rows3000.md").exists()
+
+
+def test_result_files_get_the_mode_a_plain_open_gives(tmp_path):
+    """Results are written through a temporary file (atomic); they must not stay private (0600)
+    as the temporary was, but get the mode ``open(path, "w")`` gives under the umask."""
+    import os
+    import stat
+    from kvquant_experiments.common import write_json
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")
+    written = write_json(tmp_path / "result.json", {"a": 1})
+    assert stat.S_IMODE(os.stat(written).st_mode) == stat.S_IMODE(os.stat(plain).st_mode)
+    assert json.loads(written.read_text()) == {"a": 1}
