@@ -1,6 +1,8 @@
 """Shared by the cache-file tests: small shapes, encoded rows, and .coli_kv bytes built by hand
 from docs/reference.md §1.7 with struct (independent of kvquant.kvfile's writer)."""
+import signal
 import struct
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -74,3 +76,18 @@ def records_equal(a, b, n=None):
         if sa.tobytes() != sb.tobytes():
             return False
     return True
+
+
+@contextmanager
+def deadline(seconds=10):
+    """Fail a call that blocks or hangs (a FIFO opened for reading, a load in a loop) after
+    ``seconds`` instead of hanging the test run."""
+    def boom(*_):
+        raise TimeoutError(f"the call blocked or hung for {seconds} s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -19,14 +19,13 @@ import time
 import tracemalloc
 import traceback
 import zlib
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _kvfile_data import records_equal
+from _kvfile_data import deadline, records_equal
 from kvquant.codecs import EncodedRows
 from kvquant.kvfile import (
     CacheFile, CacheFileRefused, CacheFileSaveError, KVFileShape, inspect_file)
@@ -459,19 +458,6 @@ def _mutate(data, tier, layout, mutations):
     return bytes(b), touched
 
 
-@contextmanager
-def _deadline(seconds):
-    def boom(*_):
-        raise TimeoutError("a cache file load hung")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 FUZZ_STATS = {}
 
 
@@ -491,7 +477,7 @@ def test_fuzz_corruption(fuzz_dir, tier, mutations):
     stats["examples"] += 1
     tracemalloc.start()
     try:
-        with _deadline(10):
+        with deadline(10):
             inspect_file(path)  # never raises on a readable file, whatever its bytes
             try:
                 cf = CacheFile.open(path, CSHAPE, readonly=True, **case)

@@ -10,14 +10,13 @@
 import copy
 import json
 import os
-import signal
 import struct
 import zlib
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
+from _kvfile_data import deadline
 from kvquant import cli
 from kvquant.kvfile import (
     CacheFile, CacheFileCorrupt, CacheFileMismatch, CacheFileRefused, KVFileShape, Stream,
@@ -129,19 +128,6 @@ def _set(h, path, value):
         node = node[key]
     node[path[-1]] = value
     return h
-
-
-@contextmanager
-def deadline(seconds=10):
-    def boom(*_):
-        raise TimeoutError("the call blocked")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _cases():

@@ -60,13 +60,13 @@ _ARCH_KEYS = {
 }
 
 
-def gguf_field(reader, key, default=None, required=True):
+def gguf_field(reader, key, default=None, required=True, missing=""):
     """The value of a metadata key of an open ``gguf.GGUFReader`` (ValueError when required and
-    missing)."""
+    missing; ``missing`` is added to that message, e.g. what the key's absence means)."""
     field = reader.fields.get(key)
     if field is None:
         if required:
-            raise ValueError(f"the GGUF file has no {key!r}")
+            raise ValueError(f"the GGUF file has no {key!r}{missing}")
         return default
     return field.contents()
 

@@ -24,6 +24,8 @@ except inside runs of more than 31 spaces, which transformers joins by BPE merge
 longest pieces first (tools/make_gguf_fixtures.py records the comparison). Only the pre-tokenizer
 ``default`` is implemented for this kind.
 """
+from kvquant.models.gguf_config import gguf_field
+
 __all__ = ["tokenizer_from_gguf"]
 
 NORMAL_TOKEN_TYPE = 1
@@ -44,12 +46,8 @@ SUPPORTED_PRE = DIGIT_SPLIT_PRE + tuple(REGEX_SPLIT_PRE) + ("gpt2",)
 
 
 def _field(reader, key, required=True):
-    field = reader.fields.get(key)
-    if field is None:
-        if required:
-            raise ValueError(f"the GGUF file has no {key!r}: it does not carry a BPE tokenizer")
-        return None
-    return field.contents()
+    return gguf_field(reader, key, required=required,
+                      missing=": it does not carry a BPE tokenizer")
 
 
 def tokenizer_from_gguf(reader):
