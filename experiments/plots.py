@@ -230,6 +230,9 @@ def plot_flip_pareto(table_json, out):
     floor = min((p["kld"] for p in pts if p["kld"] > 0), default=1e-12)
     order = sorted(range(len(pts)), key=lambda i: (pts[i]["bits_per_value"], -pts[i]["kld"]))
     entries, placed = [], []
+    # labels closer than this (a share of the axis, as a label's width is) move aside
+    xs = [p["bits_per_value"] for p in pts]
+    x_near = max(0.25, 0.04 * (max(xs) - min(xs)))
     for n, i in enumerate(order, 1):
         p = pts[i]
         fam = codec_family(p["codec"].split("/")[0])
@@ -237,10 +240,10 @@ def plot_flip_pareto(table_json, out):
         y = max(p["kld"], floor * 0.5)
         ax.plot(p["bits_per_value"], y, marker=st["marker"], color=st["color"], ls="none", ms=6)
         near = sum(1 for x0, ly0 in placed
-                   if abs(x0 - p["bits_per_value"]) < 0.25 and abs(ly0 - math.log10(y)) < 0.08)
+                   if abs(x0 - p["bits_per_value"]) < x_near and abs(ly0 - math.log10(y)) < 0.08)
         placed.append((p["bits_per_value"], math.log10(y)))
         ax.annotate(str(n), (p["bits_per_value"], y), fontsize=7, color=st["color"],
-                    xytext=(5 + 9 * near, -2), textcoords="offset points", va="center")
+                    xytext=(5 + 12 * near, -2), textcoords="offset points", va="center")
         names = _stream_names(next(r for r in table["rows"] if r["codec"] == p["codec"]))
         entries.append((n, f"{spec_label(p['codec'], names)}: {p['bits_per_value']:.2f} bits, "
                            f"{p['kld']:.2e}", st["color"]))
