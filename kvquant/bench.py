@@ -329,13 +329,15 @@ def _builds(spec, dim):
     return True
 
 
-def result_stem(dims, contexts, threads, repeats, simd, clock="wall", queries=(1,)):
+def result_stem(dims, contexts, threads, repeats, simd, clock="wall", queries=(1,),
+                schedule="block"):
     """File name (without extension) that records the parameters of a run."""
     return (f"bench_attention_d{'-'.join(map(str, dims))}"
             + ("" if tuple(queries) == (1,) else f"_m{'-'.join(map(str, queries))}")
             + f"_T{'-'.join(map(str, contexts))}"
             f"_threads{'-'.join(map(str, threads))}_r{repeats}_{simd}"
-            + ("" if clock == "wall" else f"_{clock}clock"))
+            + ("" if clock == "wall" else f"_{clock}clock")
+            + ("" if schedule == "block" else f"_{schedule}"))
 
 
 def format_markdown(result):
@@ -455,7 +457,8 @@ def cmd_bench(args):
     if args.out:
         paths = write_results(result, args.out, result_stem(dims, contexts, threads,
                                                             args.repeats, result["simd"],
-                                                            args.clock, queries))
+                                                            args.clock, queries,
+                                                            args.schedule))
         if not args.json:
             print("wrote " + ", ".join(paths))
     print(json.dumps(result, indent=1) if args.json else format_markdown(result))
