@@ -75,8 +75,8 @@ def main(argv=None):
     for name in ("dims", "contexts", "queries", "codecs"):
         p.add_argument(f"--{name}", default=None)
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per block")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per block")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of blocks, order rotated")
     p.add_argument("--warmup-s", type=float, default=bench.WARMUP_S)
     p.add_argument("--schedule", default="block", choices=bench.SCHEDULES)
     p.add_argument("--seed", type=int, default=0)

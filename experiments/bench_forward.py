@@ -18,8 +18,12 @@ by a prefill). Methods, all in the same process and the same forward:
   read by the codecs' consumers with ``CACHE_THREADS`` threads, under one *remedy*.
 
 The time spent inside ``cache.attend`` (every layer) is summed per step: the attention time;
-the step time is the whole forward. Each method is timed in its own block of steps (warm-up
-steps first), blocks in rotated rounds, medians reported.
+the step time is the whole forward. Beside the wall clock, the CPU time of the whole process
+(every thread) is summed over the same spans: a thread that spins while another works adds CPU
+time and no progress, and on a machine shared with other jobs the CPU time still says what the
+step cost (the wall clock then mostly says how long the process waited for a core). Each method
+is timed in its own block of steps (warm-up steps first), blocks in rotated rounds, medians
+reported.
 
 **Remedies.** OpenBLAS's workers busy-wait after a call (about 2^28 cycles, a tenth of a second)
 and libgomp's after a parallel region (GOMP_SPINCOUNT spins): a forward alternates the two, so
@@ -153,7 +157,7 @@ class TimedAttention:
 
     def __init__(self, cache, blas_threads=None):
         self.cache, self.blas_threads = cache, blas_threads
-        self.attend_s = self.append_s = 0.0
+        self.attend_s = self.append_s = self.attend_cpu_s = 0.0
         self._controller = None
         if blas_threads is not None:
             from threadpoolctl import ThreadpoolController
@@ -165,13 +169,15 @@ class TimedAttention:
         self.append_s += time.perf_counter() - t0
 
     def attend(self, layer, q, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if self._controller is None:
             out = self.cache.attend(layer, q, **kwargs)
         else:
             with self._controller.limit(limits=self.blas_threads, user_api="blas"):
                 out = self.cache.attend(layer, q, **kwargs)
         self.attend_s += time.perf_counter() - t0
+        # CPU time of every thread of the process: threads spinning while others work add to it
+        self.attend_cpu_s += time.process_time() - c0
         return out
 
     def __len__(self):
@@ -221,14 +227,16 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
              for name, c in raw.items()}
     controller = ThreadpoolController()
     rng = np.random.default_rng(seed + 1)
-    samples = {name: {"step_ms": [], "attention_ms": [], "append_ms": []} for name in timed}
+    keys = ("step_ms", "attention_ms", "append_ms", "step_cpu_ms", "attention_cpu_ms")
+    samples = {name: {key: [] for key in keys} for name in timed}
     names = list(timed)
 
     def one_step(cache):
-        cache.attend_s = cache.append_s = 0.0
-        t0 = time.perf_counter()
+        cache.attend_s = cache.append_s = cache.attend_cpu_s = 0.0
+        t0, c0 = time.perf_counter(), time.process_time()
         model.forward(rng.integers(0, model.vocab_size, 1), cache, last_only=True)
-        return time.perf_counter() - t0, cache.attend_s, cache.append_s
+        return (time.perf_counter() - t0, cache.attend_s, cache.append_s,
+                time.process_time() - c0, cache.attend_cpu_s)
 
     previous = gguf_decoder.CACHE_THREADS
     try:
@@ -242,11 +250,10 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
                        else _nothing())
                 with ctx:
                     for i in range(warmup + steps):
-                        step_s, attend_s, append_s = one_step(timed[name])
+                        measured = one_step(timed[name])
                         if i >= warmup:
-                            samples[name]["step_ms"].append(1e3 * step_s)
-                            samples[name]["attention_ms"].append(1e3 * attend_s)
-                            samples[name]["append_ms"].append(1e3 * append_s)
+                            for key, seconds in zip(keys, measured):
+                                samples[name][key].append(1e3 * seconds)
     finally:
         gguf_decoder.CACHE_THREADS = previous
     methods = {name: {key: float(np.median(v)) for key, v in s.items()} for name, s in
@@ -301,7 +308,8 @@ def format_markdown(results):
         f"Decode steps of a decoder of {shape['n_layers']} layers, width "
         f"{shape['hidden']}, {shape['n_heads']} query heads on {shape['n_kv']} KV heads of "
         f"{shape['head_dim']}, FFN {shape['ffn']}, vocab {shape['vocab']}; weights "
-        f"of {r0['file']}, random when this benchmark wrote it) at {r0['tokens']} cached tokens, through kvquant's GGUF forward; medians of "
+        f"of {r0['file']}, random when this benchmark wrote it) at {r0['tokens']} cached "
+        "tokens, through kvquant's GGUF forward; medians of "
         f"{r0['rounds']} rounds x {r0['steps']} steps per method (after {r0['warmup']} warm-up "
         "steps each). Attention = time inside cache.attend, all layers; speedup = numpy f32 "
         "attention / codec attention in the same process and forward. BLAS: "
@@ -309,8 +317,9 @@ def format_markdown(results):
         "",
         "| remedy | what | numpy attention ms | numpy step ms | "
         + " | ".join(f"{c} attention ms | {c} speedup" for c in codecs)
-        + " | step ms (" + ", ".join(codecs) + ") | load average |",
-        "|---|---|---:|---:|" + "---:|---:|" * len(codecs) + "---|---|",
+        + " | step ms (" + ", ".join(codecs) + ") | attention CPU ms (numpy, "
+        + ", ".join(codecs) + ") | load average |",
+        "|---|---|---:|---:|" + "---:|---:|" * len(codecs) + "---|---|---|",
     ]
     for r in results:
         m = r["methods"]
@@ -320,6 +329,7 @@ def format_markdown(results):
             + " | ".join(f"{m[c]['attention_ms']:.1f} | **{m[c]['attention_speedup']:.2f}x**"
                          for c in codecs)
             + " | " + ", ".join(f"{m[c]['step_ms']:.1f}" for c in codecs)
+            + " | " + ", ".join(f"{m[c]['attention_cpu_ms']:.1f}" for c in ["numpy"] + codecs)
             + f" | {', '.join(f'{x:.1f}' for x in r['load_average'])} |")
     return "\n".join(lines)
 
@@ -343,8 +353,8 @@ def write_results(results, out_dir, stem):
 
 
 def result_stem(tokens, remedies, steps, rounds):
-    return (f"bench_forward_smollm2-shape_T{tokens}_{'-'.join(r.replace('+', '_') for r in remedies)}"
-            f"_s{steps}x{rounds}")
+    names = "-".join(r.replace("+", "_") for r in remedies)
+    return f"bench_forward_T{tokens}_{names}_s{steps}x{rounds}"
 
 
 def main(argv=None):

@@ -19,7 +19,8 @@ each after a pause that lets the pools fall asleep (COOL_DOWN_S) and an untimed 
 
 **Byte limits.** A step reads every stored row twice (scores, then context):
 ``2 T bytes_per_row`` bytes (the m x T scores and weights are not counted). The machine's read
-bandwidth at each thread count is measured in the same cell (:func:`read_bandwidth`); a
+bandwidth at each thread count is measured in the same cell (:func:`read_bandwidth`, before and
+after the timings, the better kept); a
 method's *byte limit* is its bytes over that bandwidth, and ``fraction`` = byte limit / time
 (1.0: reading at the machine's bandwidth). Flagged as implausible: a method faster than its
 byte limit (its rows fit in the caches, or the bandwidth was under-measured) and a method slower
@@ -197,8 +198,8 @@ def _time_interleaved(methods, repeats, rounds, timer):
     return times
 
 
-def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=5, seed=0, queries=1,
-              rounds=3, warmup_s=WARMUP_S, schedule="block", clock="wall", bandwidth_buffer=None):
+def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, queries=1,
+              rounds=5, warmup_s=WARMUP_S, schedule="block", clock="wall", bandwidth_buffer=None):
     """Seconds of one step for numpy f32 and each codec, at each thread count, with byte limits.
 
     Parameters
@@ -248,13 +249,15 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=5, seed=0, querie
     methods = [_Method("numpy", nt, controller, X, Q, scale) for nt in threads]
     methods += [_Method(spec, nt, controller, X, Q, scale, codec, enc)
                 for spec, codec, enc in encoded for nt in threads]
+    buf = (np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if bandwidth_buffer is None
+           else bandwidth_buffer)
+    before = {nt: read_bandwidth(nt, buf) for nt in threads}
     if schedule == "block":
         times = _time_blocks(methods, repeats, rounds, warmup_s, timer)
     else:
         times = _time_interleaved(methods, repeats, rounds, timer)
-    buf = (np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if bandwidth_buffer is None
-           else bandwidth_buffer)
-    bandwidth = {nt: read_bandwidth(nt, buf) for nt in threads}
+    # before and after the timings: the better of the two (other jobs come and go)
+    bandwidth = {nt: max(before[nt], read_bandwidth(nt, buf)) for nt in threads}
     bytes_per_row = {"numpy": 4 * dim, **{spec: codec.bytes_per_row for spec, codec in built}}
     out = {"median": {}, "min": {}, "limit": {}, "bandwidth": bandwidth,
            "bytes_per_row": bytes_per_row, "errors": errors}
@@ -296,8 +299,8 @@ def cell_rows(dim, T, queries, cell, codecs, threads):
 
 
 def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
-        threads=DEFAULT_THREADS, repeats=5, seed=0, progress=None, clock="wall",
-        queries=DEFAULT_QUERIES, rounds=3, warmup_s=WARMUP_S, schedule="block"):
+        threads=DEFAULT_THREADS, repeats=3, seed=0, progress=None, clock="wall",
+        queries=DEFAULT_QUERIES, rounds=5, warmup_s=WARMUP_S, schedule="block"):
     """Every cell (d, m, T) x codec. Returns a dict with the rows and what the run ran on."""
     threads = tuple(sorted(set(threads)))
     buf = np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32)
@@ -476,8 +479,10 @@ def add_cli(sub):
                    help="query heads that share one KV head (GQA), e.g. 1,3,4,8")
     p.add_argument("--threads", default=",".join(map(str, DEFAULT_THREADS)),
                    help="thread counts (the largest is the headline)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per block")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of blocks, order rotated")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per block")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of blocks, order rotated (more rounds spread a changing load "
+                        "more evenly over the methods)")
     p.add_argument("--warmup-s", type=float, default=WARMUP_S,
                    help="untimed calls for this long before each block")
     p.add_argument("--schedule", default="block", choices=SCHEDULES,
