@@ -34,6 +34,7 @@ process of its own (the environment knobs are read when the libraries load), see
     python -m experiments.bench_forward --file F --remedies cache1,blas1 --tokens 8k --steps 3
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -206,7 +207,9 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
     Returns
     -------
     dict
-        ``{"remedy", "methods": {name: {"step_ms", "attention_ms", "append_ms"}}, ...}``.
+        ``{"remedy", "methods": {name: {"step_ms", "attention_ms", "append_ms", "step_cpu_ms",
+        "attention_cpu_ms", "attention_speedup", "step_speedup"}}, ...}`` (medians; the
+        speedups against numpy's).
     """
     from threadpoolctl import ThreadpoolController, threadpool_info
     from kvquant.models import gguf_decoder
@@ -247,7 +250,7 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
                 gguf_decoder.CACHE_THREADS = cache_threads if codec else previous
                 limit = blas_step if codec else None
                 ctx = (controller.limit(limits=limit, user_api="blas") if limit is not None
-                       else _nothing())
+                       else contextlib.nullcontext())
                 with ctx:
                     for i in range(warmup + steps):
                         measured = one_step(timed[name])
@@ -272,14 +275,6 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
             "blas_attend_threads": blas_attend, "tokens": tokens, "steps": steps,
             "warmup": warmup, "rounds": rounds, "codecs": list(codecs), "methods": methods,
             "blas": blas, "load_average": list(os.getloadavg())}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run_remedies(path, remedies, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmup=2,
