@@ -376,8 +376,8 @@ def format_markdown(result):
         "",
     ]
     head = (f"| d | T | codec | m | B/row | numpy {hi}t ms | codec {hi}t ms | speedup {hi}t "
-            f"| limit speedup | of limit {hi}t | numpy of limit {hi}t |")
-    rule = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+            f"| byte limit {hi}t ms | of limit {hi}t | limit speedup | numpy of limit {hi}t |")
+    rule = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if lo != hi:
         head += (f" numpy {lo}t ms | codec {lo}t ms | speedup {lo}t | numpy {lo}t/{hi}t "
                  f"| codec {lo}t/{hi}t |")
@@ -389,8 +389,9 @@ def format_markdown(result):
         codec = r["codec"] + (" (exempt)" if r.get("speed_exempt") else "")
         line = (f"| {r['dim']} | {r['T']} | {codec} | {r['queries']} | {r['bytes_per_row']} | "
                 f"{r[f'numpy_ms_{hi}t']:.3f} | {r[f'codec_ms_{hi}t']:.3f} | "
-                f"**{r[f'speedup_{hi}t']:.2f}x** | {r['bytes_ratio']:.2f}x | "
-                f"{r[f'fraction_{hi}t']:.2f} | {r[f'numpy_fraction_{hi}t']:.2f} |")
+                f"**{r[f'speedup_{hi}t']:.2f}x** | {r[f'limit_ms_{hi}t']:.3f} | "
+                f"{r[f'fraction_{hi}t']:.2f} | {r['bytes_ratio']:.2f}x | "
+                f"{r[f'numpy_fraction_{hi}t']:.2f} |")
         if lo != hi:
             line += (f" {r[f'numpy_ms_{lo}t']:.3f} | {r[f'codec_ms_{lo}t']:.3f} | "
                      f"{r[f'speedup_{lo}t']:.2f}x | {r['numpy_thread_scaling']:.2f}x | "
