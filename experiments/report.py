@@ -275,7 +275,10 @@ def _speed_section(res, out, figures):
         sec.para(
             "One decode step (scores, softmax, context) over T cached rows, one query, through "
             "each codec's compressed-domain consumers, against numpy on float32 rows; "
-            f"`kvquant.bench.time_cell`, medians of {grid['repeats']} interleaved repeats. "
+            f"`kvquant.bench.time_cell`: each method warmed and timed in its own block of "
+            f"{grid['repeats']} calls, {grid['rounds']} rounds in rotated order, medians; "
+            "byte limit = the bytes the step reads (every row twice) over the read bandwidth "
+            "measured in the same cell, of limit = byte limit / time. "
             + (f"Highest load average seen at the end of a timing cell: "
                f"{', '.join(f'{x:.1f}' for x in res['load_average'])} (1, 5, 15 min) on "
                f"{os.cpu_count()} cores: other processes slow the 2-thread runs most."
@@ -289,12 +292,15 @@ def _speed_section(res, out, figures):
             cells = [r["dim"], r["T"], f"`{r['codec']}`", r["bytes_per_row"]]
             for nt in grid["threads"]:
                 cells += [_fmt(1e3 * r[f"numpy_s_{nt}t"], 3), _fmt(1e3 * r[f"codec_s_{nt}t"], 3),
-                          f"{r[f'speedup_{nt}t']:.2f}x"]
-            rows.append(cells)
+                          f"{r[f'speedup_{nt}t']:.2f}x", f"{r[f'fraction_{nt}t']:.2f}"]
+            rows.append(cells + [r["flags"]])
         cols = ["d", "T", "codec", "B/row"]
         for nt in grid["threads"]:
-            cols += [f"numpy ms ({nt}t)", f"codec ms ({nt}t)", f"speedup ({nt}t)"]
-        sec.table(cols, rows)
+            cols += [f"numpy ms ({nt}t)", f"codec ms ({nt}t)", f"speedup ({nt}t)",
+                     f"of limit ({nt}t)"]
+        sec.table(cols + ["flags"], rows)
+        from kvquant.bench import POLAR_NOTE
+        sec.para(POLAR_NOTE)
         try:
             from kvquant_experiments import bench_attention
         except ImportError as exc:

@@ -4,8 +4,9 @@ A decode step over T cached rows of width d, for one query q: ``s = scores(X, q)
 ``w = softmax(s)``, ``ctx = context(X, w)``. Each codec runs through its compressed-domain
 consumers (``codec.scores`` / ``codec.context``: nothing decoded); the yardstick is numpy on the
 float32 rows. The timing itself is the library's benchmark, :func:`kvquant.bench.time_cell`
-(interleaved repeats, medians, BLAS held to the same thread count); here it is one cell per
-(d, T), with resume and the figure.
+(each method warmed and timed in its own block, rounds in rotated order, medians, BLAS held to
+the same thread count, the read bandwidth measured in the cell and each time's byte limit);
+here it is one cell per (d, T), with resume and the figure.
 
 Encode throughput (and decode, for reference) is timed here per (codec, d).
 
@@ -34,13 +35,13 @@ ENCODE_STEM = ("codec", "dim", "rows", "threads")
 
 def default_grid(smoke=None):
     smoke = is_smoke() if smoke is None else smoke
-    if smoke:
+    if smoke:   # bandwidth_mib: a buffer inside the caches, so smoke byte limits mean nothing
         return {"codecs": list(SMOKE_CODECS), "dims": [64], "T": [256, 1024],
-                "encode_rows": 1024, "threads": [1], "repeats": 3, "min_time_s": 0.01,
-                "step_budget_s": 0.25}
+                "encode_rows": 1024, "threads": [1], "repeats": 3, "rounds": 1,
+                "warmup_s": 0.01, "bandwidth_mib": 16, "min_time_s": 0.01, "step_budget_s": 0.25}
     return {"codecs": list(DEFAULT_CODECS), "dims": [512, 128], "T": [1024, 4096, 16384, 65536],
-            "encode_rows": 16384, "threads": [1, 2], "repeats": 9, "min_time_s": 0.1,
-            "step_budget_s": 0.25}
+            "encode_rows": 16384, "threads": [1, 2], "repeats": 3, "rounds": 3, "warmup_s": 0.1,
+            "bandwidth_mib": 512, "min_time_s": 0.1, "step_budget_s": 0.25}
 
 
 def has_consumers(codec):
@@ -81,7 +82,7 @@ def encode_cell(cell):
 
 def step_cell(cell):
     """One (d, T) cell of the attention benchmark: ``kvquant.bench.time_cell`` (numpy f32 and
-    every codec's consumers, interleaved repeats, medians).
+    every codec's consumers, each in its own warmed block, medians, byte limits).
 
     Codecs that do not build here or have no consumers are returned in ``unavailable`` with the
     reason instead of being timed.
@@ -103,15 +104,26 @@ def step_cell(cell):
         else:
             usable.append(spec)
     threads = tuple(cell["threads"])
-    times, errors, bpr = bench.time_cell(cell["dim"], cell["T"], usable, threads=threads,
-                                         repeats=cell["repeats"])
+    timed = bench.time_cell(cell["dim"], cell["T"], usable, threads=threads,
+                            repeats=cell["repeats"], rounds=cell["rounds"],
+                            warmup_s=cell["warmup_s"],
+                            bandwidth_buffer=np.ones(cell["bandwidth_mib"] << 18, np.float32))
+    med, limit = timed["median"], timed["limit"]
+    numpy_flags = bench.plausibility_flags("numpy", med["numpy"], limit["numpy"])
     rows = []
     for spec in usable:
-        row = {"codec": spec, "bytes_per_row": bpr[spec], "context_rel_err": errors[spec]}
+        row = {"codec": spec, "bytes_per_row": timed["bytes_per_row"][spec],
+               "context_rel_err": timed["errors"][spec],
+               "speed_exempt": bench.is_speed_exempt(codec_status(spec, cell["dim"])[0])}
         for nt in threads:
-            row[f"numpy_s_{nt}t"] = times["numpy"][nt]
-            row[f"codec_s_{nt}t"] = times[spec][nt]
-            row[f"speedup_{nt}t"] = times["numpy"][nt] / times[spec][nt]
+            row[f"numpy_s_{nt}t"] = med["numpy"][nt]
+            row[f"codec_s_{nt}t"] = med[spec][nt]
+            row[f"speedup_{nt}t"] = med["numpy"][nt] / med[spec][nt]
+            row[f"limit_s_{nt}t"] = limit[spec][nt]
+            row[f"fraction_{nt}t"] = limit[spec][nt] / med[spec][nt]
+            row[f"bandwidth_gbs_{nt}t"] = timed["bandwidth"][nt] / 1e9
+        row["flags"] = "; ".join(bench.plausibility_flags(spec, med[spec], limit[spec])
+                                 + numpy_flags)
         rows.append(row)
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {"available": True, "rows": rows, "unavailable": unavailable, "load_average": load}
@@ -120,7 +132,8 @@ def step_cell(cell):
 def _step_stem(c):
     codecs = format(stable_seed(c["codecs"]) & 0xFFFFFF, "06x")
     return (f"step_d{c['dim']}_T{c['T']}_n{len(c['codecs'])}-{codecs}"
-            f"_t{'-'.join(map(str, c['threads']))}_r{c['repeats']}")
+            f"_t{'-'.join(map(str, c['threads']))}_r{c['repeats']}x{c['rounds']}"
+            f"_w{c['warmup_s']}")
 
 
 def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=True,
@@ -151,7 +164,9 @@ def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=
         timed = list(grid["codecs"])
         for t in sorted(grid["T"]):
             cell = {"sweep": "speed_step", "dim": int(d), "T": int(t), "codecs": timed,
-                    "threads": [int(n) for n in grid["threads"]], "repeats": grid["repeats"]}
+                    "threads": [int(n) for n in grid["threads"]], "repeats": grid["repeats"],
+                    "rounds": grid["rounds"], "warmup_s": grid["warmup_s"],
+                    "bandwidth_mib": grid["bandwidth_mib"]}
             batch = submit_cells(step_cell, [cell], results_dir / "speed", _step_stem,
                                  executor=serial, resume=resume, progress=False)
             result = batch.wait()[0]

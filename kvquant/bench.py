@@ -1,24 +1,40 @@
 """Speed of one decode step of attention on the compressed cache, against numpy f32.
 
-One step over T cached rows of width d: scores s = X^ q (times 1/sqrt(d)), softmax, context
-w X^. Each codec runs through its compressed-domain consumers (``codec.scores``, softmax,
-``codec.context``); the baseline is plain numpy on the float32 rows (``X @ q``, the same softmax,
-``w @ X``) with BLAS held to the same thread count. All methods are timed in the same run,
-interleaved repeat by repeat (a busy machine slows them alike), and the median is reported (the
-minimum too, in the JSON/CSV).
+One step over T cached rows of width d for m queries that read the same rows (the query heads
+of one GQA group; m = 1 is a single head): scores ``S = Q X^T`` (times 1/sqrt(d)), a softmax per
+query, context ``W X``. Each codec runs through its compressed-domain consumers
+(``codec.scores(enc, Q)``, softmax, ``codec.context(enc, W)``); the baseline is numpy on the
+float32 rows doing the same (``X @ q`` and ``w @ X`` for one query, ``X @ Q.T`` and ``W @ X`` for
+m), with BLAS held to the same thread count.
+
+**Fair timing.** Every method (numpy, each codec, at each thread count) is timed in a block of
+its own: the thread count set, untimed warm-up calls for at least ``warmup_s`` seconds, then
+``repeats`` timed calls back to back. The warm-up outlasts the other thread pool's spinning
+(OpenBLAS's workers busy-wait for about 2^28 cycles after a call, a tenth of a second; libgomp's
+for GOMP_SPINCOUNT spins) and warms the caches and the clock. Blocks run in ``rounds`` rounds,
+the order rotated every round, so that a load that comes and goes falls on every method alike;
+the median of all timed calls is reported (the minimum too, in the JSON/CSV).
+``schedule="interleaved"`` is the other way, kept to compare: one call of each method in turn,
+each after a pause that lets the pools fall asleep (COOL_DOWN_S) and an untimed call.
+
+**Byte limits.** A step reads every stored row twice (scores, then context):
+``2 T bytes_per_row`` bytes (the m x T scores and weights are not counted). The machine's read
+bandwidth at each thread count is measured in the same cell (:func:`read_bandwidth`, before and
+after the timings, the better kept); a
+method's *byte limit* is its bytes over that bandwidth, and ``fraction`` = byte limit / time
+(1.0: reading at the machine's bandwidth). Flagged as implausible: a method faster than its
+byte limit (its rows fit in the caches, or the bandwidth was under-measured) and a method slower
+at its highest thread count than at its lowest.
 
 ``clock="thread"`` times with the calling thread's CPU time instead of the wall clock: on a machine
 shared with other jobs this leaves out the time the process waits for a core, so it measures what
 the kernels cost; it is only meaningful with one thread (and BLAS held to one).
-
-OpenBLAS's worker threads busy-wait after a call (by default for about 2^28 cycles, a tenth of a
-second) and would take the second core from whatever runs next. So each repeat times the codecs
-first and numpy last, then pauses (COOL_DOWN_S) before the next repeat.
 """
 import json
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -30,7 +46,15 @@ DEFAULT_DIMS = (512, 64)
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
 DEFAULT_CODECS = ("f32", "kv8", "kv8-g32", "kv8-g8") + tuple(f"tq{b}" for b in range(1, 9))
 DEFAULT_THREADS = (1, 2)
-COOL_DOWN_S = 0.15
+DEFAULT_QUERIES = (1,)
+SCHEDULES = ("block", "interleaved")
+WARMUP_S = 0.2
+COOL_DOWN_S = 0.15          # interleaved schedule: a pause longer than OpenBLAS's spinning
+# Far larger than any CPU's caches (tens of MB), so that the bandwidth is the memory's.
+BANDWIDTH_BUFFER_BYTES = 512 << 20
+POLAR_NOTE = ("The default polar<b> (alloc=radius) allocates each row's bits on its own, which "
+              "keeps its consumer ~20x slower than numpy f32: it is the quality reference and "
+              "exempt from the speed floor; the fast polar is `polar<b>:alloc=level`.")
 
 
 def blas_info():
@@ -39,118 +63,261 @@ def blas_info():
     libs = [{k: lib.get(k) for k in ("internal_api", "version", "architecture", "num_threads",
                                      "threading_layer", "filepath")}
             for lib in threadpool_info() if lib.get("user_api") == "blas"]
-    return {"blas": libs, "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    knobs = ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT",
+             "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    return {"blas": libs, **{k: os.environ.get(k) for k in knobs}}
 
 
-def _numpy_step(X, q, scale):
-    s = X @ q
-    s *= scale
-    return softmax(s) @ X
+# -- bytes and bandwidth ---------------------------------------------------------------------
+
+def step_bytes(bytes_per_row, T):
+    """Bytes one decode step must read: every row once for the scores, once for the context."""
+    return 2 * int(T) * int(bytes_per_row)
 
 
-def _codec_step(codec, enc, q, scale, n_threads):
-    s = codec.scores(enc, q, n_threads)
-    s *= scale
-    return codec.context(enc, softmax(s), n_threads)
+def read_bandwidth(n_threads, buffer=None, passes=5):
+    """The machine's read bandwidth in bytes/s with ``n_threads`` threads.
+
+    The best of ``passes`` passes of numpy's max over ``buffer`` (default BANDWIDTH_BUFFER_BYTES
+    of float32), split into one chunk per Python thread (numpy's reductions release the GIL).
+
+    Parameters
+    ----------
+    n_threads : int
+    buffer : ndarray of shape (n,), float32, optional
+        Written before (np.ones: every page mapped); reuse one across calls.
+    """
+    buf = np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if buffer is None else buffer
+    chunks = np.array_split(buf, n_threads)
+    best = np.inf
+    with ThreadPoolExecutor(n_threads) as pool:
+        list(pool.map(np.max, chunks))
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            list(pool.map(np.max, chunks))
+            best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best
+
+
+def plausibility_flags(name, seconds, limit_seconds):
+    """What is implausible in one method's times.
+
+    Parameters
+    ----------
+    name : str
+    seconds, limit_seconds : dict
+        ``{n_threads: s}``: measured times and byte limits.
+
+    Returns
+    -------
+    list of str
+        ``"<name> faster than its byte limit at <n>t"`` for each thread count where
+        seconds < limit, ``"<name> slower at <hi>t than at <lo>t"`` when the highest thread
+        count is slower than the lowest.
+    """
+    flags = [f"{name} faster than its byte limit at {nt}t ({limit_seconds[nt] / s:.2f}x)"
+             for nt, s in sorted(seconds.items()) if s < limit_seconds[nt]]
+    lo, hi = min(seconds), max(seconds)
+    if hi != lo and seconds[hi] > seconds[lo]:
+        flags.append(f"{name} slower at {hi}t than at {lo}t")
+    return flags
+
+
+def is_speed_exempt(codec):
+    """The default polar codecs (per-row bit allocation): exempt from the speed floor."""
+    return getattr(codec, "alloc", None) == "radius"
+
+
+# -- one step --------------------------------------------------------------------------------
+
+def _numpy_step(X, Q, scale):
+    if Q.shape[0] == 1:                 # one query: matrix-vector products
+        s = X @ Q[0]
+        s *= scale
+        return (softmax(s) @ X)[None]
+    S = X @ Q.T                         # (T, m)
+    S *= scale
+    return softmax(S.T) @ X             # (m, d)
+
+
+def _codec_step(codec, enc, Q, scale, n_threads):
+    S = codec.scores(enc, Q, n_threads)
+    S *= scale
+    return codec.context(enc, softmax(S), n_threads)
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
-def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=15, seed=0, warmup=2,
-              stats=None, clock="wall"):
-    """Median seconds of one step for numpy f32 and each codec, at each thread count.
+class _Method:
+    """One timed method: numpy or a codec's consumers, at one thread count."""
+
+    def __init__(self, name, n_threads, controller, X, Q, scale, codec=None, enc=None):
+        self.name, self.n_threads = name, n_threads
+        self._controller, self._X, self._Q, self._scale = controller, X, Q, scale
+        self._codec, self._enc = codec, enc
+
+    def limited(self):
+        """BLAS held to this method's thread count (numpy's work; the codecs' softmax too)."""
+        return self._controller.limit(limits=self.n_threads, user_api="blas")
+
+    def __call__(self):
+        if self._codec is None:
+            return _numpy_step(self._X, self._Q, self._scale)
+        return _codec_step(self._codec, self._enc, self._Q, self._scale, self.n_threads)
+
+
+def _time_blocks(methods, repeats, rounds, warmup_s, timer):
+    times = {(m.name, m.n_threads): [] for m in methods}
+    for r in range(rounds):
+        k = r % len(methods)
+        for m in methods[k:] + methods[:k]:
+            with m.limited():
+                t_end = time.perf_counter() + warmup_s
+                calls = 0
+                while calls < 2 or time.perf_counter() < t_end:
+                    m()
+                    calls += 1
+                for _ in range(repeats):
+                    t0 = timer()
+                    m()
+                    times[(m.name, m.n_threads)].append(timer() - t0)
+    return times
+
+
+def _time_interleaved(methods, repeats, rounds, timer):
+    times = {(m.name, m.n_threads): [] for m in methods}
+    for _ in range(repeats * rounds):
+        for m in methods:
+            with m.limited():
+                time.sleep(COOL_DOWN_S)
+                m()
+                t0 = timer()
+                m()
+                times[(m.name, m.n_threads)].append(timer() - t0)
+    return times
+
+
+def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, queries=1,
+              rounds=5, warmup_s=WARMUP_S, schedule="block", clock="wall", bandwidth_buffer=None):
+    """Seconds of one step for numpy f32 and each codec, at each thread count, with byte limits.
+
+    Parameters
+    ----------
+    dim, T : int
+        Row width and cached rows.
+    codecs : list of str
+        Codec specs that build at ``dim``.
+    threads : tuple of int
+    repeats, rounds : int
+        Timed calls per block, and rounds of blocks (``repeats * rounds`` samples per method).
+    queries : int
+        m, the queries that read the same rows in one step.
+    schedule : {"block", "interleaved"}
+    bandwidth_buffer : ndarray, optional
+        Buffer for :func:`read_bandwidth` (allocated here when not given).
 
     Returns
     -------
-    times : dict
-        ``{"numpy": {n_threads: s}, "<spec>": {n_threads: s}, ...}``
-    errors : dict
-        Relative error of each codec's context against numpy's (the timed work is the real work).
-    bytes_per_row : dict
-    stats : dict, optional
-        When given, filled with ``{(name, n_threads): {"median": s, "min": s}}``.
+    dict
+        ``median`` and ``min``: ``{name: {n_threads: s}}`` with name ``"numpy"`` or a codec
+        spec; ``bandwidth``: ``{n_threads: bytes/s}``; ``bytes_per_row``: ``{name: B}`` (numpy:
+        4 d); ``limit``: ``{name: {n_threads: s}}`` (step bytes / bandwidth); ``errors``: relative
+        error of each codec's context against numpy's (the timed work is the real work).
     """
     from threadpoolctl import ThreadpoolController
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     if clock == "thread" and tuple(threads) != (1,):
         raise ValueError("clock='thread' measures the calling thread only: use threads=(1,)")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    for what, n in (("repeats", repeats), ("rounds", rounds), ("queries", queries)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{what} must be a positive integer, got {n!r}")
     timer = CLOCKS[clock]
     controller = ThreadpoolController()
     rng = np.random.default_rng(seed)
     X = rng.standard_normal((T, dim), dtype=np.float32)
-    q = rng.standard_normal(dim, dtype=np.float32)
+    Q = rng.standard_normal((queries, dim), dtype=np.float32)
     scale = np.float32(1.0 / np.sqrt(dim))
     built = [(spec, get_codec(spec, dim)) for spec in codecs]
     encoded = [(spec, codec, codec.encode(X, n_threads=max(threads))) for spec, codec in built]
-    methods = [(spec, nt, (codec, enc)) for spec, codec, enc in encoded for nt in threads]
-    methods += [("numpy", nt, None) for nt in threads]    # last: see COOL_DOWN_S
-    times = {(name, nt): [] for name, nt, _ in methods}
-    ref = _numpy_step(X, q, scale)
-    errors = {spec: float(np.linalg.norm(_codec_step(codec, enc, q, scale, max(threads)) - ref)
+    ref = _numpy_step(X, Q, scale)
+    errors = {spec: float(np.linalg.norm(_codec_step(codec, enc, Q, scale, max(threads)) - ref)
                           / np.linalg.norm(ref)) for spec, codec, enc in encoded}
-    for r in range(warmup + repeats):
-        # the first call after the pause would pay the wake-up (cold caches, clock ramp, an idle
-        # core and the sleeping OpenMP workers): an untimed call on every thread first
-        if methods[0][2] is not None:
-            codec, enc = methods[0][2]
-            _codec_step(codec, enc, q, scale, max(threads))
-        for name, nt, payload in methods:
-            if payload is None:
-                with controller.limit(limits=nt, user_api="blas"):
-                    t0 = timer()
-                    _numpy_step(X, q, scale)
-                    dt = timer() - t0
-            else:
-                codec, enc = payload
-                t0 = timer()
-                _codec_step(codec, enc, q, scale, nt)
-                dt = timer() - t0
-            if r >= warmup:
-                times[(name, nt)].append(dt)
-        time.sleep(COOL_DOWN_S)
-    result = {}
+    methods = [_Method("numpy", nt, controller, X, Q, scale) for nt in threads]
+    methods += [_Method(spec, nt, controller, X, Q, scale, codec, enc)
+                for spec, codec, enc in encoded for nt in threads]
+    buf = (np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if bandwidth_buffer is None
+           else bandwidth_buffer)
+    before = {nt: read_bandwidth(nt, buf) for nt in threads}
+    if schedule == "block":
+        times = _time_blocks(methods, repeats, rounds, warmup_s, timer)
+    else:
+        times = _time_interleaved(methods, repeats, rounds, timer)
+    # before and after the timings: the better of the two (other jobs come and go)
+    bandwidth = {nt: max(before[nt], read_bandwidth(nt, buf)) for nt in threads}
+    bytes_per_row = {"numpy": 4 * dim, **{spec: codec.bytes_per_row for spec, codec in built}}
+    out = {"median": {}, "min": {}, "limit": {}, "bandwidth": bandwidth,
+           "bytes_per_row": bytes_per_row, "errors": errors}
     for (name, nt), ts in times.items():
-        result.setdefault(name, {})[nt] = float(np.median(ts))
-        if stats is not None:
-            stats[(name, nt)] = {"median": float(np.median(ts)), "min": float(np.min(ts))}
-    bytes_per_row = {spec: codec.bytes_per_row for spec, codec in built}
-    return result, errors, bytes_per_row
+        out["median"].setdefault(name, {})[nt] = float(np.median(ts))
+        out["min"].setdefault(name, {})[nt] = float(np.min(ts))
+        out["limit"].setdefault(name, {})[nt] = step_bytes(bytes_per_row[name], T) / bandwidth[nt]
+    return out
+
+
+def cell_rows(dim, T, queries, cell, codecs, threads):
+    """The result rows of one cell (one per codec; numpy's figures on every row)."""
+    med, mn, lim, bpr = cell["median"], cell["min"], cell["limit"], cell["bytes_per_row"]
+    numpy_flags = plausibility_flags("numpy", med["numpy"], lim["numpy"])
+    rows = []
+    for spec in codecs:
+        row = {"dim": dim, "T": T, "queries": queries, "codec": spec,
+               "bytes_per_row": bpr[spec], "bytes_ratio": 4.0 * dim / bpr[spec],
+               "context_rel_err": cell["errors"][spec],
+               "speed_exempt": is_speed_exempt(get_codec(spec, dim))}
+        for nt in threads:
+            row[f"bandwidth_gbs_{nt}t"] = cell["bandwidth"][nt] / 1e9
+            row[f"numpy_ms_{nt}t"] = 1e3 * med["numpy"][nt]
+            row[f"codec_ms_{nt}t"] = 1e3 * med[spec][nt]
+            row[f"speedup_{nt}t"] = med["numpy"][nt] / med[spec][nt]
+            row[f"limit_ms_{nt}t"] = 1e3 * lim[spec][nt]
+            row[f"fraction_{nt}t"] = lim[spec][nt] / med[spec][nt]
+            row[f"numpy_limit_ms_{nt}t"] = 1e3 * lim["numpy"][nt]
+            row[f"numpy_fraction_{nt}t"] = lim["numpy"][nt] / med["numpy"][nt]
+            row[f"numpy_min_ms_{nt}t"] = 1e3 * mn["numpy"][nt]
+            row[f"codec_min_ms_{nt}t"] = 1e3 * mn[spec][nt]
+            row[f"speedup_min_{nt}t"] = mn["numpy"][nt] / mn[spec][nt]
+        if len(threads) > 1:
+            row["thread_scaling"] = med[spec][threads[0]] / med[spec][threads[-1]]
+            row["numpy_thread_scaling"] = med["numpy"][threads[0]] / med["numpy"][threads[-1]]
+        row["flags"] = "; ".join(plausibility_flags(spec, med[spec], lim[spec]) + numpy_flags)
+        rows.append(row)
+    return rows
 
 
 def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
-        threads=DEFAULT_THREADS, repeats=15, seed=0, progress=None, clock="wall"):
-    """Every cell (d, T) x codec. Returns a dict with the rows and what the run ran on."""
+        threads=DEFAULT_THREADS, repeats=3, seed=0, progress=None, clock="wall",
+        queries=DEFAULT_QUERIES, rounds=5, warmup_s=WARMUP_S, schedule="block"):
+    """Every cell (d, m, T) x codec. Returns a dict with the rows and what the run ran on."""
     threads = tuple(sorted(set(threads)))
+    buf = np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32)
     rows = []
     for dim in dims:
-        for T in contexts:
-            usable = [s for s in codecs if _builds(s, dim)]
-            stats = {}
-            times, errors, bpr = time_cell(dim, T, usable, threads, repeats, seed, stats=stats,
-                                           clock=clock)
-            for spec in usable:
-                row = {"dim": dim, "T": T, "codec": spec, "bytes_per_row": bpr[spec],
-                       "bytes_ratio": 4.0 * dim / bpr[spec], "context_rel_err": errors[spec]}
-                for nt in threads:
-                    row[f"numpy_ms_{nt}t"] = 1e3 * times["numpy"][nt]
-                    row[f"codec_ms_{nt}t"] = 1e3 * times[spec][nt]
-                    row[f"speedup_{nt}t"] = times["numpy"][nt] / times[spec][nt]
-                    row[f"numpy_min_ms_{nt}t"] = 1e3 * stats[("numpy", nt)]["min"]
-                    row[f"codec_min_ms_{nt}t"] = 1e3 * stats[(spec, nt)]["min"]
-                    row[f"speedup_min_{nt}t"] = (stats[("numpy", nt)]["min"]
-                                                 / stats[(spec, nt)]["min"])
-                if len(threads) > 1:
-                    row["thread_scaling"] = times[spec][threads[0]] / times[spec][threads[-1]]
-                    row["numpy_thread_scaling"] = (times["numpy"][threads[0]]
-                                                   / times["numpy"][threads[-1]])
-                rows.append(row)
-                if progress:
-                    progress(row)
-    return {"rows": rows, "threads": list(threads), "repeats": repeats, "seed": seed,
-            "clock": clock,
+        usable = [s for s in codecs if _builds(s, dim)]
+        for m in queries:
+            for T in contexts:
+                cell = time_cell(dim, T, usable, threads, repeats, seed, m, rounds, warmup_s,
+                                 schedule, clock, buf)
+                for row in cell_rows(dim, T, m, cell, usable, threads):
+                    rows.append(row)
+                    if progress:
+                        progress(row)
+    return {"rows": rows, "threads": list(threads), "repeats": repeats, "rounds": rounds,
+            "warmup_s": warmup_s, "schedule": schedule, "seed": seed, "clock": clock,
+            "queries": list(queries), "bandwidth_buffer_bytes": BANDWIDTH_BUFFER_BYTES,
             "simd": consumers.get_simd(), "cpu_simd": consumers.cpu_simd(),
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -165,45 +332,71 @@ def _builds(spec, dim):
     return True
 
 
-def result_stem(dims, contexts, threads, repeats, simd, clock="wall"):
+def result_stem(dims, contexts, threads, repeats, simd, clock="wall", queries=(1,),
+                schedule="block"):
     """File name (without extension) that records the parameters of a run."""
-    return (f"bench_attention_d{'-'.join(map(str, dims))}_T{'-'.join(map(str, contexts))}"
+    return (f"bench_attention_d{'-'.join(map(str, dims))}"
+            + ("" if tuple(queries) == (1,) else f"_m{'-'.join(map(str, queries))}")
+            + f"_T{'-'.join(map(str, contexts))}"
             f"_threads{'-'.join(map(str, threads))}_r{repeats}_{simd}"
-            + ("" if clock == "wall" else f"_{clock}clock"))
+            + ("" if clock == "wall" else f"_{clock}clock")
+            + ("" if schedule == "block" else f"_{schedule}"))
 
 
 def format_markdown(result):
     threads = result["threads"]
     hi, lo = threads[-1], threads[0]
     clock = result.get("clock", "wall")
+    rows = result["rows"]
+    bandwidth = {nt: sorted(r[f"bandwidth_gbs_{nt}t"] for r in rows) for nt in threads}
+    if result["schedule"] == "block":
+        how = (f"each method timed in its own block ({result['warmup_s']} s of warm-up, then "
+               f"{result['repeats']} calls), {result['rounds']} rounds in rotated order, "
+               "median of every call")
+    else:
+        how = (f"methods interleaved call by call, each after a {COOL_DOWN_S} s pause and an "
+               f"untimed call, median of {result['repeats'] * result['rounds']} calls")
     lines = [
-        f"One decode step (scores, softmax, context) over T rows; median of {result['repeats']} "
-        f"interleaved repeats ({'wall clock' if clock == 'wall' else 'thread CPU time'}); "
-        f"consumers on the {result['simd']} path; speedup = numpy f32 time / "
-        f"codec time on the same rows and thread count.",
+        f"One decode step (scores, softmax, context) over T rows for m queries that share them; "
+        f"{how} ({'wall clock' if clock == 'wall' else 'thread CPU time'}); consumers on the "
+        f"{result['simd']} path; speedup = numpy f32 time / codec time on the same rows, queries "
+        "and thread count.",
+        "Byte limit = bytes the step reads (every row twice: 2 T x B/row) / the read bandwidth "
+        "measured in the same cell (numpy max over "
+        f"{result['bandwidth_buffer_bytes'] >> 20} MiB): "
+        + ", ".join(f"{nt}t {v[0]:.1f}-{v[-1]:.1f} GB/s" for nt, v in bandwidth.items())
+        + "; of limit = byte limit / time (1.00 = at the machine's bandwidth); limit speedup = "
+          "the speedup if both read at that bandwidth (f32 bytes / codec bytes).",
         "BLAS: " + "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']})"
                              for b in result["blas"])
         + f", OPENBLAS_CORETYPE={result['OPENBLAS_CORETYPE']}; load average at the end "
           f"{', '.join(f'{x:.2f}' for x in result['load_average'] or [])} on "
           f"{result['cpu_count']} cores.",
+        POLAR_NOTE,
         "",
     ]
-    head = (f"| d | T | codec | B/row | bytes vs f32 | numpy {hi}t ms | codec {hi}t ms "
-            f"| speedup {hi}t |")
-    rule = "|---:|---:|---|---:|---:|---:|---:|---:|"
+    head = (f"| d | T | codec | m | B/row | numpy {hi}t ms | codec {hi}t ms | speedup {hi}t "
+            f"| byte limit {hi}t ms | of limit {hi}t | limit speedup | numpy of limit {hi}t |")
+    rule = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if lo != hi:
         head += (f" numpy {lo}t ms | codec {lo}t ms | speedup {lo}t | numpy {lo}t/{hi}t "
                  f"| codec {lo}t/{hi}t |")
         rule += "---:|---:|---:|---:|---:|"
+    head += " flags |"
+    rule += "---|"
     lines += [head, rule]
-    for r in result["rows"]:
-        line = (f"| {r['dim']} | {r['T']} | {r['codec']} | {r['bytes_per_row']} | "
-                f"{r['bytes_ratio']:.2f}x | {r[f'numpy_ms_{hi}t']:.3f} | "
-                f"{r[f'codec_ms_{hi}t']:.3f} | **{r[f'speedup_{hi}t']:.2f}x** |")
+    for r in rows:
+        codec = r["codec"] + (" (exempt)" if r.get("speed_exempt") else "")
+        line = (f"| {r['dim']} | {r['T']} | {codec} | {r['queries']} | {r['bytes_per_row']} | "
+                f"{r[f'numpy_ms_{hi}t']:.3f} | {r[f'codec_ms_{hi}t']:.3f} | "
+                f"**{r[f'speedup_{hi}t']:.2f}x** | {r[f'limit_ms_{hi}t']:.3f} | "
+                f"{r[f'fraction_{hi}t']:.2f} | {r['bytes_ratio']:.2f}x | "
+                f"{r[f'numpy_fraction_{hi}t']:.2f} |")
         if lo != hi:
             line += (f" {r[f'numpy_ms_{lo}t']:.3f} | {r[f'codec_ms_{lo}t']:.3f} | "
                      f"{r[f'speedup_{lo}t']:.2f}x | {r['numpy_thread_scaling']:.2f}x | "
                      f"{r['thread_scaling']:.2f}x |")
+        line += f" {r['flags']} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -235,10 +428,17 @@ def _ints(text):
 def cmd_bench(args):
     try:
         dims, contexts, threads = _ints(args.dims), _ints(args.contexts), _ints(args.threads)
+        try:
+            queries = [int(x) for x in args.queries.split(",") if x.strip()]
+        except ValueError:
+            queries = []
         codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
         for spec in codecs:
             if not any(_builds(spec, d) for d in dims):
                 raise ValueError(f"codec {spec!r} is unknown or takes none of the widths {dims}")
+        if not queries or min(queries) < 1:
+            raise ValueError(f"--queries takes positive counts (query heads per KV head, e.g. "
+                             f"1,3,4,8), got {args.queries!r}")
         consumers.set_simd(args.simd)
     except ValueError as exc:
         raise SystemExit(f"kvquant bench: {exc}")
@@ -246,18 +446,23 @@ def cmd_bench(args):
     def progress(row):
         if not args.json:
             hi = max(threads)
-            print(f"  d={row['dim']:<4} T={row['T']:<7} {row['codec']:<10} "
-                  f"speedup {row[f'speedup_{hi}t']:.2f}x at {hi} thread(s)", flush=True)
+            print(f"  d={row['dim']:<4} m={row['queries']:<2} T={row['T']:<7} {row['codec']:<10} "
+                  f"speedup {row[f'speedup_{hi}t']:.2f}x at {hi} thread(s), "
+                  f"{row[f'fraction_{hi}t']:.2f} of its byte limit"
+                  + (f"  [{row['flags']}]" if row["flags"] else ""), flush=True)
 
+    if not args.json:
+        print(POLAR_NOTE, flush=True)
     try:
         result = run(dims, contexts, codecs, threads, args.repeats, args.seed, progress,
-                     args.clock)
+                     args.clock, queries, args.rounds, args.warmup_s, args.schedule)
     except ValueError as exc:
         raise SystemExit(f"kvquant bench: {exc}")
     if args.out:
         paths = write_results(result, args.out, result_stem(dims, contexts, threads,
                                                             args.repeats, result["simd"],
-                                                            args.clock))
+                                                            args.clock, queries,
+                                                            args.schedule))
         if not args.json:
             print("wrote " + ", ".join(paths))
     print(json.dumps(result, indent=1) if args.json else format_markdown(result))
@@ -271,12 +476,23 @@ def add_cli(sub):
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                    help="cached rows T, e.g. 4096,32k,128k")
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS))
+    p.add_argument("--queries", default=",".join(map(str, DEFAULT_QUERIES)),
+                   help="query heads that share one KV head (GQA), e.g. 1,3,4,8")
     p.add_argument("--threads", default=",".join(map(str, DEFAULT_THREADS)),
                    help="thread counts (the largest is the headline)")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per block")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of blocks, order rotated (more rounds spread a changing load "
+                        "more evenly over the methods)")
+    p.add_argument("--warmup-s", type=float, default=WARMUP_S,
+                   help="untimed calls for this long before each block")
+    p.add_argument("--schedule", default="block", choices=SCHEDULES,
+                   help="block (default): each method in its own warmed block; interleaved: "
+                        "one call of each in turn, with pauses")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--simd", default="auto", choices=("auto", "portable", "avx512"),
-                   help="consumer path (both give the same bits)")
+    p.add_argument("--simd", default="auto",
+                   help="consumer path: auto or one this CPU runs (see kvquant info); every "
+                        "path gives the same bits")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                    help="wall (default) or thread: the calling thread's CPU time, robust to "
                         "other jobs on the machine (one thread only)")

@@ -36,8 +36,9 @@ __all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_ad
            "rope_halves"]
 
 PREFILL_MODES = ("block", "consumer")
-# Threads for the cache's kernels. Each call is small (one layer and KV head); more threads would
-# only contend with BLAS, which runs the matrix products between them, for the same cores.
+# Threads for the cache's kernels. Each call is small (one layer and KV head) and alternates with
+# the BLAS projections: with 2, the consumers' OpenMP workers and OpenBLAS's busy-wait on the core
+# the other needs. experiments/bench_forward.py measures that and its remedies.
 CACHE_THREADS = 1
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512

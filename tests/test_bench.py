@@ -1,0 +1,135 @@
+"""The attention bench's logic: byte accounting, byte limits, flags, the step it times, its
+files. Nothing here asserts a speed."""
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from kvquant import bench, get_codec
+from kvquant.cache import softmax
+
+SMALL_BUFFER = np.ones(1 << 18, np.float32)   # 1 MiB: the bandwidth probe, fast in tests
+
+
+def test_step_bytes_are_what_the_codec_stores_read_twice(rng):
+    X = rng.standard_normal((300, 64), dtype=np.float32)
+    for spec in ("f32", "kv8", "tq4", "q4_0+rot", "polar4:alloc=level"):
+        codec = get_codec(spec, 64)
+        enc = codec.encode(X)
+        stored = enc.codes.nbytes + enc.side.nbytes          # bytes actually held for 300 rows
+        assert bench.step_bytes(codec.bytes_per_row, 300) == 2 * stored, spec
+
+
+def test_byte_limit_speedups_at_512_and_64():
+    # f32 bytes over codec bytes: fp8 + a float32 scale per row, 4-bit codes + a float32 norm
+    for d, kv8, tq4 in ((512, 2048 / 516, 2048 / 260), (64, 256 / 68, 256 / 36)):
+        for spec, expected in (("kv8", kv8), ("tq4", tq4)):
+            codec = get_codec(spec, d)
+            assert bench.step_bytes(4 * d, 1000) / bench.step_bytes(codec.bytes_per_row, 1000) \
+                == pytest.approx(expected)
+    assert 2048 / 516 == pytest.approx(3.97, abs=0.005) and 2048 / 260 == pytest.approx(7.88,
+                                                                                          abs=0.005)
+
+
+def test_flags_name_what_is_implausible():
+    limit = {1: 1.0, 2: 0.5}
+    assert bench.plausibility_flags("kv8", {1: 2.0, 2: 1.0}, limit) == []
+    flags = bench.plausibility_flags("kv8", {1: 0.8, 2: 1.0}, limit)
+    assert flags == ["kv8 faster than its byte limit at 1t (1.25x)", "kv8 slower at 2t than at 1t"]
+    assert bench.plausibility_flags("numpy", {1: 2.0}, {1: 1.0}) == []   # one count: no scaling
+    assert bench.plausibility_flags("numpy", {1: 2.0, 2: 2.0}, limit) == []  # equal: not slower
+
+
+def test_read_bandwidth_is_a_rate():
+    bw = bench.read_bandwidth(2, SMALL_BUFFER, passes=2)
+    assert np.isfinite(bw) and bw > 0
+
+
+def test_numpy_step_for_several_queries_matches_one_query_at_a_time(rng):
+    X = rng.standard_normal((500, 64), dtype=np.float32)
+    Q = rng.standard_normal((3, 64), dtype=np.float32)
+    scale = np.float32(0.125)
+    got = bench._numpy_step(X, Q, scale)
+    for i in range(3):
+        s = (X.astype(np.float64) @ Q[i]) * scale
+        w = np.exp(s - s.max())
+        w /= w.sum()
+        np.testing.assert_allclose(got[i], w @ X, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(bench._numpy_step(X, Q[:1], scale)[0],
+                               softmax((X @ Q[0]) * scale) @ X, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", bench.SCHEDULES)
+def test_a_cell_times_the_real_work_and_derives_limits_from_its_bandwidth(schedule, monkeypatch):
+    monkeypatch.setattr(bench, "COOL_DOWN_S", 0.0)
+    cell = bench.time_cell(64, 400, ["kv8", "tq4"], threads=(1, 2), repeats=2, queries=3,
+                           rounds=2, warmup_s=0.0, schedule=schedule,
+                           bandwidth_buffer=SMALL_BUFFER)
+    assert set(cell["median"]) == {"numpy", "kv8", "tq4"}
+    for name in ("numpy", "kv8", "tq4"):
+        for nt in (1, 2):
+            assert cell["min"][name][nt] <= cell["median"][name][nt]
+            assert cell["limit"][name][nt] == pytest.approx(
+                2 * 400 * cell["bytes_per_row"][name] / cell["bandwidth"][nt])
+    assert cell["bytes_per_row"] == {"numpy": 256, "kv8": 68, "tq4": 36}
+    assert cell["errors"]["kv8"] < 0.05 and cell["errors"]["tq4"] < 0.2   # the codecs' context
+    rows = bench.cell_rows(64, 400, 3, cell, ["kv8", "tq4"], (1, 2))
+    for row in rows:
+        spec = row["codec"]
+        assert row["queries"] == 3
+        assert row["fraction_2t"] == pytest.approx(cell["limit"][spec][2] / cell["median"][spec][2])
+        assert row["speedup_1t"] == pytest.approx(cell["median"]["numpy"][1]
+                                                  / cell["median"][spec][1])
+        assert row["bytes_ratio"] == pytest.approx(256 / cell["bytes_per_row"][spec])
+        expected = bench.plausibility_flags(spec, cell["median"][spec], cell["limit"][spec]) \
+            + bench.plausibility_flags("numpy", cell["median"]["numpy"], cell["limit"]["numpy"])
+        assert row["flags"] == "; ".join(expected)
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(ValueError, match="schedule"):
+        bench.time_cell(64, 10, ["kv8"], threads=(1,), schedule="random")
+    with pytest.raises(ValueError, match="queries"):
+        bench.time_cell(64, 10, ["kv8"], threads=(1,), queries=0)
+    with pytest.raises(ValueError, match="threads=\\(1,\\)"):
+        bench.time_cell(64, 10, ["kv8"], threads=(1, 2), clock="thread")
+
+
+def test_default_polar_is_marked_exempt():
+    assert bench.is_speed_exempt(get_codec("polar4", 64))
+    for spec in ("polar4:alloc=level", "polar4:compat=colibri", "tq4", "kv8"):
+        assert not bench.is_speed_exempt(get_codec(spec, 64)), spec
+
+
+def test_the_command_writes_its_files_with_limits_flags_and_the_polar_line(tmp_path, capsys,
+                                                                            monkeypatch):
+    from kvquant.cli import main
+    monkeypatch.setattr(bench, "BANDWIDTH_BUFFER_BYTES", SMALL_BUFFER.nbytes)
+    assert main(["bench", "--dims", "64", "--contexts", "300", "--codecs", "kv8,polar4",
+                 "--queries", "1,4", "--threads", "1,2", "--repeats", "1", "--rounds", "1",
+                 "--warmup-s", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert bench.POLAR_NOTE in out and "Byte limit" in out
+    assert "| 64 | 300 | polar4 (exempt) | 4 |" in out
+    files = sorted(p.name for p in tmp_path.iterdir())
+    stem = "bench_attention_d64_m1-4_T300_threads1-2_r1_" + json.loads(
+        (tmp_path / files[1]).read_text())["simd"]
+    assert files == [stem + ext for ext in (".csv", ".json", ".md")]
+    with open(tmp_path / (stem + ".csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["codec"], r["queries"]) for r in rows] == [("kv8", "1"), ("polar4", "1"),
+                                                          ("kv8", "4"), ("polar4", "4")]
+    for r in rows:
+        assert float(r["limit_ms_2t"]) == pytest.approx(
+            1e3 * 2 * 300 * int(r["bytes_per_row"]) / (1e9 * float(r["bandwidth_gbs_2t"])))
+        assert "flags" in r
+
+
+def test_the_command_refuses_bad_queries_and_paths(capsys):
+    from kvquant.cli import main
+    for bad in ("0", "three"):
+        assert main(["bench", "--queries", bad, "--codecs", "kv8", "--dims", "64"]) == 2
+        assert "kvquant bench: --queries takes positive counts" in capsys.readouterr().err
+    assert main(["bench", "--simd", "sse9", "--codecs", "kv8", "--dims", "64"]) == 2
+    assert "kvquant bench:" in capsys.readouterr().err
