@@ -107,6 +107,33 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE float kvq_fp16_value_f16c(const uint8
     return _cvtsh_ss(h);   /* exact widening, as kvq_fp16_value */
 }
 
+/* ---- AVX2: the block's values as two 16-lane pairs of registers ---- */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_ggml_values_avx2(const uint8_t* blk, const int q4,
+                                                                  kvq_v16x2* lo, kvq_v16x2* hi)
+{
+    if (q4) {
+        const __m128i x = _mm_loadu_si128((const __m128i*)(blk + 2));
+        const __m256i a = _mm256_cvtepu8_epi32(x), b = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x));
+        const __m256i f = _mm256_set1_epi32(15), e = _mm256_set1_epi32(8);
+        lo->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a, f), e));
+        lo->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, f), e));
+        hi->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(a, 4), e));
+        hi->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), e));
+    } else {
+        lo->lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2))));
+        lo->hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 10))));
+        hi->lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 18))));
+        hi->hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 26))));
+    }
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE float kvq_fp16_value_avx2(const uint8_t* b)
+{
+    uint16_t h;
+    memcpy(&h, b, 2);
+    return _cvtsh_ss(h);
+}
+
 /* Scores of NR (1 or 4) consecutive rows. */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_ggml_dot_rows(const kvq_params* p,
                                                                 const uint8_t* c, const float* q,

@@ -155,6 +155,72 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
     return _mm512_i32gather_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFF)), K->table, 4);
 }
 
+/* ---- AVX2: 16 levels as two 8-lane registers ---- */
+typedef struct {
+    __m256 t0, t1;                 /* levels 0-7 and 8-15 */
+    __m256i ctl_lo, ctl_hi;        /* unpacking of lanes 0-7 and 8-15 (as kvq_tq_consts) */
+    __m256i sh_lo, sh_hi;
+    const float* table;            /* 5 to 8 bits: the gather table */
+} kvq_tq_consts_avx2;
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_avx2(kvq_tq_consts_avx2* K,
+                                                                     const float* table256, int b)
+{
+    uint8_t ctl[64];
+    int32_t sh[16];
+    int i, k;
+    K->t0 = _mm256_loadu_ps(table256);
+    K->t1 = _mm256_loadu_ps(table256 + 8);
+    K->table = table256;
+    /* both 128-bit halves hold the group's 16 bytes: a byte index 0..15 reaches any of them */
+    for (i = 0; i < 16; i++) {
+        const int o = (b * i) >> 3;
+        for (k = 0; k < 4; k++) ctl[4 * i + k] = (uint8_t)(o + k < 16 ? o + k : 0x80);
+        sh[i] = (b * i) & 7;
+    }
+    K->ctl_lo = _mm256_loadu_si256((const __m256i*)ctl);
+    K->ctl_hi = _mm256_loadu_si256((const __m256i*)(ctl + 32));
+    K->sh_lo = _mm256_loadu_si256((const __m256i*)sh);
+    K->sh_hi = _mm256_loadu_si256((const __m256i*)(sh + 8));
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_tq_lev8_avx2(__m256i x, const kvq_tq_consts_avx2* K,
+                                                                const int b)
+{
+    if (b <= 3)   /* the low 3 bits pick one of 8 (periodic) levels */
+        return _mm256_permutevar8x32_ps(K->t0, x);
+    if (b == 4)   /* bit 3 (moved to the sign) chooses between the two halves */
+        return _mm256_blendv_ps(_mm256_permutevar8x32_ps(K->t0, x), _mm256_permutevar8x32_ps(K->t1, x),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(x, 28)));
+    return _mm256_i32gather_ps(K->table, _mm256_and_si256(x, _mm256_set1_epi32(0xFF)), 4);
+}
+
+/* Levels of the 16 codes of one group (2b bytes at g); `wide`: 16 bytes may be read. */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_tq_lev16_avx2(const uint8_t* g,
+                                                                   const kvq_tq_consts_avx2* K,
+                                                                   const int b, const int wide)
+{
+    kvq_v16x2 r;
+    __m128i x128;
+    __m256i x;
+    if (b == 8) {
+        r.lo = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)g)), 4);
+        r.hi = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(g + 8))), 4);
+        return r;
+    }
+    if (wide) {
+        x128 = _mm_loadu_si128((const __m128i*)g);
+    } else {
+        uint8_t buf[16] = {0};
+        memcpy(buf, g, (size_t)(2 * b));
+        x128 = _mm_loadu_si128((const __m128i*)buf);
+    }
+    x = _mm256_broadcastsi128_si256(x128);
+    r.lo = kvq_tq_lev8_avx2(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, K->ctl_lo), K->sh_lo), K, b);
+    r.hi = kvq_tq_lev8_avx2(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, K->ctl_hi), K->sh_hi), K, b);
+    return r;
+}
+
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_dot_body(const kvq_params* p,
                                                               const uint8_t* codes,
                                                               const float* side, int64_t r0,
