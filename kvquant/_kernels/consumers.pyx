@@ -135,6 +135,8 @@ cdef extern from "consumers_multi.h":
     kvq_axpym_fn _tq_axpym_avx2 "kvq_tq_axpym_avx2"
     kvq_dotm_fn _tq_dotm_avx512 "kvq_tq_dotm_avx512"
     kvq_axpym_fn _tq_axpym_avx512 "kvq_tq_axpym_avx512"
+    kvq_dotm_fn _tq_dotm_avx512vbmi "kvq_tq_dotm_avx512vbmi"
+    kvq_axpym_fn _tq_axpym_avx512vbmi "kvq_tq_axpym_avx512vbmi"
     kvq_dotm_fn _ggml_dotm_portable "kvq_ggml_dotm_portable"
     kvq_axpym_fn _ggml_axpym_portable "kvq_ggml_axpym_portable"
     kvq_dotm_fn _ggml_dotm_avx2 "kvq_ggml_dotm_avx2"
@@ -486,7 +488,9 @@ def scores_tq(const uint8_t[:, ::1] codes,    # IN  (T, ceil(n*bits/8))
     cdef kvq_params p
     cdef float table[256]
     cdef uint8_t planes[1024]
-    cdef kvq_dotm_fn fn = _pick_dotm(_tq_dotm_portable, _tq_dotm_avx2, _tq_dotm_avx512)
+    cdef kvq_dotm_fn fn = _pick_dotm(_tq_dotm_portable, _tq_dotm_avx2,
+                                     _tq_dotm_avx512vbmi if _level >= KVQ_SIMD_AVX512VBMI
+                                     else _tq_dotm_avx512)
     _tq_params(&p, codes, side, levels, bits, Q.shape[1], table, planes)
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
@@ -509,7 +513,8 @@ def context_tq(const uint8_t[:, ::1] codes,   # IN  (T, ceil(n*bits/8))
     cdef float table[256]
     cdef uint8_t planes[1024]
     cdef kvq_axpym_fn fn = _pick_axpym(_tq_axpym_portable, _tq_axpym_avx2,
-                                       _tq_axpym_avx512)
+                                       _tq_axpym_avx512vbmi if _level >= KVQ_SIMD_AVX512VBMI
+                                       else _tq_axpym_avx512)
     _tq_params(&p, codes, side, levels, bits, out.shape[1], table, planes)
     if W.shape[0] == 0:
         return

@@ -109,6 +109,30 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define KVQ_MQ_VBMI_TQ 1   /* 6- to 8-bit tq with VBMI keeps its own kernels */
 #include "consumers_multi_body.h"
 
+/* ---- AVX-512 with VBMI: tq only (its 2- to 4-bit unpacking) ---- */
+#define KVQ_MQ(name) kvq_##name##_avx512vbmi
+#define KVQ_MQ_TARGET KVQ_TARGET_AVX512VBMI
+#define KVQ_MQ_FALLBACK(name) kvq_##name##_avx512q
+#define MV __m512
+#define MV_ZERO() _mm512_setzero_ps()
+#define MV_LOAD(x) _mm512_loadu_ps(x)
+#define MV_STORE(x, v) _mm512_storeu_ps(x, v)
+#define MV_ADD(a, b) _mm512_add_ps(a, b)
+#define MV_MUL(a, b) _mm512_mul_ps(a, b)
+#define MV_SET1(c) _mm512_set1_ps(c)
+#define MV_TREE1(a) kvq_tree16_avx512(a)
+#define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_TQ_CONSTS kvq_tq_consts_vbmi
+#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_vbmi(K, table, b)
+#define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_vbmi(g, K, b, wide)
+#define KVQ_MQ_PASS 8
+#define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
+#define KVQ_MQ_VBMI_TQ 1
+#define KVQ_MQ_TQ_ONLY 1
+#include "consumers_multi_body.h"
+#undef KVQ_MQ_TQ_ONLY
+
 /* ---- AVX2 (no FMA) ---- */
 #define KVQ_MQ(name) kvq_##name##_avx2
 #define KVQ_MQ_TARGET KVQ_TARGET_AVX2

@@ -32,6 +32,7 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(mq_store)(const MV* acc, floa
         for (; t < r1; t++) CALL(1, t);                                                       \
     } while (0)
 
+#ifndef KVQ_MQ_TQ_ONLY
 /* ---- f32 --------------------------------------------------------------------------------- */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(f32_dot_rows)(const kvq_params* p,
                                                                const uint8_t* codes, int64_t t,
@@ -273,6 +274,8 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* 
     }
 }
 
+#endif /* KVQ_MQ_TQ_ONLY */
+
 /* ---- tq<b> ------------------------------------------------------------------------------- */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_rows)(const kvq_params* p,
                                                               const uint8_t* codes,
@@ -407,6 +410,7 @@ KVQ_MQ_TARGET static void KVQ_MQ(tq_axpym)(const kvq_params* p, const uint8_t* c
     KVQ_TQ_DISPATCH(KVQ_MQ(tq_axpy_bits), p, codes, side, r0, r1, W, ldw, m, acc)
 }
 
+#ifndef KVQ_MQ_TQ_ONLY
 /* ---- q8_0 / q4_0 ------------------------------------------------------------------------- */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(ggml_dot_rows)(const kvq_params* p,
                                                                 const uint8_t* codes, int64_t t,
@@ -523,6 +527,8 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
     }
 #undef KVQ_MQ_CALL
 }
+
+#endif /* KVQ_MQ_TQ_ONLY */
 
 #undef KVQ_MQ_ROW_LOOP
 #undef KVQ_MQ

@@ -155,6 +155,43 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
     return _mm512_i32gather_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFF)), K->table, 4);
 }
 
+/* With VBMI, 2 to 4 bits: the group (2b <= 8 bytes) fits in one qword, so it is broadcast and a
+ * single multishift moves code i to the low bits of lane i (the permute reads bits 0-3 only; the
+ * levels table is periodic below 16 levels). One shuffle fewer per 16 codes than kvq_tq_lev16. */
+typedef struct {
+    kvq_tq_consts base;
+    __m512i msh;          /* multishift control: lane i's low byte takes bits b*i.. of the qword */
+} kvq_tq_consts_vbmi;
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_vbmi(kvq_tq_consts_vbmi* K,
+                                                                          const float* table256,
+                                                                          int b)
+{
+    uint8_t msh[64];
+    int i, k;
+    kvq_tq_consts_init(&K->base, table256, b);
+    for (i = 0; i < 16; i++)
+        for (k = 0; k < 4; k++) msh[4 * i + k] = (uint8_t)((b * i + 8 * k) & 63);
+    K->msh = _mm512_loadu_si512((const void*)msh);
+}
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const uint8_t* g,
+                                                                      const kvq_tq_consts_vbmi* K,
+                                                                      const int b, const int wide)
+{
+    __m512i x;
+    if (b == 1 || b > 4)
+        return kvq_tq_lev16(g, &K->base, b, wide);
+    if (wide) {
+        uint64_t u;
+        memcpy(&u, g, 8);
+        x = _mm512_set1_epi64((long long)u);
+    } else {
+        x = _mm512_broadcastq_epi64(_mm_maskz_loadu_epi8((__mmask16)((1u << (2 * b)) - 1u), g));
+    }
+    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(K->msh, x), K->base.t0);
+}
+
 /* ---- AVX2: 16 levels as two 8-lane registers ---- */
 typedef struct {
     __m256 t0, t1;                 /* levels 0-7 and 8-15 */
