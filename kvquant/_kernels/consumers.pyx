@@ -12,6 +12,7 @@
 #            and AVX-512 paths agree bit for bit (the reduction order is defined in simd.h).
 # Kernels never validate; kvquant.codecs does.
 import os
+import sys
 
 import numpy as np
 
@@ -35,6 +36,7 @@ cdef extern from "simd.h":
         const float* levels
         const float* table
         const uint8_t* planes
+        const float* byte_levels
         int vbmi
         const void* codec
     ctypedef void (*kvq_dot_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
@@ -80,8 +82,8 @@ cdef extern from "consumers_kv8.h":
 
 cdef extern from "consumers_tq.h":
     void kvq_tq_init() noexcept nogil
-    void kvq_tq_prepare(const float* levels, int bits, float* table,
-                        uint8_t* planes) noexcept nogil
+    void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes,
+                        float* byte_levels) noexcept nogil
     void kvq_tq_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                              const float*, float*) noexcept nogil
     void kvq_tq_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
@@ -208,16 +210,22 @@ def set_simd(mode):
 
 
 def _simd_from_environment():
-    """Apply ``KVQUANT_SIMD`` (unset or empty: auto); a value that is not a path this CPU runs
-    stops the import with a message naming the variable and the values it takes."""
+    """Apply ``KVQUANT_SIMD`` (unset or empty: auto). A value that is not a path this CPU runs
+    stops the import with a message naming the variable and the values it takes; under the
+    ``kvquant`` command (which cannot catch an error raised while its own package is imported)
+    the message is one line on stderr and the exit status 2, as for any bad input."""
     mode = os.environ.get("KVQUANT_SIMD", "") or "auto"
     try:
         set_simd(mode.strip().lower())
     except ValueError as exc:
-        raise ImportError(
+        message = (
             f"environment variable KVQUANT_SIMD={mode!r} is not valid: it takes auto, portable, "
-            f"avx2, avx512 or avx512vbmi, and this CPU runs up to {SIMD_NAMES[_cpu_level]!r} ({exc}); "
-            "unset it for the automatic choice") from None
+            f"avx2, avx512 or avx512vbmi, and this CPU runs up to {SIMD_NAMES[_cpu_level]!r} "
+            f"({exc}); unset it for the automatic choice")
+        if os.path.basename(sys.argv[0] if sys.argv else "") == "kvquant":
+            print(f"kvquant: {message}", file=sys.stderr)
+            raise SystemExit(2)
+        raise ImportError(message) from None
 
 
 _simd_from_environment()
@@ -461,7 +469,7 @@ def context_kv8(const uint8_t[:, ::1] codes,  # IN  (T, d)
 # -- tq (rotated Lloyd) --------------------------------------------------------------------------
 cdef void _tq_params(kvq_params* p, const uint8_t[:, ::1] codes, const float[:, ::1] side,
                      const float[::1] levels, int bits, int64_t dim, float* table,
-                     uint8_t* planes):
+                     uint8_t* planes, float* byte_levels):
     memset(p, 0, sizeof(kvq_params))
     p.n_rows = codes.shape[0]
     p.dim = dim
@@ -471,9 +479,10 @@ cdef void _tq_params(kvq_params* p, const uint8_t[:, ::1] codes, const float[:, 
     p.sqrtf_n = sqrtf(<float>dim)
     p.levels = &levels[0]
     p.vbmi = _level >= KVQ_SIMD_AVX512VBMI
-    kvq_tq_prepare(&levels[0], bits, table, planes)
+    kvq_tq_prepare(&levels[0], bits, table, planes, byte_levels)
     p.table = table
     p.planes = planes
+    p.byte_levels = byte_levels
 
 
 def scores_tq(const uint8_t[:, ::1] codes,    # IN  (T, ceil(n*bits/8))
@@ -488,10 +497,11 @@ def scores_tq(const uint8_t[:, ::1] codes,    # IN  (T, ceil(n*bits/8))
     cdef kvq_params p
     cdef float table[256]
     cdef uint8_t planes[1024]
+    cdef float byte_levels[2048]
     cdef kvq_dotm_fn fn = _pick_dotm(_tq_dotm_portable, _tq_dotm_avx2,
                                      _tq_dotm_avx512vbmi if _level >= KVQ_SIMD_AVX512VBMI
                                      else _tq_dotm_avx512)
-    _tq_params(&p, codes, side, levels, bits, Q.shape[1], table, planes)
+    _tq_params(&p, codes, side, levels, bits, Q.shape[1], table, planes, byte_levels)
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
     cdef float[:, ::1] Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
@@ -512,10 +522,12 @@ def context_tq(const uint8_t[:, ::1] codes,   # IN  (T, ceil(n*bits/8))
     cdef kvq_params p
     cdef float table[256]
     cdef uint8_t planes[1024]
+    cdef float byte_levels[2048]
     cdef kvq_axpym_fn fn = _pick_axpym(_tq_axpym_portable, _tq_axpym_avx2,
                                        _tq_axpym_avx512vbmi if _level >= KVQ_SIMD_AVX512VBMI
                                        else _tq_axpym_avx512)
-    _tq_params(&p, codes, side, levels, bits, out.shape[1], table, planes)
+    _tq_params(&p, codes, side, levels, bits, out.shape[1], table, planes,
+               byte_levels)
     if W.shape[0] == 0:
         return
     cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)

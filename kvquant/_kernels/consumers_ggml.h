@@ -34,54 +34,81 @@ static inline float kvq_fp16_value(const uint8_t* b)
     return f;
 }
 
-static inline float kvq_ggml_value(const uint8_t* blk, int j, int q4)
+/* The 32 values of a block into v (fixed-size loops that compilers vectorize). */
+KVQ_INLINE void kvq_ggml_values32(const uint8_t* blk, float* v, const int q4)
 {
-    if (!q4)
-        return (float)(int8_t)blk[2 + j];
-    return (float)((j < 16 ? (blk[2 + j] & 0x0F) : (blk[2 + j - 16] >> 4)) - 8);
+    int j;
+    if (q4)
+        for (j = 0; j < 16; j++) {
+            v[j] = (float)((int)(blk[2 + j] & 0x0F) - 8);
+            v[16 + j] = (float)((int)(blk[2 + j] >> 4) - 8);
+        }
+    else
+        for (j = 0; j < 32; j++) v[j] = (float)(int8_t)blk[2 + j];
 }
 
-static void kvq_ggml_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
-                                  int64_t r0, int64_t r1, const float* q, float* out)
+KVQ_INLINE void kvq_ggml_dot_portable_q(const kvq_params* p, const uint8_t* codes,
+                                        int64_t r0, int64_t r1, const float* q, float* out,
+                                        const int q4)
 {
-    const int64_t nb = p->dim / KVQ_GGML_BLOCK;
-    const int q4 = p->bits == 4, bb = q4 ? 18 : 34;
-    float acc[16], part[16];
+    const int64_t nb = p->dim / KVQ_GGML_BLOCK, bb = q4 ? 18 : 34;
+    float acc[16], part[16], v[32];
     int64_t t, b;
-    int j, s;
-    (void)side;
+    int j;
     for (t = r0; t < r1; t++) {
         const uint8_t* row = codes + t * p->code_bytes;
         kvq_zero16(acc);
         for (b = 0; b < nb; b++) {
             const uint8_t* blk = row + b * bb;
             const float d = kvq_fp16_value(blk);
-            kvq_zero16(part);
-            for (s = 0; s < 2; s++)
-                for (j = 0; j < 16; j++)
-                    part[j] = part[j] + q[32 * b + 16 * s + j] * kvq_ggml_value(blk, 16 * s + j, q4);
+            const float* qb = q + 32 * b;
+            kvq_ggml_values32(blk, v, q4);
+            for (j = 0; j < 16; j++) part[j] = 0.0f + qb[j] * v[j];   /* from +0 */
+            for (j = 0; j < 16; j++) part[j] = part[j] + qb[16 + j] * v[16 + j];
             for (j = 0; j < 16; j++) acc[j] = acc[j] + part[j] * d;
         }
         out[t] = kvq_tree16(acc);
     }
 }
 
-static void kvq_ggml_axpy_portable(const kvq_params* p, const uint8_t* codes, const float* side,
-                                   int64_t r0, int64_t r1, const float* w, float* acc)
+KVQ_INLINE void kvq_ggml_axpy_portable_q(const kvq_params* p, const uint8_t* codes,
+                                         int64_t r0, int64_t r1, const float* w, float* acc,
+                                         const int q4)
 {
-    const int64_t nb = p->dim / KVQ_GGML_BLOCK;
-    const int q4 = p->bits == 4, bb = q4 ? 18 : 34;
+    const int64_t nb = p->dim / KVQ_GGML_BLOCK, bb = q4 ? 18 : 34;
+    float v[32];
     int64_t t, b;
     int j;
-    (void)side;
     for (t = r0; t < r1; t++) {
         const uint8_t* row = codes + t * p->code_bytes;
         for (b = 0; b < nb; b++) {
             const uint8_t* blk = row + b * bb;
             const float c = w[t] * kvq_fp16_value(blk);
-            for (j = 0; j < 32; j++) acc[32 * b + j] = acc[32 * b + j] + c * kvq_ggml_value(blk, j, q4);
+            float* a = acc + 32 * b;
+            kvq_ggml_values32(blk, v, q4);
+            for (j = 0; j < 32; j++) a[j] = a[j] + c * v[j];
         }
     }
+}
+
+static void kvq_ggml_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
+                                  int64_t r0, int64_t r1, const float* q, float* out)
+{
+    (void)side;
+    if (p->bits == 4)
+        kvq_ggml_dot_portable_q(p, codes, r0, r1, q, out, 1);
+    else
+        kvq_ggml_dot_portable_q(p, codes, r0, r1, q, out, 0);
+}
+
+static void kvq_ggml_axpy_portable(const kvq_params* p, const uint8_t* codes, const float* side,
+                                   int64_t r0, int64_t r1, const float* w, float* acc)
+{
+    (void)side;
+    if (p->bits == 4)
+        kvq_ggml_axpy_portable_q(p, codes, r0, r1, w, acc, 1);
+    else
+        kvq_ggml_axpy_portable_q(p, codes, r0, r1, w, acc, 0);
 }
 
 #if KVQ_HAVE_X86_SIMD

@@ -40,6 +40,8 @@ static void kvq_e4m3_init(void)
     for (c = 0; c < 256; c++) kvq_e4m3_lut[c] = kvq_e4m3_value((uint8_t)c);
 }
 
+/* The portable path reads the values from a table: on the CPUs it is for, a table load per code
+ * is faster than the integer decode (which compilers do not vectorize well here). */
 static void kvq_kv8_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
                                  int64_t r0, int64_t r1, const float* q, float* out)
 {

@@ -38,20 +38,95 @@ static inline void kvq_tq_unpack(const uint8_t* src, int64_t n, int bits, uint8_
     }
 }
 
-#define KVQ_TQ_BLOCK 256   /* codes unpacked at a time by the portable path */
+#define KVQ_TQ_BLOCK 256   /* codes unpacked at a time by the portable path's narrow rows */
 
 /* Lookup tables of a codebook, built once per consumer call: table[e] = levels[e mod 2**bits]
- * (so any byte whose low bits are the code indexes it), and its four byte planes. */
-static void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes)
+ * (so any byte whose low bits are the code indexes it), its four byte planes, and for 1, 2 and 4
+ * bits the 8/b levels of the codes held by byte e (byte_levels[(8/b) e + k], code k of the byte). */
+static void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes,
+                           float* byte_levels)
 {
+    const int per_byte = 8 / bits, mask = (1 << bits) - 1;
     int e, k;
     for (e = 0; e < 256; e++) {
         uint32_t u;
-        table[e] = levels[e & ((1 << bits) - 1)];
+        table[e] = levels[e & mask];
         memcpy(&u, &table[e], 4);
         for (k = 0; k < 4; k++) planes[256 * k + e] = (uint8_t)(u >> (8 * k));
+        if (bits == 1 || bits == 2 || bits == 4)
+            for (k = 0; k < per_byte; k++)
+                byte_levels[per_byte * e + k] = levels[(e >> (bits * k)) & mask];
     }
 }
+
+/* The levels of the 16 codes of one group (2b bytes at g) into v[16], in element order. Written
+ * as fixed-size loops (b is a constant at every call) that compilers vectorize on any ISA. */
+KVQ_INLINE void kvq_tq_values16(const kvq_params* p, const uint8_t* g, float* v, const int b)
+{
+    int j;
+    if (b == 1 || b == 2 || b == 4) {   /* one table row per byte: 8/b levels */
+        const int per = 8 / b;
+        for (j = 0; j < 2 * b; j++) memcpy(v + per * j, p->byte_levels + per * g[j], 4 * per);
+    } else if (b == 8) {
+        for (j = 0; j < 16; j++) v[j] = p->levels[g[j]];
+    } else {
+        for (j = 0; j < 16; j++) {
+            const int bit = b * j, o = bit >> 3;
+            /* the code's bits lie in bytes o and o + 1 of the group (never past it) */
+            const uint32_t w = (uint32_t)g[o] | (o + 1 < 2 * b ? (uint32_t)g[o + 1] << 8 : 0u);
+            v[j] = p->levels[(w >> (bit & 7)) & ((1u << b) - 1u)];
+        }
+    }
+}
+
+KVQ_INLINE void kvq_tq_dot_portable_b(const kvq_params* p, const uint8_t* codes, const float* side,
+                                      int64_t r0, int64_t r1, const float* q, float* out,
+                                      const int b)
+{
+    const int64_t n = p->dim;
+    float acc[16], v[16];
+    int64_t t, i;
+    int j;
+    for (t = r0; t < r1; t++) {
+        const uint8_t* g = codes + t * p->code_bytes;
+        kvq_zero16(acc);
+        for (i = 0; i < n; i += 16, g += 2 * b) {
+            kvq_tq_values16(p, g, v, b);
+            for (j = 0; j < 16; j++) acc[j] = acc[j] + q[i + j] * v[j];
+        }
+        out[t] = kvq_tree16(acc) * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+    }
+}
+
+KVQ_INLINE void kvq_tq_axpy_portable_b(const kvq_params* p, const uint8_t* codes,
+                                       const float* side, int64_t r0, int64_t r1, const float* w,
+                                       float* acc, const int b)
+{
+    const int64_t n = p->dim;
+    float v[16];
+    int64_t t, i;
+    int j;
+    for (t = r0; t < r1; t++) {
+        const uint8_t* g = codes + t * p->code_bytes;
+        const float ct = w[t] * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        for (i = 0; i < n; i += 16, g += 2 * b) {
+            kvq_tq_values16(p, g, v, b);
+            for (j = 0; j < 16; j++) acc[i + j] = acc[i + j] + ct * v[j];
+        }
+    }
+}
+
+#define KVQ_TQ_PORTABLE_DISPATCH(BODY, ...)                  \
+    switch (p->bits) {                                       \
+    case 1: BODY(__VA_ARGS__, 1); break;                     \
+    case 2: BODY(__VA_ARGS__, 2); break;                     \
+    case 3: BODY(__VA_ARGS__, 3); break;                     \
+    case 4: BODY(__VA_ARGS__, 4); break;                     \
+    case 5: BODY(__VA_ARGS__, 5); break;                     \
+    case 6: BODY(__VA_ARGS__, 6); break;                     \
+    case 7: BODY(__VA_ARGS__, 7); break;                     \
+    default: BODY(__VA_ARGS__, 8); break;                    \
+    }
 
 static void kvq_tq_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
                                 int64_t r0, int64_t r1, const float* q, float* out)
@@ -63,7 +138,11 @@ static void kvq_tq_dot_portable(const kvq_params* p, const uint8_t* codes, const
     float acc[16];
     int64_t t, i0, i, m;
     int j;
-    for (t = r0; t < r1; t++) {
+    if (n % 16 == 0) {
+        KVQ_TQ_PORTABLE_DISPATCH(kvq_tq_dot_portable_b, p, codes, side, r0, r1, q, out)
+        return;
+    }
+    for (t = r0; t < r1; t++) {   /* widths 2, 4, 8 */
         const uint8_t* row = codes + t * p->code_bytes;
         kvq_zero16(acc);
         for (i0 = 0; i0 < n; i0 += KVQ_TQ_BLOCK) {   /* KVQ_TQ_BLOCK * b bits: whole bytes */
@@ -85,6 +164,10 @@ static void kvq_tq_axpy_portable(const kvq_params* p, const uint8_t* codes, cons
     const int b = p->bits;
     uint8_t c[KVQ_TQ_BLOCK];
     int64_t t, i0, i, m;
+    if (n % 16 == 0) {
+        KVQ_TQ_PORTABLE_DISPATCH(kvq_tq_axpy_portable_b, p, codes, side, r0, r1, w, acc)
+        return;
+    }
     for (t = r0; t < r1; t++) {
         const uint8_t* row = codes + t * p->code_bytes;
         const float ct = w[t] * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);

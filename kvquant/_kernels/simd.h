@@ -48,6 +48,14 @@
 #define KVQ_HAVE_X86_SIMD 0
 #endif
 
+/* Inlined into its caller whatever the compiler's judgement: constant arguments (a bit width,
+ * a row count) then make the loops fixed-size ones that the compiler vectorizes. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_INLINE static inline __attribute__((always_inline))
+#else
+#define KVQ_INLINE static inline
+#endif
+
 /* Instruction-set levels (a Python-visible enum). 3 differs from 2 only where a kernel has a
  * VBMI variant (6-, 7- and 8-bit tq). */
 #define KVQ_SIMD_PORTABLE 0
@@ -91,6 +99,7 @@ typedef struct {
     const float* levels;  /* tq: 2**bits levels in N(0,1) units */
     const float* table;   /* tq: 256 levels indexed by any byte whose low bits are the code */
     const uint8_t* planes;/* tq: byte k of table[e] at planes[256 k + e] */
+    const float* byte_levels; /* tq, 1, 2 or 4 bits: the 8/b levels of byte e at (8/b) e .. */
     int vbmi;             /* the CPU has AVX-512 VBMI and the caller allows it */
     const void* codec;    /* polar: its kvq_polar_layout (polarops.h) */
 } kvq_params;
