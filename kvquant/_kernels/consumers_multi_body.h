@@ -83,9 +83,11 @@ KVQ_MQ_TARGET static void KVQ_MQ(f32_dotm)(const kvq_params* p, const uint8_t* c
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(f32_axpy_rows)(const kvq_params* p,
                                                                 const uint8_t* codes, int64_t t,
                                                                 const float* W, int64_t ldw,
-                                                                int m, float* acc, const int R)
+                                                                int m_, float* acc, const int R,
+                                                                const int M)
 {
     const int64_t n = p->dim, stride = p->code_bytes / 4;
+    const int m = M ? M : m_;   /* M: a compile-time query count (0: m_ at run time) */
     const float* x = (const float*)codes + t * stride;
     MV a, v[4];
     int64_t i;
@@ -111,8 +113,14 @@ KVQ_MQ_TARGET static void KVQ_MQ(f32_axpym)(const kvq_params* p, const uint8_t* 
         KVQ_MQ_FALLBACK(f32_axpym)(p, codes, side, r0, r1, W, ldw, m, acc);
         return;
     }
-#define KVQ_MQ_CALL(R, t) KVQ_MQ(f32_axpy_rows)(p, codes, t, W, ldw, m, acc, R)
-    KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+#define KVQ_MQ_CALL(R, t) KVQ_MQ(f32_axpy_rows)(p, codes, t, W, ldw, m, acc, R, M_)
+    if (m == 1) {
+        const int M_ = 1;
+        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+    } else {
+        const int M_ = 0;
+        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+    }
 #undef KVQ_MQ_CALL
 }
 
@@ -212,10 +220,12 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_axpy_rows)(const kvq_para
                                                                 const uint8_t* codes,
                                                                 const float* side, int64_t t,
                                                                 const float* W, int64_t ldw,
-                                                                int m, float* acc, const int R)
+                                                                int m_, float* acc, const int R,
+                                                                const int M)
 {
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, G = p->group;
     const int64_t steps_per_group = G / 16;
+    const int m = M ? M : m_;   /* M: a compile-time query count (0: m_ at run time) */
     const uint8_t* c = codes + t * cb;
     const float* s = side + t * ns;
     float cf[4 * KVQ_MQ_MAX], cfr[4 * KVQ_MQ_MAX];
@@ -268,8 +278,14 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* 
         const float* Wj = W + j0 * ldw;
         float* aj = acc + j0 * p->dim;
         mm = m - j0 < KVQ_MQ_MAX ? m - j0 : KVQ_MQ_MAX;
-#define KVQ_MQ_CALL(R, t) KVQ_MQ(kv8_axpy_rows)(p, codes, side, t, Wj, ldw, mm, aj, R)
-        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+#define KVQ_MQ_CALL(R, t) KVQ_MQ(kv8_axpy_rows)(p, codes, side, t, Wj, ldw, mm, aj, R, M_)
+        if (mm == 1) {
+            const int M_ = 1;
+            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        } else {
+            const int M_ = 0;
+            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        }
 #undef KVQ_MQ_CALL
     }
 }
@@ -339,10 +355,12 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_rows)(const kvq_param
                                                                const float* side, int64_t t,
                                                                const MV_TQ_CONSTS* K,
                                                                const float* W, int64_t ldw,
-                                                               int m, float* acc, const int R,
-                                                               const int b, const int wide)
+                                                               int m_, float* acc, const int R,
+                                                               const int M, const int b,
+                                                               const int wide)
 {
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, gb = 2 * b;
+    const int m = M ? M : m_;   /* M: a compile-time query count (0: m_ at run time) */
     const uint8_t* c = codes + t * cb;
     float cf[4 * KVQ_MQ_MAX];
     MV a, v[4];
@@ -380,10 +398,16 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_bits)(const kvq_param
         mm = m - j0 < KVQ_MQ_MAX ? m - j0 : KVQ_MQ_MAX;
 #define KVQ_MQ_CALL(R, t)                                                                    \
         if ((t) + (R) <= wide_end)                                                           \
-            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj, R, b, 1);           \
+            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj, R, M_, b, 1);       \
         else                                                                                 \
-            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj, R, b, 0)
-        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj, R, M_, b, 0)
+        if (mm == 1) {
+            const int M_ = 1;
+            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        } else {
+            const int M_ = 0;
+            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        }
 #undef KVQ_MQ_CALL
     }
 }
