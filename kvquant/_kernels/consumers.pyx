@@ -58,40 +58,14 @@ cdef extern from "simd.h":
     int KVQ_SIMD_AVX512
     int KVQ_SIMD_AVX512VBMI
 
-cdef extern from "consumers_f32.h":
-    void kvq_f32_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
-    void kvq_f32_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                               const float*, float*) noexcept nogil
-    void kvq_f32_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                            const float*, float*) noexcept nogil
-    void kvq_f32_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
-
 cdef extern from "consumers_kv8.h":
     void kvq_e4m3_init() noexcept nogil
     float kvq_e4m3_value(uint8_t c) noexcept nogil
-    void kvq_kv8_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
-    void kvq_kv8_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                               const float*, float*) noexcept nogil
-    void kvq_kv8_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                            const float*, float*) noexcept nogil
-    void kvq_kv8_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
 
 cdef extern from "consumers_tq.h":
     void kvq_tq_init() noexcept nogil
     void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes,
                         float* byte_levels) noexcept nogil
-    void kvq_tq_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
-    void kvq_tq_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
-    void kvq_tq_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                           const float*, float*) noexcept nogil
-    void kvq_tq_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                            const float*, float*) noexcept nogil
 
 from kvquant._kernels._polarops cimport kvq_polar_layout, polar_layout
 
@@ -106,16 +80,6 @@ cdef extern from "consumers_polar.h":
                               const float*, float*) noexcept nogil
     void kvq_polar_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                                const float*, float*) noexcept nogil
-
-cdef extern from "consumers_ggml.h":
-    void kvq_ggml_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                               const float*, float*) noexcept nogil
-    void kvq_ggml_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t,
-                                int64_t, const float*, float*) noexcept nogil
-    void kvq_ggml_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
-    void kvq_ggml_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
 
 cdef extern from "consumers_multi.h":
     # the multi-query kernels, per family and path (C functions used as pointers)
