@@ -5,6 +5,9 @@ accepts ``-fopenmp`` (probed below); without it the kernels build and run single
 Flags: ``-O3``, never ``-ffast-math`` (NaN handling and rounding are part of the formats) and
 ``-ffp-contract=off`` (no silent FMA: the same rounding with or without -march=native).
 Set ``KVQUANT_NATIVE=1`` to add ``-march=native`` (faster on the build machine, not portable).
+Set ``KVQUANT_MARCH=<cpu>`` to add ``-march=<cpu>`` instead, e.g. ``KVQUANT_MARCH=x86-64-v2``
+(SSE4.2, no AVX) to measure the consumers' portable path as a CPU without AVX2 or AVX-512 runs it
+(run it with ``KVQUANT_SIMD=portable``: the AVX2 and AVX-512 kernels carry their own targets).
 """
 import os
 import shutil
@@ -46,8 +49,13 @@ class BuildExt(build_ext):
         )
         # no contraction into FMA: results must not depend on -march (and match the numpy references)
         extra_compile = ["-O3", "-fno-fast-math", "-ffp-contract=off"]
+        march = os.environ.get("KVQUANT_MARCH", "").strip()
         if os.environ.get("KVQUANT_NATIVE") == "1":
-            extra_compile.append("-march=native")
+            if march:
+                sys.exit("kvquant: set KVQUANT_NATIVE=1 or KVQUANT_MARCH, not both")
+            march = "native"
+        if march:
+            extra_compile.append(f"-march={march}")
         extra_link = []
         if use_openmp:
             extra_compile.append("-fopenmp")

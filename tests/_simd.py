@@ -1,13 +1,14 @@
 """The consumers' SIMD paths in tests: which this CPU runs, switching between them, and the
-check that they all give the same bits (a portable path and AVX-512 ones, one result)."""
+check that they all give the same bits (a portable path, AVX2 and AVX-512 ones, one result)."""
 import numpy as np
 import pytest
 
 from kvquant._kernels import consumers
 
 # every path this CPU can run; they must all give the same bits
-PATHS = {"portable": ["portable"], "avx512": ["portable", "avx512"],
-         "avx512vbmi": ["portable", "avx512", "avx512vbmi"]}[consumers.cpu_simd()]
+PATHS = {"portable": ["portable"], "avx2": ["portable", "avx2"],
+         "avx512": ["portable", "avx2", "avx512"],
+         "avx512vbmi": ["portable", "avx2", "avx512", "avx512vbmi"]}[consumers.cpu_simd()]
 
 
 @pytest.fixture

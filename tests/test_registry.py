@@ -138,4 +138,4 @@ def test_bad_simd_environment_fails_the_import_by_name():
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
     assert "KVQUANT_SIMD='sse9' is not valid" in last
-    assert "auto, portable, avx512 or avx512vbmi" in last
+    assert "auto, portable, avx2, avx512 or avx512vbmi" in last

@@ -1,8 +1,10 @@
 # Compressed-domain attention consumers: scores s_t = q . x^_t and contexts sum_t w_t x^_t, read
 # straight from the stored codes and side values; the cache is never decoded (DESIGN.md, Kernels).
 #
-# Each codec family brings two row kernels (C, in consumers_<family>.h: a portable version and an
-# AVX-512 one, chosen at run time); this module runs them over the rows in parallel:
+# Each codec family brings row kernels (C, in consumers_<family>.h: a portable version, an AVX2
+# and an AVX-512 one, chosen at run time; f32, kv8, tq and the ggml blocks also have multi-query
+# kernels, consumers_multi.h, that read each row once for all the queries of a call); this module
+# runs them over the rows in parallel:
 #   scores:  rows in blocks, one prange iteration per block; each score is one row's own sum.
 #   context: rows in chunks of CONTEXT_CHUNK (a constant, not a function of the thread count); each
 #            chunk sums its rows in order into its own partial vector, and the partials are added
@@ -10,6 +12,7 @@
 #            and AVX-512 paths agree bit for bit (the reduction order is defined in simd.h).
 # Kernels never validate; kvquant.codecs does.
 import os
+import sys
 
 import numpy as np
 
@@ -33,6 +36,7 @@ cdef extern from "simd.h":
         const float* levels
         const float* table
         const uint8_t* planes
+        const float* byte_levels
         int vbmi
         const void* codec
     ctypedef void (*kvq_dot_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
@@ -41,46 +45,27 @@ cdef extern from "simd.h":
     ctypedef void (*kvq_axpy_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
                                  int64_t r0, int64_t r1, const float* w,
                                  float* acc) noexcept nogil
+    ctypedef void (*kvq_dotm_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                                 int64_t r0, int64_t r1, const float* Q, int m, float* out,
+                                 int64_t ldo) noexcept nogil
+    ctypedef void (*kvq_axpym_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                                  int64_t r0, int64_t r1, const float* W, int64_t ldw, int m,
+                                  float* acc) noexcept nogil
     int kvq_cpu_simd_level() noexcept nogil
     int kvq_compiled_simd_level() noexcept nogil
     int KVQ_SIMD_PORTABLE
+    int KVQ_SIMD_AVX2
     int KVQ_SIMD_AVX512
     int KVQ_SIMD_AVX512VBMI
-
-cdef extern from "consumers_f32.h":
-    void kvq_f32_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
-    void kvq_f32_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                               const float*, float*) noexcept nogil
-    void kvq_f32_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                            const float*, float*) noexcept nogil
-    void kvq_f32_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
 
 cdef extern from "consumers_kv8.h":
     void kvq_e4m3_init() noexcept nogil
     float kvq_e4m3_value(uint8_t c) noexcept nogil
-    void kvq_kv8_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
-    void kvq_kv8_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                               const float*, float*) noexcept nogil
-    void kvq_kv8_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                            const float*, float*) noexcept nogil
-    void kvq_kv8_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
 
 cdef extern from "consumers_tq.h":
     void kvq_tq_init() noexcept nogil
-    void kvq_tq_prepare(const float* levels, int bits, float* table,
-                        uint8_t* planes) noexcept nogil
-    void kvq_tq_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
-    void kvq_tq_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
-    void kvq_tq_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                           const float*, float*) noexcept nogil
-    void kvq_tq_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                            const float*, float*) noexcept nogil
+    void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes,
+                        float* byte_levels) noexcept nogil
 
 from kvquant._kernels._polarops cimport kvq_polar_layout, polar_layout
 
@@ -96,15 +81,34 @@ cdef extern from "consumers_polar.h":
     void kvq_polar_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                                const float*, float*) noexcept nogil
 
-cdef extern from "consumers_ggml.h":
-    void kvq_ggml_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                               const float*, float*) noexcept nogil
-    void kvq_ggml_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t,
-                                int64_t, const float*, float*) noexcept nogil
-    void kvq_ggml_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                             const float*, float*) noexcept nogil
-    void kvq_ggml_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
-                              const float*, float*) noexcept nogil
+cdef extern from "consumers_multi.h":
+    # the multi-query kernels, per family and path (C functions used as pointers)
+    kvq_dotm_fn _f32_dotm_portable "kvq_f32_dotm_portable"
+    kvq_axpym_fn _f32_axpym_portable "kvq_f32_axpym_portable"
+    kvq_dotm_fn _f32_dotm_avx2 "kvq_f32_dotm_avx2"
+    kvq_axpym_fn _f32_axpym_avx2 "kvq_f32_axpym_avx2"
+    kvq_dotm_fn _f32_dotm_avx512 "kvq_f32_dotm_avx512"
+    kvq_axpym_fn _f32_axpym_avx512 "kvq_f32_axpym_avx512"
+    kvq_dotm_fn _kv8_dotm_portable "kvq_kv8_dotm_portable"
+    kvq_axpym_fn _kv8_axpym_portable "kvq_kv8_axpym_portable"
+    kvq_dotm_fn _kv8_dotm_avx2 "kvq_kv8_dotm_avx2"
+    kvq_axpym_fn _kv8_axpym_avx2 "kvq_kv8_axpym_avx2"
+    kvq_dotm_fn _kv8_dotm_avx512 "kvq_kv8_dotm_avx512"
+    kvq_axpym_fn _kv8_axpym_avx512 "kvq_kv8_axpym_avx512"
+    kvq_dotm_fn _tq_dotm_portable "kvq_tq_dotm_portable"
+    kvq_axpym_fn _tq_axpym_portable "kvq_tq_axpym_portable"
+    kvq_dotm_fn _tq_dotm_avx2 "kvq_tq_dotm_avx2"
+    kvq_axpym_fn _tq_axpym_avx2 "kvq_tq_axpym_avx2"
+    kvq_dotm_fn _tq_dotm_avx512 "kvq_tq_dotm_avx512"
+    kvq_axpym_fn _tq_axpym_avx512 "kvq_tq_axpym_avx512"
+    kvq_dotm_fn _tq_dotm_avx512vbmi "kvq_tq_dotm_avx512vbmi"
+    kvq_axpym_fn _tq_axpym_avx512vbmi "kvq_tq_axpym_avx512vbmi"
+    kvq_dotm_fn _ggml_dotm_portable "kvq_ggml_dotm_portable"
+    kvq_axpym_fn _ggml_axpym_portable "kvq_ggml_axpym_portable"
+    kvq_dotm_fn _ggml_dotm_avx2 "kvq_ggml_dotm_avx2"
+    kvq_axpym_fn _ggml_axpym_avx2 "kvq_ggml_axpym_avx2"
+    kvq_dotm_fn _ggml_dotm_avx512 "kvq_ggml_dotm_avx512"
+    kvq_axpym_fn _ggml_axpym_avx512 "kvq_ggml_axpym_avx512"
 
 kvq_e4m3_init()
 kvq_tq_init()
@@ -129,13 +133,13 @@ cdef inline int _threads_for(int64_t work, int n_threads) noexcept nogil:
     return <int>useful if useful < n_threads else n_threads
 
 # -- which instruction set runs ----------------------------------------------------------------
-SIMD_NAMES = {0: "portable", 2: "avx512", 3: "avx512vbmi"}
+SIMD_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512vbmi"}
 cdef int _cpu_level = kvq_cpu_simd_level() if kvq_compiled_simd_level() else 0
 cdef int _level = _cpu_level
 
 
 def cpu_simd():
-    """The best path this CPU and build can run: ``"avx512vbmi"``, ``"avx512"`` or
+    """The best path this CPU and build can run: ``"avx512vbmi"``, ``"avx512"``, ``"avx2"`` or
     ``"portable"``."""
     return SIMD_NAMES[_cpu_level]
 
@@ -146,15 +150,16 @@ def get_simd():
 
 
 def set_simd(mode):
-    """Choose the path: ``"auto"`` (the best available), ``"portable"``, ``"avx512"`` or
-    ``"avx512vbmi"`` (AVX-512 plus byte permutes, used by 6- to 8-bit tq).
+    """Choose the path: ``"auto"`` (the best available), ``"portable"``, ``"avx2"`` (AVX2 and
+    F16C, no FMA; polar runs its portable kernels there), ``"avx512"`` or ``"avx512vbmi"``
+    (AVX-512 plus byte permutes, used by 6- to 8-bit tq).
 
     Every path gives the same bits; forcing one is for tests and benchmarks. Returns the previous
     path's name. The environment variable ``KVQUANT_SIMD`` sets the initial mode.
     """
     global _level
     previous = SIMD_NAMES[_level]
-    levels = {"portable": KVQ_SIMD_PORTABLE, "avx512": KVQ_SIMD_AVX512,
+    levels = {"portable": KVQ_SIMD_PORTABLE, "avx2": KVQ_SIMD_AVX2, "avx512": KVQ_SIMD_AVX512,
               "avx512vbmi": KVQ_SIMD_AVX512VBMI}
     if mode == "auto":
         _level = _cpu_level
@@ -169,16 +174,22 @@ def set_simd(mode):
 
 
 def _simd_from_environment():
-    """Apply ``KVQUANT_SIMD`` (unset or empty: auto); a value that is not a path this CPU runs
-    stops the import with a message naming the variable and the values it takes."""
+    """Apply ``KVQUANT_SIMD`` (unset or empty: auto). A value that is not a path this CPU runs
+    stops the import with a message naming the variable and the values it takes; under the
+    ``kvquant`` command (which cannot catch an error raised while its own package is imported)
+    the message is one line on stderr and the exit status 2, as for any bad input."""
     mode = os.environ.get("KVQUANT_SIMD", "") or "auto"
     try:
         set_simd(mode.strip().lower())
     except ValueError as exc:
-        raise ImportError(
+        message = (
             f"environment variable KVQUANT_SIMD={mode!r} is not valid: it takes auto, portable, "
-            f"avx512 or avx512vbmi, and this CPU runs up to {SIMD_NAMES[_cpu_level]!r} ({exc}); "
-            "unset it for the automatic choice") from None
+            f"avx2, avx512 or avx512vbmi, and this CPU runs up to {SIMD_NAMES[_cpu_level]!r} "
+            f"({exc}); unset it for the automatic choice")
+        if os.path.basename(sys.argv[0] if sys.argv else "") == "kvquant":
+            print(f"kvquant: {message}", file=sys.stderr)
+            raise SystemExit(2)
+        raise ImportError(message) from None
 
 
 _simd_from_environment()
@@ -211,8 +222,7 @@ cdef void _run_context(kvq_axpy_fn fn, const kvq_params* p, const uint8_t* codes
                        int n_threads) noexcept nogil:
     cdef int64_t T = p.n_rows, m = W.shape[0], d = p.dim
     cdef int64_t n_chunks = (T + _CONTEXT_CHUNK - 1) // _CONTEXT_CHUNK
-    cdef int64_t n_eblocks = (d + _MERGE_BLOCK - 1) // _MERGE_BLOCK
-    cdef int64_t c, j, r0, r1, s, e, k, i, i0, i1
+    cdef int64_t c, j, r0, r1, s, e
     if m == 0:
         return
     if T == 0:
@@ -229,7 +239,71 @@ cdef void _run_context(kvq_axpy_fn fn, const kvq_params* p, const uint8_t* codes
             for j in range(m):
                 fn(p, codes, side, s, e, &W[j, 0], &partial[c, j, 0])
             s = e
-    # chunk partials added in chunk order, element by element
+    _merge_partials(partial, out, n_chunks, n_threads)
+
+
+cdef inline kvq_dotm_fn _pick_dotm(kvq_dotm_fn portable, kvq_dotm_fn avx2,
+                                   kvq_dotm_fn avx512) noexcept nogil:
+    return avx512 if _level >= KVQ_SIMD_AVX512 else avx2 if _level == KVQ_SIMD_AVX2 else portable
+
+
+cdef inline kvq_axpym_fn _pick_axpym(kvq_axpym_fn portable, kvq_axpym_fn avx2,
+                                     kvq_axpym_fn avx512) noexcept nogil:
+    return avx512 if _level >= KVQ_SIMD_AVX512 else avx2 if _level == KVQ_SIMD_AVX2 else portable
+
+
+cdef void _run_scores_m(kvq_dotm_fn fn, const kvq_params* p, const uint8_t* codes,
+                        const float* side,
+                        const float[:, ::1] Q,      # IN  (m, d) in the codec's basis
+                        float[:, ::1] out,          # OUT (m, T)
+                        int n_threads) noexcept nogil:
+    """_run_scores with a multi-query kernel: each block of rows is read once for all m."""
+    cdef int64_t T = p.n_rows, m = Q.shape[0]
+    cdef int64_t n_blocks = (T + _SCORE_BLOCK - 1) // _SCORE_BLOCK
+    cdef int64_t b, r0, r1
+    if T == 0 or m == 0:
+        return
+    n_threads = _threads_for(T * m * p.dim, n_threads)
+    for b in prange(n_blocks, schedule="static", num_threads=n_threads):
+        r0 = b * _SCORE_BLOCK
+        r1 = min(r0 + _SCORE_BLOCK, T)
+        fn(p, codes, side, r0, r1, &Q[0, 0], <int>m, &out[0, 0], T)
+
+
+cdef void _run_context_m(kvq_axpym_fn fn, const kvq_params* p, const uint8_t* codes,
+                         const float* side,
+                         const float[:, ::1] W,         # IN  (m, T)
+                         float[:, :, ::1] partial,      # scratch (n_chunks, m, d)
+                         float[:, ::1] out,             # OUT (m, d) in the codec's basis
+                         int n_threads) noexcept nogil:
+    """_run_context with a multi-query kernel: the same chunks, partials and merge."""
+    cdef int64_t T = p.n_rows, m = W.shape[0], d = p.dim
+    cdef int64_t n_chunks = (T + _CONTEXT_CHUNK - 1) // _CONTEXT_CHUNK
+    cdef int64_t c, r0, r1, s, e
+    if m == 0:
+        return
+    if T == 0:
+        memset(&out[0, 0], 0, m * d * sizeof(float))
+        return
+    for c in prange(n_chunks, schedule="static",
+                    num_threads=_threads_for(T * m * d, n_threads)):
+        memset(&partial[c, 0, 0], 0, m * d * sizeof(float))
+        r0 = c * _CONTEXT_CHUNK
+        r1 = min(r0 + _CONTEXT_CHUNK, T)
+        s = r0
+        while s < r1:
+            e = min(s + _SUB_BLOCK, r1)
+            fn(p, codes, side, s, e, &W[0, 0], T, <int>m, &partial[c, 0, 0])
+            s = e
+    _merge_partials(partial, out, n_chunks, n_threads)
+
+
+cdef void _merge_partials(float[:, :, ::1] partial, float[:, ::1] out, int64_t n_chunks,
+                          int n_threads) noexcept nogil:
+    """out = the chunk partials added in chunk order, element by element."""
+    cdef int64_t m = out.shape[0], d = out.shape[1]
+    cdef int64_t n_eblocks = (d + _MERGE_BLOCK - 1) // _MERGE_BLOCK
+    cdef int64_t c, j, k, i, i0, i1
     for k in prange(m * n_eblocks, schedule="static",
                     num_threads=_threads_for(n_chunks * m * d, n_threads)):
         j = k // n_eblocks
@@ -282,12 +356,12 @@ def scores_f32(const uint8_t[:, ::1] codes,   # IN  (T, 4 d) float32 rows as byt
                float[:, ::1] out,             # OUT (m, T)
                int n_threads):
     cdef kvq_params p
-    cdef kvq_dot_fn fn = kvq_f32_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_f32_dot_portable
+    cdef kvq_dotm_fn fn = _pick_dotm(_f32_dotm_portable, _f32_dotm_avx2, _f32_dotm_avx512)
     _f32_params(&p, codes)
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
     with nogil:
-        _run_scores(fn, &p, &codes[0, 0], NULL, Q, out, n_threads)
+        _run_scores_m(fn, &p, &codes[0, 0], NULL, Q, out, n_threads)
 
 
 def context_f32(const uint8_t[:, ::1] codes,  # IN  (T, 4 d)
@@ -295,15 +369,15 @@ def context_f32(const uint8_t[:, ::1] codes,  # IN  (T, 4 d)
                 float[:, ::1] out,            # OUT (m, d)
                 int n_threads):
     cdef kvq_params p
-    cdef kvq_axpy_fn fn = (kvq_f32_axpy_avx512 if _level >= KVQ_SIMD_AVX512
-                           else kvq_f32_axpy_portable)
+    cdef kvq_axpym_fn fn = _pick_axpym(_f32_axpym_portable, _f32_axpym_avx2,
+                                       _f32_axpym_avx512)
     _f32_params(&p, codes)
     if W.shape[0] == 0:
         return
     cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
     cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
     with nogil:
-        _run_context(fn, &p, c0, NULL, W, partial, out, n_threads)
+        _run_context_m(fn, &p, c0, NULL, W, partial, out, n_threads)
 
 
 # -- kv8 -----------------------------------------------------------------------------------------
@@ -329,12 +403,12 @@ def scores_kv8(const uint8_t[:, ::1] codes,   # IN  (T, d) e4m3fn codes
                float[:, ::1] out,             # OUT (m, T)
                int n_threads):
     cdef kvq_params p
-    cdef kvq_dot_fn fn = kvq_kv8_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_kv8_dot_portable
+    cdef kvq_dotm_fn fn = _pick_dotm(_kv8_dotm_portable, _kv8_dotm_avx2, _kv8_dotm_avx512)
     _kv8_params(&p, codes, scales, group)
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
     with nogil:
-        _run_scores(fn, &p, &codes[0, 0], &scales[0, 0], Q, out, n_threads)
+        _run_scores_m(fn, &p, &codes[0, 0], &scales[0, 0], Q, out, n_threads)
 
 
 def context_kv8(const uint8_t[:, ::1] codes,  # IN  (T, d)
@@ -344,8 +418,8 @@ def context_kv8(const uint8_t[:, ::1] codes,  # IN  (T, d)
                 float[:, ::1] out,            # OUT (m, d)
                 int n_threads):
     cdef kvq_params p
-    cdef kvq_axpy_fn fn = (kvq_kv8_axpy_avx512 if _level >= KVQ_SIMD_AVX512
-                           else kvq_kv8_axpy_portable)
+    cdef kvq_axpym_fn fn = _pick_axpym(_kv8_axpym_portable, _kv8_axpym_avx2,
+                                       _kv8_axpym_avx512)
     _kv8_params(&p, codes, scales, group)
     if W.shape[0] == 0:
         return
@@ -353,13 +427,13 @@ def context_kv8(const uint8_t[:, ::1] codes,  # IN  (T, d)
     cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
     cdef const float* s0 = &scales[0, 0] if p.n_rows else NULL
     with nogil:
-        _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
+        _run_context_m(fn, &p, c0, s0, W, partial, out, n_threads)
 
 
 # -- tq (rotated Lloyd) --------------------------------------------------------------------------
 cdef void _tq_params(kvq_params* p, const uint8_t[:, ::1] codes, const float[:, ::1] side,
                      const float[::1] levels, int bits, int64_t dim, float* table,
-                     uint8_t* planes):
+                     uint8_t* planes, float* byte_levels):
     memset(p, 0, sizeof(kvq_params))
     p.n_rows = codes.shape[0]
     p.dim = dim
@@ -369,9 +443,10 @@ cdef void _tq_params(kvq_params* p, const uint8_t[:, ::1] codes, const float[:, 
     p.sqrtf_n = sqrtf(<float>dim)
     p.levels = &levels[0]
     p.vbmi = _level >= KVQ_SIMD_AVX512VBMI
-    kvq_tq_prepare(&levels[0], bits, table, planes)
+    kvq_tq_prepare(&levels[0], bits, table, planes, byte_levels)
     p.table = table
     p.planes = planes
+    p.byte_levels = byte_levels
 
 
 def scores_tq(const uint8_t[:, ::1] codes,    # IN  (T, ceil(n*bits/8))
@@ -386,14 +461,17 @@ def scores_tq(const uint8_t[:, ::1] codes,    # IN  (T, ceil(n*bits/8))
     cdef kvq_params p
     cdef float table[256]
     cdef uint8_t planes[1024]
-    cdef kvq_dot_fn fn = kvq_tq_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_tq_dot_portable
-    _tq_params(&p, codes, side, levels, bits, Q.shape[1], table, planes)
+    cdef float byte_levels[2048]
+    cdef kvq_dotm_fn fn = _pick_dotm(_tq_dotm_portable, _tq_dotm_avx2,
+                                     _tq_dotm_avx512vbmi if _level >= KVQ_SIMD_AVX512VBMI
+                                     else _tq_dotm_avx512)
+    _tq_params(&p, codes, side, levels, bits, Q.shape[1], table, planes, byte_levels)
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
     cdef float[:, ::1] Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
     with nogil:
         _rotate_rows(Q, signs, Qrot, n_threads)
-        _run_scores(fn, &p, &codes[0, 0], &side[0, 0], Qrot, out, n_threads)
+        _run_scores_m(fn, &p, &codes[0, 0], &side[0, 0], Qrot, out, n_threads)
 
 
 def context_tq(const uint8_t[:, ::1] codes,   # IN  (T, ceil(n*bits/8))
@@ -408,16 +486,19 @@ def context_tq(const uint8_t[:, ::1] codes,   # IN  (T, ceil(n*bits/8))
     cdef kvq_params p
     cdef float table[256]
     cdef uint8_t planes[1024]
-    cdef kvq_axpy_fn fn = (kvq_tq_axpy_avx512 if _level >= KVQ_SIMD_AVX512
-                           else kvq_tq_axpy_portable)
-    _tq_params(&p, codes, side, levels, bits, out.shape[1], table, planes)
+    cdef float byte_levels[2048]
+    cdef kvq_axpym_fn fn = _pick_axpym(_tq_axpym_portable, _tq_axpym_avx2,
+                                       _tq_axpym_avx512vbmi if _level >= KVQ_SIMD_AVX512VBMI
+                                       else _tq_axpym_avx512)
+    _tq_params(&p, codes, side, levels, bits, out.shape[1], table, planes,
+               byte_levels)
     if W.shape[0] == 0:
         return
     cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
     cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
     cdef const float* s0 = &side[0, 0] if p.n_rows else NULL
     with nogil:
-        _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
+        _run_context_m(fn, &p, c0, s0, W, partial, out, n_threads)
         _unrotate_rows_inplace(out, signs, n_threads)
 
 
@@ -439,8 +520,7 @@ def scores_ggml(const uint8_t[:, ::1] codes,   # IN  (T, (n/32) * block bytes)
                 int n_threads):
     """The block scale is factored out of each block's partial sum."""
     cdef kvq_params p
-    cdef kvq_dot_fn fn = (kvq_ggml_dot_avx512 if _level >= KVQ_SIMD_AVX512
-                          else kvq_ggml_dot_portable)
+    cdef kvq_dotm_fn fn = _pick_dotm(_ggml_dotm_portable, _ggml_dotm_avx2, _ggml_dotm_avx512)
     _ggml_params(&p, codes, bits, Q.shape[1])
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
@@ -452,7 +532,7 @@ def scores_ggml(const uint8_t[:, ::1] codes,   # IN  (T, (n/32) * block bytes)
             _rotate_rows(Q, signs, Qrot, n_threads)
         Qb = Qrot
     with nogil:
-        _run_scores(fn, &p, &codes[0, 0], NULL, Qb, out, n_threads)
+        _run_scores_m(fn, &p, &codes[0, 0], NULL, Qb, out, n_threads)
 
 
 def context_ggml(const uint8_t[:, ::1] codes,  # IN  (T, (n/32) * block bytes)
@@ -464,15 +544,15 @@ def context_ggml(const uint8_t[:, ::1] codes,  # IN  (T, (n/32) * block bytes)
                  int n_threads):
     """The block scale is folded into the weight."""
     cdef kvq_params p
-    cdef kvq_axpy_fn fn = (kvq_ggml_axpy_avx512 if _level >= KVQ_SIMD_AVX512
-                           else kvq_ggml_axpy_portable)
+    cdef kvq_axpym_fn fn = _pick_axpym(_ggml_axpym_portable, _ggml_axpym_avx2,
+                                       _ggml_axpym_avx512)
     _ggml_params(&p, codes, bits, out.shape[1])
     if W.shape[0] == 0:
         return
     cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
     cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
     with nogil:
-        _run_context(fn, &p, c0, NULL, W, partial, out, n_threads)
+        _run_context_m(fn, &p, c0, NULL, W, partial, out, n_threads)
         if rotate:
             _unrotate_rows_inplace(out, signs, n_threads)
 

@@ -34,54 +34,81 @@ static inline float kvq_fp16_value(const uint8_t* b)
     return f;
 }
 
-static inline float kvq_ggml_value(const uint8_t* blk, int j, int q4)
+/* The 32 values of a block into v (fixed-size loops that compilers vectorize). */
+KVQ_INLINE void kvq_ggml_values32(const uint8_t* blk, float* v, const int q4)
 {
-    if (!q4)
-        return (float)(int8_t)blk[2 + j];
-    return (float)((j < 16 ? (blk[2 + j] & 0x0F) : (blk[2 + j - 16] >> 4)) - 8);
+    int j;
+    if (q4)
+        for (j = 0; j < 16; j++) {
+            v[j] = (float)((int)(blk[2 + j] & 0x0F) - 8);
+            v[16 + j] = (float)((int)(blk[2 + j] >> 4) - 8);
+        }
+    else
+        for (j = 0; j < 32; j++) v[j] = (float)(int8_t)blk[2 + j];
 }
 
-static void kvq_ggml_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
-                                  int64_t r0, int64_t r1, const float* q, float* out)
+KVQ_INLINE void kvq_ggml_dot_portable_q(const kvq_params* p, const uint8_t* codes,
+                                        int64_t r0, int64_t r1, const float* q, float* out,
+                                        const int q4)
 {
-    const int64_t nb = p->dim / KVQ_GGML_BLOCK;
-    const int q4 = p->bits == 4, bb = q4 ? 18 : 34;
-    float acc[16], part[16];
+    const int64_t nb = p->dim / KVQ_GGML_BLOCK, bb = q4 ? 18 : 34;
+    float acc[16], part[16], v[32];
     int64_t t, b;
-    int j, s;
-    (void)side;
+    int j;
     for (t = r0; t < r1; t++) {
         const uint8_t* row = codes + t * p->code_bytes;
         kvq_zero16(acc);
         for (b = 0; b < nb; b++) {
             const uint8_t* blk = row + b * bb;
             const float d = kvq_fp16_value(blk);
-            kvq_zero16(part);
-            for (s = 0; s < 2; s++)
-                for (j = 0; j < 16; j++)
-                    part[j] = part[j] + q[32 * b + 16 * s + j] * kvq_ggml_value(blk, 16 * s + j, q4);
+            const float* qb = q + 32 * b;
+            kvq_ggml_values32(blk, v, q4);
+            for (j = 0; j < 16; j++) part[j] = 0.0f + qb[j] * v[j];   /* from +0 */
+            for (j = 0; j < 16; j++) part[j] = part[j] + qb[16 + j] * v[16 + j];
             for (j = 0; j < 16; j++) acc[j] = acc[j] + part[j] * d;
         }
         out[t] = kvq_tree16(acc);
     }
 }
 
-static void kvq_ggml_axpy_portable(const kvq_params* p, const uint8_t* codes, const float* side,
-                                   int64_t r0, int64_t r1, const float* w, float* acc)
+KVQ_INLINE void kvq_ggml_axpy_portable_q(const kvq_params* p, const uint8_t* codes,
+                                         int64_t r0, int64_t r1, const float* w, float* acc,
+                                         const int q4)
 {
-    const int64_t nb = p->dim / KVQ_GGML_BLOCK;
-    const int q4 = p->bits == 4, bb = q4 ? 18 : 34;
+    const int64_t nb = p->dim / KVQ_GGML_BLOCK, bb = q4 ? 18 : 34;
+    float v[32];
     int64_t t, b;
     int j;
-    (void)side;
     for (t = r0; t < r1; t++) {
         const uint8_t* row = codes + t * p->code_bytes;
         for (b = 0; b < nb; b++) {
             const uint8_t* blk = row + b * bb;
             const float c = w[t] * kvq_fp16_value(blk);
-            for (j = 0; j < 32; j++) acc[32 * b + j] = acc[32 * b + j] + c * kvq_ggml_value(blk, j, q4);
+            float* a = acc + 32 * b;
+            kvq_ggml_values32(blk, v, q4);
+            for (j = 0; j < 32; j++) a[j] = a[j] + c * v[j];
         }
     }
+}
+
+static void kvq_ggml_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
+                                  int64_t r0, int64_t r1, const float* q, float* out)
+{
+    (void)side;
+    if (p->bits == 4)
+        kvq_ggml_dot_portable_q(p, codes, r0, r1, q, out, 1);
+    else
+        kvq_ggml_dot_portable_q(p, codes, r0, r1, q, out, 0);
+}
+
+static void kvq_ggml_axpy_portable(const kvq_params* p, const uint8_t* codes, const float* side,
+                                   int64_t r0, int64_t r1, const float* w, float* acc)
+{
+    (void)side;
+    if (p->bits == 4)
+        kvq_ggml_axpy_portable_q(p, codes, r0, r1, w, acc, 1);
+    else
+        kvq_ggml_axpy_portable_q(p, codes, r0, r1, w, acc, 0);
 }
 
 #if KVQ_HAVE_X86_SIMD
@@ -105,6 +132,33 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE float kvq_fp16_value_f16c(const uint8
     uint16_t h;
     memcpy(&h, b, 2);
     return _cvtsh_ss(h);   /* exact widening, as kvq_fp16_value */
+}
+
+/* ---- AVX2: the block's values as two 16-lane pairs of registers ---- */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_ggml_values_avx2(const uint8_t* blk, const int q4,
+                                                                  kvq_v16x2* lo, kvq_v16x2* hi)
+{
+    if (q4) {
+        const __m128i x = _mm_loadu_si128((const __m128i*)(blk + 2));
+        const __m256i a = _mm256_cvtepu8_epi32(x), b = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x));
+        const __m256i f = _mm256_set1_epi32(15), e = _mm256_set1_epi32(8);
+        lo->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a, f), e));
+        lo->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, f), e));
+        hi->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(a, 4), e));
+        hi->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), e));
+    } else {
+        lo->lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2))));
+        lo->hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 10))));
+        hi->lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 18))));
+        hi->hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 26))));
+    }
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE float kvq_fp16_value_avx2(const uint8_t* b)
+{
+    uint16_t h;
+    memcpy(&h, b, 2);
+    return _cvtsh_ss(h);
 }
 
 /* Scores of NR (1 or 4) consecutive rows. */

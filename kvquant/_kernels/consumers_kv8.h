@@ -40,6 +40,8 @@ static void kvq_e4m3_init(void)
     for (c = 0; c < 256; c++) kvq_e4m3_lut[c] = kvq_e4m3_value((uint8_t)c);
 }
 
+/* The portable path reads the values from a table: on the CPUs it is for, a table load per code
+ * is faster than the integer decode (which compilers do not vectorize well here). */
 static void kvq_kv8_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
                                  int64_t r0, int64_t r1, const float* q, float* out)
 {
@@ -184,6 +186,58 @@ KVQ_TARGET_AVX512 static inline int kvq_foldable(const float* x, int64_t n)
 KVQ_TARGET_AVX512 static inline __m512 kvq_e4m3_16_masked(const uint8_t* c, __mmask16 m)
 {
     return kvq_e4m3_any16(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const void*)c)));
+}
+
+/* Any special code among the first len codes at c (len a multiple of 16, at most 64). */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE int kvq_e4m3_special_avx512(const uint8_t* c, int64_t len)
+{
+    const __mmask64 live = len >= 64 ? ~(__mmask64)0 : (__mmask64)(~0ULL >> (64 - len));
+    const __m512i b = _mm512_maskz_loadu_epi8(live, (const void*)c);
+    const __m512i t = _mm512_and_si512(_mm512_add_epi8(b, _mm512_set1_epi8(1)),
+                                       _mm512_set1_epi8(0x7F));
+    return (live & _mm512_cmple_epu8_mask(t, _mm512_set1_epi8(8))) != 0;
+}
+
+/* ---- AVX2: the same decoders, 8 lanes at a time ---- */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE int kvq_e4m3_special_avx2(const uint8_t* c, int64_t len)
+{
+    __m128i hit = _mm_setzero_si128();
+    int64_t i;
+    for (i = 0; i < len; i += 16) {
+        const __m128i t = _mm_and_si128(_mm_add_epi8(_mm_loadu_si128((const __m128i*)(c + i)),
+                                                     _mm_set1_epi8(1)), _mm_set1_epi8(0x7F));
+        hit = _mm_or_si128(hit, _mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(8)), t));
+    }
+    return _mm_movemask_epi8(hit) != 0;
+}
+
+/* 8 codes sign-extended to 32 bits, decoded as `how` says (KVQ_E4M3_*, as kvq_e4m3_16). */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_e4m3_8_avx2(__m256i x, const int how)
+{
+    const __m256i raw = _mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32((int)0x87F00000u));
+    __m256 v, vs;
+    __m256i sub, nan;
+    if (how == KVQ_E4M3_RAW)
+        return _mm256_castsi256_ps(raw);
+    v = _mm256_castsi256_ps(_mm256_add_epi32(raw, _mm256_set1_epi32(120 << 23)));
+    if (how == KVQ_E4M3_PLAIN)
+        return v;
+    sub = _mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
+    nan = _mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+    vs = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(7))),
+                       _mm256_set1_ps(0x1p-9f));
+    vs = _mm256_or_ps(vs, _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0x80000000u))));
+    v = _mm256_blendv_ps(v, vs, _mm256_castsi256_ps(sub));
+    return _mm256_andnot_ps(_mm256_castsi256_ps(nan), v);
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_e4m3_16_avx2(const uint8_t* c, const int how)
+{
+    const __m128i b = _mm_loadu_si128((const __m128i*)c);
+    kvq_v16x2 r;
+    r.lo = kvq_e4m3_8_avx2(_mm256_cvtepi8_epi32(b), how);
+    r.hi = kvq_e4m3_8_avx2(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)), how);
+    return r;
 }
 
 /* Scale layouts with a vector path (others run the portable code, which defines the same bits). */

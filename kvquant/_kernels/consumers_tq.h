@@ -38,20 +38,95 @@ static inline void kvq_tq_unpack(const uint8_t* src, int64_t n, int bits, uint8_
     }
 }
 
-#define KVQ_TQ_BLOCK 256   /* codes unpacked at a time by the portable path */
+#define KVQ_TQ_BLOCK 256   /* codes unpacked at a time by the portable path's narrow rows */
 
 /* Lookup tables of a codebook, built once per consumer call: table[e] = levels[e mod 2**bits]
- * (so any byte whose low bits are the code indexes it), and its four byte planes. */
-static void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes)
+ * (so any byte whose low bits are the code indexes it), its four byte planes, and for 1, 2 and 4
+ * bits the 8/b levels of the codes held by byte e (byte_levels[(8/b) e + k], code k of the byte). */
+static void kvq_tq_prepare(const float* levels, int bits, float* table, uint8_t* planes,
+                           float* byte_levels)
 {
+    const int per_byte = 8 / bits, mask = (1 << bits) - 1;
     int e, k;
     for (e = 0; e < 256; e++) {
         uint32_t u;
-        table[e] = levels[e & ((1 << bits) - 1)];
+        table[e] = levels[e & mask];
         memcpy(&u, &table[e], 4);
         for (k = 0; k < 4; k++) planes[256 * k + e] = (uint8_t)(u >> (8 * k));
+        if (bits == 1 || bits == 2 || bits == 4)
+            for (k = 0; k < per_byte; k++)
+                byte_levels[per_byte * e + k] = levels[(e >> (bits * k)) & mask];
     }
 }
+
+/* The levels of the 16 codes of one group (2b bytes at g) into v[16], in element order. Written
+ * as fixed-size loops (b is a constant at every call) that compilers vectorize on any ISA. */
+KVQ_INLINE void kvq_tq_values16(const kvq_params* p, const uint8_t* g, float* v, const int b)
+{
+    int j;
+    if (b == 1 || b == 2 || b == 4) {   /* one table row per byte: 8/b levels */
+        const int per = 8 / b;
+        for (j = 0; j < 2 * b; j++) memcpy(v + per * j, p->byte_levels + per * g[j], 4 * per);
+    } else if (b == 8) {
+        for (j = 0; j < 16; j++) v[j] = p->levels[g[j]];
+    } else {
+        for (j = 0; j < 16; j++) {
+            const int bit = b * j, o = bit >> 3;
+            /* the code's bits lie in bytes o and o + 1 of the group (never past it) */
+            const uint32_t w = (uint32_t)g[o] | (o + 1 < 2 * b ? (uint32_t)g[o + 1] << 8 : 0u);
+            v[j] = p->levels[(w >> (bit & 7)) & ((1u << b) - 1u)];
+        }
+    }
+}
+
+KVQ_INLINE void kvq_tq_dot_portable_b(const kvq_params* p, const uint8_t* codes, const float* side,
+                                      int64_t r0, int64_t r1, const float* q, float* out,
+                                      const int b)
+{
+    const int64_t n = p->dim;
+    float acc[16], v[16];
+    int64_t t, i;
+    int j;
+    for (t = r0; t < r1; t++) {
+        const uint8_t* g = codes + t * p->code_bytes;
+        kvq_zero16(acc);
+        for (i = 0; i < n; i += 16, g += 2 * b) {
+            kvq_tq_values16(p, g, v, b);
+            for (j = 0; j < 16; j++) acc[j] = acc[j] + q[i + j] * v[j];
+        }
+        out[t] = kvq_tree16(acc) * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+    }
+}
+
+KVQ_INLINE void kvq_tq_axpy_portable_b(const kvq_params* p, const uint8_t* codes,
+                                       const float* side, int64_t r0, int64_t r1, const float* w,
+                                       float* acc, const int b)
+{
+    const int64_t n = p->dim;
+    float v[16];
+    int64_t t, i;
+    int j;
+    for (t = r0; t < r1; t++) {
+        const uint8_t* g = codes + t * p->code_bytes;
+        const float ct = w[t] * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        for (i = 0; i < n; i += 16, g += 2 * b) {
+            kvq_tq_values16(p, g, v, b);
+            for (j = 0; j < 16; j++) acc[i + j] = acc[i + j] + ct * v[j];
+        }
+    }
+}
+
+#define KVQ_TQ_PORTABLE_DISPATCH(BODY, ...)                  \
+    switch (p->bits) {                                       \
+    case 1: BODY(__VA_ARGS__, 1); break;                     \
+    case 2: BODY(__VA_ARGS__, 2); break;                     \
+    case 3: BODY(__VA_ARGS__, 3); break;                     \
+    case 4: BODY(__VA_ARGS__, 4); break;                     \
+    case 5: BODY(__VA_ARGS__, 5); break;                     \
+    case 6: BODY(__VA_ARGS__, 6); break;                     \
+    case 7: BODY(__VA_ARGS__, 7); break;                     \
+    default: BODY(__VA_ARGS__, 8); break;                    \
+    }
 
 static void kvq_tq_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
                                 int64_t r0, int64_t r1, const float* q, float* out)
@@ -63,7 +138,11 @@ static void kvq_tq_dot_portable(const kvq_params* p, const uint8_t* codes, const
     float acc[16];
     int64_t t, i0, i, m;
     int j;
-    for (t = r0; t < r1; t++) {
+    if (n % 16 == 0) {
+        KVQ_TQ_PORTABLE_DISPATCH(kvq_tq_dot_portable_b, p, codes, side, r0, r1, q, out)
+        return;
+    }
+    for (t = r0; t < r1; t++) {   /* widths 2, 4, 8 */
         const uint8_t* row = codes + t * p->code_bytes;
         kvq_zero16(acc);
         for (i0 = 0; i0 < n; i0 += KVQ_TQ_BLOCK) {   /* KVQ_TQ_BLOCK * b bits: whole bytes */
@@ -85,6 +164,10 @@ static void kvq_tq_axpy_portable(const kvq_params* p, const uint8_t* codes, cons
     const int b = p->bits;
     uint8_t c[KVQ_TQ_BLOCK];
     int64_t t, i0, i, m;
+    if (n % 16 == 0) {
+        KVQ_TQ_PORTABLE_DISPATCH(kvq_tq_axpy_portable_b, p, codes, side, r0, r1, w, acc)
+        return;
+    }
     for (t = r0; t < r1; t++) {
         const uint8_t* row = codes + t * p->code_bytes;
         const float ct = w[t] * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
@@ -153,6 +236,109 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
                                   _mm512_test_epi32_mask(x, _mm512_set1_epi32(32)),
                                   _mm512_permutex2var_ps(K->t2, x, K->t3));
     return _mm512_i32gather_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFF)), K->table, 4);
+}
+
+/* With VBMI, 2 to 4 bits: the group (2b <= 8 bytes) fits in one qword, so it is broadcast and a
+ * single multishift moves code i to the low bits of lane i (the permute reads bits 0-3 only; the
+ * levels table is periodic below 16 levels). One shuffle fewer per 16 codes than kvq_tq_lev16. */
+typedef struct {
+    kvq_tq_consts base;
+    __m512i msh;          /* multishift control: lane i's low byte takes bits b*i.. of the qword */
+} kvq_tq_consts_vbmi;
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_vbmi(kvq_tq_consts_vbmi* K,
+                                                                          const float* table256,
+                                                                          int b)
+{
+    uint8_t msh[64];
+    int i, k;
+    kvq_tq_consts_init(&K->base, table256, b);
+    for (i = 0; i < 16; i++)
+        for (k = 0; k < 4; k++) msh[4 * i + k] = (uint8_t)((b * i + 8 * k) & 63);
+    K->msh = _mm512_loadu_si512((const void*)msh);
+}
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const uint8_t* g,
+                                                                      const kvq_tq_consts_vbmi* K,
+                                                                      const int b, const int wide)
+{
+    __m512i x;
+    if (b == 1 || b > 4)
+        return kvq_tq_lev16(g, &K->base, b, wide);
+    if (wide) {
+        uint64_t u;
+        memcpy(&u, g, 8);
+        x = _mm512_set1_epi64((long long)u);
+    } else {
+        x = _mm512_broadcastq_epi64(_mm_maskz_loadu_epi8((__mmask16)((1u << (2 * b)) - 1u), g));
+    }
+    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(K->msh, x), K->base.t0);
+}
+
+/* ---- AVX2: 16 levels as two 8-lane registers ---- */
+typedef struct {
+    __m256 t0, t1;                 /* levels 0-7 and 8-15 */
+    __m256i ctl_lo, ctl_hi;        /* unpacking of lanes 0-7 and 8-15 (as kvq_tq_consts) */
+    __m256i sh_lo, sh_hi;
+    const float* table;            /* 5 to 8 bits: the gather table */
+} kvq_tq_consts_avx2;
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_avx2(kvq_tq_consts_avx2* K,
+                                                                     const float* table256, int b)
+{
+    uint8_t ctl[64];
+    int32_t sh[16];
+    int i, k;
+    K->t0 = _mm256_loadu_ps(table256);
+    K->t1 = _mm256_loadu_ps(table256 + 8);
+    K->table = table256;
+    /* both 128-bit halves hold the group's 16 bytes: a byte index 0..15 reaches any of them */
+    for (i = 0; i < 16; i++) {
+        const int o = (b * i) >> 3;
+        for (k = 0; k < 4; k++) ctl[4 * i + k] = (uint8_t)(o + k < 16 ? o + k : 0x80);
+        sh[i] = (b * i) & 7;
+    }
+    K->ctl_lo = _mm256_loadu_si256((const __m256i*)ctl);
+    K->ctl_hi = _mm256_loadu_si256((const __m256i*)(ctl + 32));
+    K->sh_lo = _mm256_loadu_si256((const __m256i*)sh);
+    K->sh_hi = _mm256_loadu_si256((const __m256i*)(sh + 8));
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_tq_lev8_avx2(__m256i x, const kvq_tq_consts_avx2* K,
+                                                                const int b)
+{
+    if (b <= 3)   /* the low 3 bits pick one of 8 (periodic) levels */
+        return _mm256_permutevar8x32_ps(K->t0, x);
+    if (b == 4)   /* bit 3 (moved to the sign) chooses between the two halves */
+        return _mm256_blendv_ps(_mm256_permutevar8x32_ps(K->t0, x), _mm256_permutevar8x32_ps(K->t1, x),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(x, 28)));
+    return _mm256_i32gather_ps(K->table, _mm256_and_si256(x, _mm256_set1_epi32(0xFF)), 4);
+}
+
+/* Levels of the 16 codes of one group (2b bytes at g); `wide`: 16 bytes may be read. */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_tq_lev16_avx2(const uint8_t* g,
+                                                                   const kvq_tq_consts_avx2* K,
+                                                                   const int b, const int wide)
+{
+    kvq_v16x2 r;
+    __m128i x128;
+    __m256i x;
+    if (b == 8) {
+        r.lo = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)g)), 4);
+        r.hi = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(g + 8))), 4);
+        return r;
+    }
+    if (wide) {
+        x128 = _mm_loadu_si128((const __m128i*)g);
+    } else {
+        uint8_t buf[16] = {0};
+        memcpy(buf, g, (size_t)(2 * b));
+        x128 = _mm_loadu_si128((const __m128i*)buf);
+    }
+    x = _mm256_broadcastsi128_si256(x128);
+    r.lo = kvq_tq_lev8_avx2(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, K->ctl_lo), K->sh_lo), K, b);
+    r.hi = kvq_tq_lev8_avx2(_mm256_srlv_epi32(_mm256_shuffle_epi8(x, K->ctl_hi), K->sh_hi), K, b);
+    return r;
 }
 
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_dot_body(const kvq_params* p,

@@ -1,17 +1,19 @@
 /* Shared machinery of the compressed-domain consumers (included from consumers.pyx).
  *
- * Every codec family supplies row kernels with the two signatures below, a portable C version
- * and, on x86-64 with GCC/Clang, an AVX-512 version compiled for that target only through a
+ * Every codec family supplies row kernels with the signatures below, a portable C version and,
+ * on x86-64 with GCC/Clang, AVX2 and AVX-512 versions compiled for their targets only through a
  * per-function attribute (the rest of the build keeps baseline flags); the driver picks one at
- * run time from the CPU's features.
+ * run time from the CPU's features. The multi-query kernels (consumers_multi.h) read each row
+ * once for the m queries of a KV head.
  *
- * Both paths produce the same bits. What makes that possible is a reduction order fixed by
+ * All paths produce the same bits. What makes that possible is a reduction order fixed by
  * definition, not by the compiler:
  *   - a dot product over a row of width n uses 16 lanes: lane j accumulates elements
  *     i = j, j+16, j+32, ... in that order (acc = acc + product, starting from +0), a short last
  *     step touching only the lanes it covers;
  *   - the 16 lane sums are combined by the fixed tree of kvq_tree16 (j + j+8, then j + j+4,
- *     then j + j+2, then j + j+1), which is also what the AVX-512 register halving computes;
+ *     then j + j+2, then j + j+1), which is also what the AVX-512 register halving computes
+ *     (and the AVX2 one: its 16 lanes are two 8-lane registers, lanes 0-7 and 8-15);
  *   - products and sums are separate roundings: a multiply, then an add. No FMA in either path
  *     (the portable path must run on CPUs without FMA, where fmaf is a slow library call) and the
  *     build has -ffp-contract=off, so the compiler does not fuse them either;
@@ -39,14 +41,25 @@
 /* The same plus VBMI (byte permutes across a whole register: Ice Lake, Sapphire Rapids, Zen 4). */
 #define KVQ_TARGET_AVX512VBMI \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,avx512vbmi")))
+/* AVX2 and F16C, no FMA (every AVX2 CPU has F16C: Haswell, Zen 1 and later). */
+#define KVQ_TARGET_AVX2 __attribute__((target("avx2,f16c")))
 #define KVQ_ALWAYS_INLINE __attribute__((always_inline)) inline
 #else
 #define KVQ_HAVE_X86_SIMD 0
 #endif
 
+/* Inlined into its caller whatever the compiler's judgement: constant arguments (a bit width,
+ * a row count) then make the loops fixed-size ones that the compiler vectorizes. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_INLINE static inline __attribute__((always_inline))
+#else
+#define KVQ_INLINE static inline
+#endif
+
 /* Instruction-set levels (a Python-visible enum). 3 differs from 2 only where a kernel has a
  * VBMI variant (6-, 7- and 8-bit tq). */
 #define KVQ_SIMD_PORTABLE 0
+#define KVQ_SIMD_AVX2 1
 #define KVQ_SIMD_AVX512 2
 #define KVQ_SIMD_AVX512VBMI 3
 
@@ -59,6 +72,8 @@ static int kvq_cpu_simd_level(void)
             && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
             && __builtin_cpu_supports("f16c"))
         return __builtin_cpu_supports("avx512vbmi") ? KVQ_SIMD_AVX512VBMI : KVQ_SIMD_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        return KVQ_SIMD_AVX2;
 #endif
     return KVQ_SIMD_PORTABLE;
 }
@@ -84,9 +99,13 @@ typedef struct {
     const float* levels;  /* tq: 2**bits levels in N(0,1) units */
     const float* table;   /* tq: 256 levels indexed by any byte whose low bits are the code */
     const uint8_t* planes;/* tq: byte k of table[e] at planes[256 k + e] */
+    const float* byte_levels; /* tq, 1, 2 or 4 bits: the 8/b levels of byte e at (8/b) e .. */
     int vbmi;             /* the CPU has AVX-512 VBMI and the caller allows it */
     const void* codec;    /* polar: its kvq_polar_layout (polarops.h) */
 } kvq_params;
+
+/* Queries handled per pass of the multi-query kernels (more are taken in passes of this many). */
+#define KVQ_MQ_MAX 8
 
 /* out[t] = q . x^_t for rows t in [r0, r1) (q already in the codec's basis: rotated for tq).
  * `codes` and `side` point at row 0; `out` is indexed by the absolute row t. */
@@ -96,6 +115,15 @@ typedef void (*kvq_dot_fn)(const kvq_params* p, const uint8_t* codes, const floa
  * per-group factor) * v_t and c_t = w_t * that factor; w is indexed by the absolute row t. */
 typedef void (*kvq_axpy_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
                             int64_t r0, int64_t r1, const float* w, float* acc);
+/* The same for m queries at once: query j is Q[j n .. j n + n), its scores go to out[j ldo + t]
+ * (weights W[j ldw + t], context acc[j n .. j n + n)). Each query's result has the bits of the
+ * one-query kernel: the rows are read once, the sums are those defined above. */
+typedef void (*kvq_dotm_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                            int64_t r0, int64_t r1, const float* Q, int m, float* out,
+                            int64_t ldo);
+typedef void (*kvq_axpym_fn)(const kvq_params* p, const uint8_t* codes, const float* side,
+                             int64_t r0, int64_t r1, const float* W, int64_t ldw, int m,
+                             float* acc);
 
 /* ---- the lane reduction, shared by both paths ------------------------------------------------ */
 
@@ -141,6 +169,77 @@ KVQ_TARGET_AVX512 static inline __m128 kvq_tree16x4_avx512(__m512 a, __m512 b, _
                                                                          0, 0, 0, 0, 0, 0, 0, 0), s1));
 }
 
+/* ---- AVX2: 16 lanes as two 8-lane registers (lanes 0-7, 8-15) ---------------------------- */
+typedef struct { __m256 lo, hi; } kvq_v16x2;
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_v2_zero(void)
+{
+    kvq_v16x2 r;
+    r.lo = r.hi = _mm256_setzero_ps();
+    return r;
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_v2_load(const float* x)
+{
+    kvq_v16x2 r;
+    r.lo = _mm256_loadu_ps(x);
+    r.hi = _mm256_loadu_ps(x + 8);
+    return r;
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_v2_store(float* x, kvq_v16x2 a)
+{
+    _mm256_storeu_ps(x, a.lo);
+    _mm256_storeu_ps(x + 8, a.hi);
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_v2_add(kvq_v16x2 a, kvq_v16x2 b)
+{
+    a.lo = _mm256_add_ps(a.lo, b.lo);
+    a.hi = _mm256_add_ps(a.hi, b.hi);
+    return a;
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_v2_mul(kvq_v16x2 a, kvq_v16x2 b)
+{
+    a.lo = _mm256_mul_ps(a.lo, b.lo);
+    a.hi = _mm256_mul_ps(a.hi, b.hi);
+    return a;
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_v2_set1(float c)
+{
+    kvq_v16x2 r;
+    r.lo = r.hi = _mm256_set1_ps(c);
+    return r;
+}
+
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE float kvq_tree16_avx2(kvq_v16x2 v)
+{
+    const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* kvq_tree16 of four vectors at once (row k in element k), the same pairwise adds. */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m128 kvq_tree16x4_avx2(kvq_v16x2 a, kvq_v16x2 b,
+                                                                 kvq_v16x2 c, kvq_v16x2 d)
+{
+    const __m256 a8 = _mm256_add_ps(a.lo, a.hi), b8 = _mm256_add_ps(b.lo, b.hi);
+    const __m256 c8 = _mm256_add_ps(c.lo, c.hi), d8 = _mm256_add_ps(d.lo, d.hi);
+    /* j + j+4: [a | b] and [c | d], one row per 128-bit half */
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a8, b8, 0x20),
+                                    _mm256_permute2f128_ps(a8, b8, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c8, d8, 0x20),
+                                    _mm256_permute2f128_ps(c8, d8, 0x31));
+    /* j + j+2: [a0 a1 c0 c1 | b0 b1 d0 d1] */
+    const __m256 s2 = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+    /* j + j+1: [a c a c | b d b d] */
+    const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(s2, s2, 0x88), _mm256_shuffle_ps(s2, s2, 0xDD));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(s1), _mm256_extractf128_ps(s1, 1));
+}
+
 /* Rows stream from memory faster than the hardware prefetchers fetch them on this kind of
  * machine (measured: 2x on a busy 2-core VM), so the kernels ask for the line this many bytes
  * ahead of where they read, into L2. Prefetches never fault, past the end of the rows too. */
@@ -154,6 +253,8 @@ static inline __mmask16 kvq_mask16(int64_t rem)
 {
     return (__mmask16)((1u << rem) - 1u);
 }
+#else
+#define kvq_prefetch(p) ((void)(p))
 #endif
 
 #endif /* KVQ_SIMD_H */

@@ -1,0 +1,182 @@
+/* Multi-query row kernels (kvq_dotm_fn / kvq_axpym_fn of simd.h) for f32, kv8, tq and q8_0/q4_0:
+ * the m query heads that share a KV head (GQA) read each row once. A row's codes are decoded once
+ * per 16 elements and the values serve every query; each query keeps its own lane sums in the
+ * order simd.h defines, so its result has the bits of a one-query call.
+ *
+ * The kernels are written once, in consumers_multi_body.h, over a 16-lane vector type and the
+ * families' decoders, and compiled here for AVX-512 and for AVX2. The portable path, and layouts
+ * without a vector path (widths that are not a multiple of 16, kv8 groups that do not split into
+ * steps of 16, 6- to 8-bit tq with VBMI), run the one-query kernels query by query.
+ */
+#ifndef KVQ_CONSUMERS_MULTI_H
+#define KVQ_CONSUMERS_MULTI_H
+
+#include "simd.h"
+#include "consumers_f32.h"
+#include "consumers_kv8.h"
+#include "consumers_tq.h"
+#include "consumers_ggml.h"
+
+/* One-query kernels applied query by query: the multi-query kernels of the portable path, and
+ * the fallback of the vector ones. */
+#define KVQ_MQ_BY_QUERY(FAM, PATH, DOT, AXPY)                                                   \
+static void kvq_##FAM##_dotm_##PATH(const kvq_params* p, const uint8_t* codes, const float* side,          \
+                        int64_t r0, int64_t r1, const float* Q, int m, float* out, int64_t ldo) \
+{                                                                                               \
+    int j;                                                                                      \
+    for (j = 0; j < m; j++) DOT(p, codes, side, r0, r1, Q + j * p->dim, out + j * ldo);         \
+}                                                                                               \
+static void kvq_##FAM##_axpym_##PATH(const kvq_params* p, const uint8_t* codes, const float* side,         \
+                         int64_t r0, int64_t r1, const float* W, int64_t ldw, int m, float* acc) \
+{                                                                                               \
+    int j;                                                                                      \
+    for (j = 0; j < m; j++) AXPY(p, codes, side, r0, r1, W + j * ldw, acc + j * p->dim);        \
+}
+
+KVQ_MQ_BY_QUERY(f32, portable, kvq_f32_dot_portable, kvq_f32_axpy_portable)
+KVQ_MQ_BY_QUERY(kv8, portable, kvq_kv8_dot_portable, kvq_kv8_axpy_portable)
+KVQ_MQ_BY_QUERY(tq, portable, kvq_tq_dot_portable, kvq_tq_axpy_portable)
+KVQ_MQ_BY_QUERY(ggml, portable, kvq_ggml_dot_portable, kvq_ggml_axpy_portable)
+
+/* Queries whose scaled copy (q 2^120, kv8's raw decode) fits the kernels' stack buffer. */
+#define KVQ_MQ_FOLD_FLOATS 8192
+
+/* max |x_i| < 2^7 over n floats (NaN fails): the 2^120 of kv8's raw decode may go into x. */
+static inline int kvq_mq_foldable(const float* x, int64_t n)
+{
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (!(fabsf(x[i]) < 128.0f)) return 0;
+    return 1;
+}
+
+/* Layouts the vector multi-query kernels take (the others go query by query). */
+static inline int kvq_mq_kv8_layout_ok(const kvq_params* p)
+{
+    return p->dim % 16 == 0 && (p->group == p->dim || p->group % 16 == 0);
+}
+
+static inline int kvq_mq_tq_own_kernels(const kvq_params* p, int vbmi_kernels)
+{
+    return p->dim % 16 != 0 || (vbmi_kernels && p->vbmi && p->bits >= 6 && p->dim % 64 == 0);
+}
+
+/* kv8 context coefficients w_jt * s_tg of R rows x m queries for group g: cf[r m + j], and
+ * cfr = cf 2^120 (exact). Returns whether every |cf| < 2^7 (the raw decode applies). */
+static inline int kvq_mq_kv8_coefs(const float* W, int64_t ldw, int64_t t, int m, const float* s,
+                                   int64_t ns, int64_t g, int R, float* cf, float* cfr)
+{
+    int r, j, fold = 1;
+    for (r = 0; r < R; r++)
+        for (j = 0; j < m; j++) {
+            const float c = W[j * ldw + t + r] * s[r * ns + g];
+            cf[r * m + j] = c;
+            cfr[r * m + j] = c * 0x1p120f;
+            fold &= fabsf(c) < 128.0f;
+        }
+    return fold;
+}
+
+#if KVQ_HAVE_X86_SIMD
+KVQ_MQ_BY_QUERY(f32, avx512q, kvq_f32_dot_avx512, kvq_f32_axpy_avx512)
+KVQ_MQ_BY_QUERY(kv8, avx512q, kvq_kv8_dot_avx512, kvq_kv8_axpy_avx512)
+KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
+
+/* ---- AVX-512 ---- */
+#define KVQ_MQ(name) kvq_##name##_avx512
+#define KVQ_MQ_TARGET KVQ_TARGET_AVX512
+#define KVQ_MQ_FALLBACK(name) kvq_##name##_avx512q
+#define MV __m512
+#define MV_ZERO() _mm512_setzero_ps()
+#define MV_LOAD(x) _mm512_loadu_ps(x)
+#define MV_STORE(x, v) _mm512_storeu_ps(x, v)
+#define MV_ADD(a, b) _mm512_add_ps(a, b)
+#define MV_MUL(a, b) _mm512_mul_ps(a, b)
+#define MV_SET1(c) _mm512_set1_ps(c)
+#define MV_TREE1(a) kvq_tree16_avx512(a)
+#define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_E4M3(c, how) kvq_e4m3_16(c, how)
+#define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx512(c, len)
+#define MV_TQ_CONSTS kvq_tq_consts
+#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init(K, table, b)
+#define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16(g, K, b, wide)
+#define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values(blk, q4, lo, hi)
+#define MV_FP16(b) kvq_fp16_value_f16c(b)
+/* queries per pass and rows per pass for M queries: R * M <= 8 accumulators (of 32 registers) */
+#define KVQ_MQ_PASS 8
+#define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
+#define KVQ_MQ_VBMI_TQ 1   /* 6- to 8-bit tq with VBMI keeps its own kernels */
+#include "consumers_multi_body.h"
+
+/* ---- AVX-512 with VBMI: tq only (its 2- to 4-bit unpacking) ---- */
+#define KVQ_MQ(name) kvq_##name##_avx512vbmi
+#define KVQ_MQ_TARGET KVQ_TARGET_AVX512VBMI
+#define KVQ_MQ_FALLBACK(name) kvq_##name##_avx512q
+#define MV __m512
+#define MV_ZERO() _mm512_setzero_ps()
+#define MV_LOAD(x) _mm512_loadu_ps(x)
+#define MV_STORE(x, v) _mm512_storeu_ps(x, v)
+#define MV_ADD(a, b) _mm512_add_ps(a, b)
+#define MV_MUL(a, b) _mm512_mul_ps(a, b)
+#define MV_SET1(c) _mm512_set1_ps(c)
+#define MV_TREE1(a) kvq_tree16_avx512(a)
+#define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_TQ_CONSTS kvq_tq_consts_vbmi
+#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_vbmi(K, table, b)
+#define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_vbmi(g, K, b, wide)
+#define KVQ_MQ_PASS 8
+#define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
+#define KVQ_MQ_VBMI_TQ 1
+#define KVQ_MQ_TQ_ONLY 1
+#include "consumers_multi_body.h"
+#undef KVQ_MQ_TQ_ONLY
+
+/* ---- AVX2 (no FMA) ---- */
+#define KVQ_MQ(name) kvq_##name##_avx2
+#define KVQ_MQ_TARGET KVQ_TARGET_AVX2
+#define KVQ_MQ_FALLBACK(name) kvq_##name##_portable
+#define MV kvq_v16x2
+#define MV_ZERO() kvq_v2_zero()
+#define MV_LOAD(x) kvq_v2_load(x)
+#define MV_STORE(x, v) kvq_v2_store(x, v)
+#define MV_ADD(a, b) kvq_v2_add(a, b)
+#define MV_MUL(a, b) kvq_v2_mul(a, b)
+#define MV_SET1(c) kvq_v2_set1(c)
+#define MV_TREE1(a) kvq_tree16_avx2(a)
+#define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx2(a, b, c, d))
+#define MV_E4M3(c, how) kvq_e4m3_16_avx2(c, how)
+#define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx2(c, len)
+#define MV_TQ_CONSTS kvq_tq_consts_avx2
+#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_avx2(K, table, b)
+#define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_avx2(g, K, b, wide)
+#define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values_avx2(blk, q4, lo, hi)
+#define MV_FP16(b) kvq_fp16_value_avx2(b)
+/* 16 registers of 8 lanes: R * M <= 4 accumulators (8 registers) */
+#define KVQ_MQ_PASS 4
+#define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+#define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4)
+#define KVQ_MQ_VBMI_TQ 0
+#include "consumers_multi_body.h"
+
+#else  /* no vector path in this build: the dispatcher never picks these */
+#define kvq_f32_dotm_avx512 kvq_f32_dotm_portable
+#define kvq_f32_axpym_avx512 kvq_f32_axpym_portable
+#define kvq_kv8_dotm_avx512 kvq_kv8_dotm_portable
+#define kvq_kv8_axpym_avx512 kvq_kv8_axpym_portable
+#define kvq_tq_dotm_avx512 kvq_tq_dotm_portable
+#define kvq_tq_axpym_avx512 kvq_tq_axpym_portable
+#define kvq_ggml_dotm_avx512 kvq_ggml_dotm_portable
+#define kvq_ggml_axpym_avx512 kvq_ggml_axpym_portable
+#define kvq_f32_dotm_avx2 kvq_f32_dotm_portable
+#define kvq_f32_axpym_avx2 kvq_f32_axpym_portable
+#define kvq_kv8_dotm_avx2 kvq_kv8_dotm_portable
+#define kvq_kv8_axpym_avx2 kvq_kv8_axpym_portable
+#define kvq_tq_dotm_avx2 kvq_tq_dotm_portable
+#define kvq_tq_axpym_avx2 kvq_tq_axpym_portable
+#define kvq_ggml_dotm_avx2 kvq_ggml_dotm_portable
+#define kvq_ggml_axpym_avx2 kvq_ggml_axpym_portable
+#endif
+
+#endif /* KVQ_CONSUMERS_MULTI_H */

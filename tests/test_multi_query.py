@@ -1,0 +1,133 @@
+"""Multi-query reads (GQA): the m query heads sharing a KV head go to one consumer call, which
+reads each row once. Each query's scores and context must be the bits of a one-query call, for
+every m, thread count and SIMD path (the reduction order of kvquant/_kernels/simd.h), and agree
+with kvquant.reference's numpy consumers.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvquant import get_codec, reference
+from kvquant._kernels import consumers
+
+from conftest import gaussian_rows
+from _simd import PATHS, as_bits
+from _simd import simd_path  # noqa: F401 (fixture)
+
+# every family with multi-query kernels, the layouts that fall back to one query at a time
+# (kv8-g4, a width with a tail), and the bit widths with their own unpacking
+SPECS = [("f32", 64), ("f32", 40), ("kv8", 128), ("kv8", 48), ("kv8-g16", 64), ("kv8-g32", 128),
+         ("kv8-g4", 64), ("tq1", 64), ("tq2", 128), ("tq3", 64), ("tq4", 128), ("tq4", 64),
+         ("tq5", 64), ("tq6", 128), ("tq7", 64), ("tq8", 64), ("tq4:side_dtype=f16", 64),
+         ("q8_0", 64), ("q4_0", 128), ("q4_0+rot", 64), ("q8_0+rot", 64)]
+M_MAX = 9   # past the 8 queries of one pass
+
+
+def _encoded(spec, dim, T, rng):
+    codec = get_codec(spec, dim, nonfinite="inert")
+    X = gaussian_rows(rng, T, dim)
+    X[3] = 0.0                        # an inert row
+    X[7, : dim // 2] *= 1e-6          # fp8 subnormal codes
+    enc = codec.encode(X)
+    if spec.startswith("kv8"):
+        enc.codes[11, :3] = [0x7F, 0xFF, 0x80]   # NaN codes (read as 0) and -0
+    return codec, enc
+
+
+@pytest.mark.parametrize("spec,dim", SPECS)
+def test_each_query_of_a_batch_has_the_bits_of_a_one_query_call(spec, dim, rng, simd_path):
+    # 1100 rows: two context chunks, and enough work for two threads
+    codec, enc = _encoded(spec, dim, 1100, rng)
+    Q = gaussian_rows(rng, M_MAX, dim)
+    W = rng.random((M_MAX, enc.n_rows)).astype(np.float32)
+    simd_path("portable")
+    one_s = [codec.scores(enc, Q[j], n_threads=1) for j in range(M_MAX)]
+    one_c = [codec.context(enc, W[j], n_threads=1) for j in range(M_MAX)]
+    for path in PATHS:
+        simd_path(path)
+        for m in (1, 2, 3, 5, 8, 9):
+            n_threads = 1 + m % 2
+            s = codec.scores(enc, Q[:m], n_threads=n_threads)
+            c = codec.context(enc, W[:m], n_threads=3 - n_threads)
+            for j in range(m):
+                assert np.array_equal(as_bits(s[j]), as_bits(one_s[j])), (path, m, j)
+                assert np.array_equal(as_bits(c[j]), as_bits(one_c[j])), (path, m, j)
+
+
+@pytest.mark.parametrize("spec", ["kv8", "kv8-g32", "tq4", "tq2", "q4_0+rot", "q8_0"])
+def test_eight_queries_agree_with_the_numpy_reference(spec, rng, simd_path):
+    dim, T, m = 128, 300, 8
+    codec, enc = get_codec(spec, dim), None
+    enc = codec.encode(gaussian_rows(rng, T, dim))
+    Q = gaussian_rows(rng, m, dim)
+    W = rng.standard_normal((m, T)).astype(np.float32)
+    if spec.startswith("kv8"):
+        group = None if spec == "kv8" else codec.group
+        ref_s = reference.kv8_scores(enc.codes, enc.side, Q, group)
+        ref_c = reference.kv8_context(enc.codes, enc.side, W, group)
+    elif spec.startswith("tq"):
+        ref_s = reference.tq_scores(enc.codes, enc.side, codec.levels64, codec.bits, Q)
+        ref_c = reference.tq_context(enc.codes, enc.side, codec.levels64, codec.bits, W, dim)
+    else:
+        bits, rotated = (8 if spec.startswith("q8") else 4), spec.endswith("+rot")
+        ref_s = reference.ggml_scores(enc.codes, Q, bits, rotated)
+        ref_c = reference.ggml_context(enc.codes, W, dim, bits, rotated)
+    for path in PATHS:
+        simd_path(path)
+        s, c = codec.scores(enc, Q), codec.context(enc, W)
+        assert np.max(np.abs(s - ref_s)) < 1e-5 * np.abs(ref_s).max(), path
+        assert np.max(np.abs(c - ref_c)) < 1e-5 * (np.abs(ref_c).max() + 1), path
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1e3])
+def test_kv8_batches_beyond_the_raw_decode_range(magnitude, rng, simd_path):
+    """Queries and weights above 2^7 (kv8's raw decode does not apply) and tiny ones."""
+    codec, enc = _encoded("kv8-g32", 128, 300, rng)
+    enc = codec.encode(codec.decode(enc) * np.float32(magnitude * 100))
+    Q = gaussian_rows(rng, 3, 128) * np.float32(magnitude)
+    W = rng.random((3, 300)).astype(np.float32) * np.float32(magnitude)
+    simd_path("portable")
+    ref = codec.scores(enc, Q), codec.context(enc, W)
+    for path in PATHS[1:]:
+        simd_path(path)
+        assert np.array_equal(as_bits(codec.scores(enc, Q)), as_bits(ref[0])), path
+        assert np.array_equal(as_bits(codec.context(enc, W)), as_bits(ref[1])), path
+
+
+def test_cache_attend_gives_each_query_head_the_bits_of_a_one_head_read(rng):
+    """KVCache.attend hands the query heads of a KV head to one call (GQA, 3 per KV head)."""
+    from kvquant.cache import QuantizedKVCache, softmax
+    cache = QuantizedKVCache(1, {"k": ("tq4", 64), "v": ("kv8", 64)}, n_kv_heads=2)
+    cache.append(0, k=gaussian_rows(rng, 1000, 128).reshape(1000, 2, 64),
+                 v=gaussian_rows(rng, 1000, 128).reshape(1000, 2, 64))
+    q = gaussian_rows(rng, 6, 64)
+    out = cache.attend(0, q)
+    for i in range(6):
+        h = i // 3
+        s = cache.scores(0, "k", q[i:i + 1], head=h) * np.float32(1 / np.sqrt(64))
+        ctx = cache.context(0, "v", softmax(s), head=h)[0]
+        assert np.array_equal(as_bits(out[i]), as_bits(ctx)), i
+
+
+@pytest.mark.skipif("avx2" not in PATHS, reason="this CPU has no AVX2")
+def test_the_avx2_path_is_chosen_by_the_environment():
+    code = ("import numpy as np; from kvquant import get_codec; "
+            "from kvquant._kernels import consumers as c; print(c.get_simd()); "
+            "k = get_codec('tq4', 64); e = k.encode(np.ones((40, 64), np.float32)); "
+            "print(k.scores(e, np.ones(64)).view(np.uint32)[:3].tolist())")
+    outs = {}
+    for mode in ("avx2", "portable"):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, KVQUANT_SIMD=mode))
+        assert res.returncode == 0, res.stderr
+        outs[mode] = res.stdout.split("\n")
+        assert outs[mode][0] == mode
+    assert outs["avx2"][1] == outs["portable"][1]
+
+
+def test_simd_names_include_avx2():
+    assert "avx2" in consumers.SIMD_NAMES.values()
+    assert consumers.get_simd() == consumers.cpu_simd()

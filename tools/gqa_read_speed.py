@@ -1,0 +1,74 @@
+"""Decode-step reads of the consumers against numpy f32 doing the same queries, per SIMD path.
+
+For each head width d and query count m (the query heads sharing a KV head), numpy computes
+``X @ Q.T`` and ``W @ X`` on float32 rows and each codec computes ``scores(enc, Q)`` and
+``context(enc, W)`` from its codes. Every method is warmed and timed in its own block (best of
+``--repeats``), so the ratios printed are against numpy in the same run. ``--clock thread`` times
+the calling thread's CPU time instead of the wall clock: with ``--threads 1`` it is robust to
+other jobs on a busy machine. Prints one line per (d, m); writes nothing.
+
+    python tools/gqa_read_speed.py --dims 64,128,512 --queries 1,3 --rows 131072 --threads 2
+    KVQUANT_SIMD=avx2 python tools/gqa_read_speed.py --dims 512 --queries 1 --threads 2
+    python tools/gqa_read_speed.py --dims 512 --threads 1 --clock thread
+"""
+import argparse
+import time
+
+import numpy as np
+
+
+def _best(fn, repeats, clock):
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return min(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", default="64,128,512")
+    ap.add_argument("--queries", default="1,3", help="query heads per KV head, e.g. 1,3,4,8")
+    ap.add_argument("--rows", type=int, default=131072, help="cached rows T")
+    ap.add_argument("--codecs", default="kv8,tq4,q4_0+rot")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    args = ap.parse_args(argv)
+
+    from threadpoolctl import threadpool_limits
+
+    from kvquant import get_codec
+    from kvquant._kernels import consumers
+
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    T, nt = args.rows, args.threads
+    print(f"path {consumers.get_simd()} (CPU runs up to {consumers.cpu_simd()}), T={T}, "
+          f"{nt} threads, {args.clock} clock; ratio = numpy f32 time / codec time")
+    rng = np.random.default_rng(0)
+    for d in map(int, args.dims.split(",")):
+        X = rng.standard_normal((T, d), dtype=np.float32)
+        for m in map(int, args.queries.split(",")):
+            Q = rng.standard_normal((m, d), dtype=np.float32)
+            W = rng.random((m, T), dtype=np.float32)
+            W /= W.sum(axis=1, keepdims=True)
+            with threadpool_limits(nt):
+                t_s = _best(lambda: X @ Q.T, args.repeats, clock)
+                t_c = _best(lambda: W @ X, args.repeats, clock)
+            line = f"d={d} m={m}: numpy {1e3 * (t_s + t_c):.2f} ms"
+            for spec in args.codecs.split(","):
+                codec = get_codec(spec, d)
+                enc = codec.encode(X)
+                c_s = _best(lambda: codec.scores(enc, Q, n_threads=nt), args.repeats, clock)
+                c_c = _best(lambda: codec.context(enc, W, n_threads=nt), args.repeats, clock)
+                read = 2 * (enc.codes.nbytes + enc.side.nbytes)
+                line += (f" | {spec} {(t_s + t_c) / (c_s + c_c):.2f}x (scores {t_s / c_s:.2f}x,"
+                         f" context {t_c / c_c:.2f}x, {read / (c_s + c_c) / 1e9:.1f} GB/s)")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
