@@ -54,6 +54,16 @@ def code_table(const float[::1] boundaries):   # IN (n_bnd,) ascending, finite
     return table
 
 
+def nearest_codes(const float[::1] y,            # IN  (n,)
+                  const float[::1] boundaries,   # IN  (n_bnd,) ascending
+                  const float[::1] table,        # IN  code_table(boundaries)
+                  uint8_t[::1] out):             # OUT (n,) #{boundaries < y}, NaN -> 0
+    """The encoder's nearest-level rule on a vector (exposed for tests of the table)."""
+    if y.shape[0] > 0:
+        kvq_nearest_codes(&y[0], y.shape[0], &boundaries[0], boundaries.shape[0], &table[0],
+                          &out[0])
+
+
 def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of two
                 const float[::1] signs,         # IN  (n,) +-1
                 const float[::1] levels,        # IN  (2**bits,) ascending, N(0,1) units

@@ -373,6 +373,27 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
         free(copy)
 
 
+# -- the forward transform, exposed for tests -------------------------------------------------
+
+def forward_level(const float[::1] x,     # IN  (2 * half,) pairs (a, c)
+                  float[::1] radius,      # OUT (half,) hypotf(a, c)
+                  float[::1] lo,          # OUT (half,) brackets around atan2f(c, a)
+                  float[::1] hi):         # OUT (half,)
+    """One level of the encoder's forward transform (polar_encode.h); True when a value was
+    not finite (the encoder then redoes the level with libm)."""
+    cdef Py_ssize_t half = radius.shape[0]
+    cdef double* r2
+    cdef int bad
+    if half == 0:
+        return False
+    r2 = <double*>malloc(half * sizeof(double))
+    if r2 == NULL:
+        raise MemoryError()
+    bad = kvq_polar_forward_level(&x[0], half, &radius[0], &lo[0], &hi[0], r2)
+    free(r2)
+    return bool(bad)
+
+
 # -- the engine's grids, exposed for tests ---------------------------------------------------
 
 def engine_grid_centres(int level,
