@@ -107,7 +107,7 @@ def test_thread_count_invariance(rng):
         assert np.array_equal(codec.decode(a, n_threads=1), codec.decode(a, n_threads=2))
 
 
-# -- the nearest-level rule: counted compares (<= 15 boundaries) and bucket tables above ----------
+# -- the nearest-level rule: counted compares (<= 31 boundaries) and bucket tables above ----------
 
 def _adversarial_values(rng, bnd):
     """Every boundary, its float neighbours, both zeros, NaN, infinities, huge and tiny values,

@@ -1,5 +1,5 @@
 # Rotated scalar codec ("tq<b>"): randomized Hadamard rotation, per-row radius, nearest level of a
-# b-bit Lloyd-Max codebook (counted compares up to 4 bits, a bucket table above: rowops.h), codes
+# b-bit Lloyd-Max codebook (counted compares up to 5 bits, a bucket table above: rowops.h), codes
 # bit-packed LSB first. docs/reference.md §1.2-1.3 and §2.
 # The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
@@ -41,7 +41,7 @@ cdef extern from "rowops.h" nogil:
 def code_table(const float[::1] boundaries):   # IN (n_bnd,) ascending, finite
     """The bucket table of kvq_nearest_codes (rowops.h) for these boundaries, float32 (length,).
 
-    Built once per codebook; an encoder with more than 15 boundaries reads it instead of
+    Built once per codebook; an encoder with more than 31 boundaries reads it instead of
     searching."""
     cdef Py_ssize_t n_bnd = boundaries.shape[0], n_buckets, window
     cdef float lo, scale

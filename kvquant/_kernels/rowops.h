@@ -348,7 +348,7 @@ static void kvq_pack_codes(const uint8_t *code, int64_t n, int bits, uint8_t *ou
 }
 
 /* ---- nearest level: the code of v is the number of boundaries strictly below it ---------------
- * (ties go to the lower level; NaN gets code 0). Up to 15 boundaries (4 bits) the compares are
+ * (ties go to the lower level; NaN gets code 0). Up to 31 boundaries (5 bits) the compares are
  * counted, 16 lanes at a time. Wider codebooks use a bucket table (built once per codebook by
  * kvq_code_table_build): v falls in bucket b = floor((v - lo) * scale), clamped to
  * [0, n_buckets), whose entry holds a lower bound `start` of the code and the `window`
@@ -464,14 +464,14 @@ KVQ_INLINE int kvq_code_lookup(const float *table, float v)
 }
 
 /* code[i] = number of boundaries strictly below y[i]; `table` (kvq_code_table_build of the same
- * boundaries) is read when there are more than 15. */
+ * boundaries) is read when there are more than 31. */
 KVQ_CLONES
 static void kvq_nearest_codes(const float *y, int64_t n, const float *bnd, int n_bnd,
                               const float *table, uint8_t *code)
 {
     int64_t i;
     int k;
-    if (n_bnd <= 15) {
+    if (n_bnd <= 31) {
 #if KVQ_VEC
         typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
         for (i = 0; i + 16 <= n; i += 16) {

@@ -122,7 +122,7 @@ class LloydCodec(Codec):
         self.levels = levels.astype(np.float32)
         # Boundaries in float32: a coordinate strictly above boundary k gets a code > k.
         self.boundaries = ((levels[:-1] + levels[1:]) / 2).astype(np.float32)
-        # the encoder's bucket table of these boundaries (read for b > 4; rowops.h)
+        # the encoder's bucket table of these boundaries (read for b > 5; rowops.h)
         self.code_table = _lloyd.code_table(self.boundaries)
         for arr in (self.levels, self.boundaries, self.code_table):
             arr.flags.writeable = False
