@@ -8,8 +8,16 @@ a table and writes CSV + JSON named by the parameters, e.g.
 under the current directory). The whole-array references (f32 copy, q8_0, q4_0)
 run on all the rows; the others (Python loops, large temporaries) on the first ``--ref-rows``.
 
+Read on a loaded machine through ratios taken in the same run: every timed encode call alternates
+with one call of a fixed numpy yardstick (the numpy q8_0 reference encoder on ``--yard-rows``
+rows), so both see the same load, and ``enc/yard`` (the codec's encode rate over the
+yardstick's) moves little when the machine is busy; ``x tq4`` is a tq<b> codec's encode time
+over tq4's at the same width (the encoders aim to stay within 1.5). Every codec, reference and
+the yardstick get an untimed warm-up call first.
+
     python -m experiments.bench_codecs                           # d = 128, 512; 65536 rows
     python -m experiments.bench_codecs --rows 4096 --repeats 3   # a quick look
+    python -m experiments.bench_codecs --codecs "tq4;tq5;tq8"    # ';' between specs
 """
 import argparse
 import os
@@ -25,8 +33,8 @@ from .common import environment, write_csv, write_json
 
 # references that are whole-array numpy (no Python loop, no (rows, d, levels) temporaries)
 FULL_SIZE_REFERENCES = ("f32", "q8_0", "q4_0")
-CODECS = ("f32", "kv8", "tq4", "tq4:compat=colibri", "polar4", "polar4:alloc=level",
-          "polar4:compat=colibri", "q8_0", "q4_0", "q4_0+rot")
+CODECS = ("f32", "kv8", "tq2", "tq3", "tq4", "tq5", "tq6", "tq8", "tq4:compat=colibri", "polar4",
+          "polar4:alloc=level", "polar4:compat=colibri", "q8_0", "q4_0", "q4_0+rot")
 
 
 def _polar_tables(codec):
@@ -72,23 +80,42 @@ def numpy_reference(codec):
     return None
 
 
-def _median_time(fn, arg, repeats):
-    times, out = [], None
+def _median_time(fn, arg, repeats, yard=None):
+    """Median seconds of ``fn(arg)`` over ``repeats`` calls and its last output; with ``yard``
+    (a callable), each call is followed by one timed yardstick call, whose median is returned
+    too (else None)."""
+    times, yard_times, out = [], [], None
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn(arg)
         times.append(time.perf_counter() - start)
-    return float(np.median(times)), out
+        if yard is not None:
+            start = time.perf_counter()
+            yard()
+            yard_times.append(time.perf_counter() - start)
+    return float(np.median(times)), out, (float(np.median(yard_times)) if yard_times else None)
 
 
-def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads):
+def yardstick(X_yard, threads):
+    """The fixed numpy workload every encode alternates with: q8_0's numpy reference encoder."""
+    def run():
+        with threadpool_limits(limits=threads):
+            reference.q8_0_encode_rows(X_yard)
+    return run
+
+
+def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
     codec = get_codec(spec, d)
-    codec.encode(X[:256], n_threads=threads)                     # warm-up (codebooks, pages)
-    enc_s, enc = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats)
-    dec_s, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
+    codec.decode(codec.encode(X[:256], n_threads=threads), n_threads=threads)   # warm-up
+    if yard is not None:
+        yard()
+    enc_s, enc, yard_s = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats,
+                                      yard)
+    dec_s, _, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
     row = {"codec": spec, "dim": d, "bytes_per_row": codec.bytes_per_row,
            "bits_per_value": codec.bits_per_value, "rows": X.shape[0],
            "encode_rows_per_s": X.shape[0] / enc_s, "decode_rows_per_s": X.shape[0] / dec_s,
+           "yard_s": yard_s, "encode_over_yard": None, "encode_time_over_tq4": None,
            "ref_rows": None, "ref_encode_rows_per_s": None, "ref_decode_rows_per_s": None,
            "encode_speedup": None, "decode_speedup": None}
     ref = numpy_reference(codec)
@@ -97,14 +124,27 @@ def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads):
         # vectorized references run on the same rows; the slow ones on the first --ref-rows
         X_ref = X if spec in FULL_SIZE_REFERENCES else X_ref
         with threadpool_limits(limits=threads):
-            ref_enc_s, ref_enc = _median_time(ref_encode, X_ref, ref_repeats)
-            ref_dec_s, _ = _median_time(ref_decode, ref_enc, ref_repeats)
+            ref_decode(ref_encode(X_ref[:64]))                          # warm-up
+            ref_enc_s, ref_enc, _ = _median_time(ref_encode, X_ref, ref_repeats)
+            ref_dec_s, _, _ = _median_time(ref_decode, ref_enc, ref_repeats)
         row.update(ref_rows=X_ref.shape[0],
                    ref_encode_rows_per_s=X_ref.shape[0] / ref_enc_s,
                    ref_decode_rows_per_s=X_ref.shape[0] / ref_dec_s)
         row["encode_speedup"] = row["encode_rows_per_s"] / row["ref_encode_rows_per_s"]
         row["decode_speedup"] = row["decode_rows_per_s"] / row["ref_decode_rows_per_s"]
     return row
+
+
+def add_ratios(rows, yard_rows):
+    """``encode_over_yard`` (the codec's encode rows/s over the yardstick's, timed alternately)
+    and ``encode_time_over_tq4`` (tq<b> rows: encode time over tq4's at the same width)."""
+    tq4 = {r["dim"]: r["encode_rows_per_s"] for r in rows if r["codec"] == "tq4"}
+    for r in rows:
+        if r["yard_s"]:
+            r["encode_over_yard"] = r["encode_rows_per_s"] / (yard_rows / r["yard_s"])
+        if r["codec"].startswith("tq") and r["dim"] in tq4:
+            r["encode_time_over_tq4"] = tq4[r["dim"]] / r["encode_rows_per_s"]
+    return rows
 
 
 def _rate(x):
@@ -116,7 +156,7 @@ def _rate(x):
 def format_table(rows):
     head = (f"| {'codec':<22} | {'d':>4} | {'B/row':>5} | {'encode/s':>9} | {'decode/s':>9} | "
             f"{'numpy rows':>10} | {'numpy enc/s':>11} | {'numpy dec/s':>11} | {'enc x':>6} | "
-            f"{'dec x':>6} |")
+            f"{'dec x':>6} | {'enc/yard':>8} | {'x tq4':>5} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
         ratio = (lambda v: "-" if v is None else (f"{v:.0f}" if v >= 10 else f"{v:.2f}"))
@@ -125,7 +165,8 @@ def format_table(rows):
             f"{_rate(r['encode_rows_per_s']):>9} | {_rate(r['decode_rows_per_s']):>9} | "
             f"{r['ref_rows'] or '-':>10} | "
             f"{_rate(r['ref_encode_rows_per_s']):>11} | {_rate(r['ref_decode_rows_per_s']):>11} | "
-            f"{ratio(r['encode_speedup']):>6} | {ratio(r['decode_speedup']):>6} |")
+            f"{ratio(r['encode_speedup']):>6} | {ratio(r['decode_speedup']):>6} | "
+            f"{ratio(r.get('encode_over_yard')):>8} | {ratio(r.get('encode_time_over_tq4')):>5} |")
     return "\n".join(lines)
 
 
@@ -140,6 +181,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ref-repeats", type=int, default=3)
+    p.add_argument("--yard-rows", type=int, default=4096,
+                   help="rows of the numpy yardstick timed after every encode call (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="output folder (default: a folder named for the run, under the current "
@@ -154,14 +197,19 @@ def main(argv=None):
     for d in dims:
         X = rng.standard_normal((args.rows, d)).astype(np.float32)
         X_ref = np.ascontiguousarray(X[:args.ref_rows])
+        yard = (yardstick(np.ascontiguousarray(X[:args.yard_rows]), args.threads)
+                if args.yard_rows > 0 else None)
         for spec in codecs:
-            row = bench_one(spec, d, X, X_ref, args.repeats, args.ref_repeats, args.threads)
+            row = bench_one(spec, d, X, X_ref, args.repeats, args.ref_repeats, args.threads, yard)
             rows.append(row)
             print(f"  d={d} {spec}: encode {_rate(row['encode_rows_per_s'])}/s, "
                   f"decode {_rate(row['decode_rows_per_s'])}/s", file=sys.stderr, flush=True)
+    add_ratios(rows, min(args.yard_rows, args.rows))
     stem = (f"codec_throughput_d{'-'.join(map(str, dims))}_rows{args.rows}_t{args.threads}")
     meta = {"dims": dims, "rows": args.rows, "ref_rows": args.ref_rows, "threads": args.threads,
             "repeats": args.repeats, "ref_repeats": args.ref_repeats, "seed": args.seed,
+            "yard_rows": args.yard_rows,
+            "yardstick": "numpy q8_0 reference encoder, one call after every timed encode",
             "statistic": "median of repeats; rows/s = rows / seconds per call",
             "environment": environment()}
     out = args.out or stem

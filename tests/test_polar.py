@@ -1,5 +1,7 @@
 """PolarQuant polar<b>: engine compatibility, Lloyd codebooks and allocation, references, bad
 input."""
+import ctypes
+import ctypes.util
 import json
 import math
 
@@ -155,6 +157,119 @@ def test_lloyd_matches_numpy_reference(rng, alloc, d, bits):
     ref_decoded = reference.polar_lloyd_decode_rows(enc.codes, enc.side[:, 0], *tables, d)
     scale = enc.side[:, 0][:, None]
     assert np.abs(codec.decode(enc) - ref_decoded).max() <= 1e-5 * scale.max()
+
+
+# -- the encoder's forward transform (polar_encode.h): libm's radii, brackets around libm's angles
+
+def _libm_atan2f():
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.atan2f.restype = ctypes.c_float
+    libm.atan2f.argtypes = (ctypes.c_float, ctypes.c_float)
+    return libm.atan2f
+
+
+def _pairs(rng, m):
+    """Pairs (a, c) over the float range: Gaussian at scales 1e-40 .. 1e38, zeros of both signs,
+    equal and opposite magnitudes, subnormals."""
+    scale = (10.0 ** rng.uniform(-40, 37, (m, 1))).astype(np.float32)
+    P = (rng.standard_normal((m, 2)) * scale).astype(np.float32)
+    P[:64, 0] = 0.0
+    P[64:128, 1] = -0.0
+    P[128:192, 1] = P[128:192, 0]
+    P[192:256, 1] = -P[192:256, 0]
+    P[256:320] = np.float32(1e-45) * rng.integers(-3, 4, (64, 2))
+    return P
+
+
+def test_forward_level_radii_are_hypotf_and_brackets_hold_atan2f(rng):
+    P = _pairs(rng, 200_000)
+    half = P.shape[0]
+    r, lo, hi = (np.empty(half, np.float32) for _ in range(3))
+    assert not polar_kernels.forward_level(P.reshape(-1), r, lo, hi)
+    a, c = P[:, 0], P[:, 1]
+    assert np.array_equal(r.view(np.uint32), np.hypot(a, c).view(np.uint32))
+    exact = (a != 0) & (c != 0)
+    assert np.all(lo[~exact] == -4) and np.all(hi[~exact] == 4)    # libm decides those
+    ang = np.arctan2(c, a)
+    assert np.all((lo[exact] <= ang[exact]) & (ang[exact] <= hi[exact]))
+    atan2f = _libm_atan2f()
+    for i in rng.choice(np.flatnonzero(exact), 3000, replace=False):
+        assert lo[i] <= atan2f(c[i], a[i]) <= hi[i]
+    # narrow enough that an angle rarely needs libm: a relative 2^-15 plus float subnormals
+    width = (hi - lo)[exact].astype(np.float64)
+    assert np.all(width <= np.abs(ang[exact]) * 2.0**-14 + 1e-40)
+
+
+def test_forward_level_flags_non_finite_values():
+    r, lo, hi = (np.empty(2, np.float32) for _ in range(3))
+    for bad in (np.inf, -np.inf, np.nan):
+        assert polar_kernels.forward_level(np.array([1, 2, bad, 1], np.float32), r, lo, hi)
+
+
+def _boundary_angle_rows(codec, rng, n_rows):
+    """Rows whose rotated level-1 pairs sit on the level's code boundaries (Lloyd) up to the
+    rotation's rounding: the angles that land inside a bracket and go to atan2f."""
+    d = codec.dim
+    bnd = codec.codebooks.boundaries[1, codec.level_bits[1]]
+    bnd = bnd[np.isfinite(bnd)].astype(np.float64)
+    Y = np.empty((n_rows, d), np.float64)
+    theta = rng.choice(bnd, (n_rows, d // 2))
+    radius = rng.uniform(0.5, 2, (n_rows, d // 2))
+    Y[:, 0::2], Y[:, 1::2] = radius * np.cos(theta), radius * np.sin(theta)
+    return codec.rotation.unrotate(Y.astype(np.float32))
+
+
+def _pack_level_major(codes, widths):
+    """LSB-first bit cursor over the angles in storage order (level 1 first)."""
+    bits = [(int(q) >> k) & 1 for q, w in zip(codes, widths) for k in range(w)]
+    bits += [0] * (-len(bits) % 8)
+    return np.packbits(np.array(bits, np.uint8).reshape(-1, 8)[:, ::-1], axis=1).ravel()
+
+
+@pytest.mark.parametrize("variant", ["alloc=level", "compat=colibri"])
+@pytest.mark.parametrize("d, bits", [(8, 3), (64, 4), (128, 4), (256, 6), (512, 2)])
+def test_fixed_width_codes_match_libm_replica(rng, variant, d, bits):
+    """The fixed-width modes bit for bit against numpy plus libm: rotation (checked in
+    test_rotation), hypotf and atan2f per pair (libm's, through ctypes: numpy's float32 arctan2
+    is its own and may differ in the last place), the code of each angle (#{boundaries < angle},
+    or the engine's grid), level-major packing; on Gaussian rows and on rows whose angles sit on
+    code boundaries."""
+    codec = polar(bits, variant, d)
+    lloyd = polar(bits, "alloc=level", d)
+    X = np.concatenate([gaussian_rows(rng, 20, d), _boundary_angle_rows(lloyd, rng, 20)])
+    enc = codec.encode(X)
+    atan2f = _libm_atan2f()
+    bnd = lloyd.codebooks.boundaries
+    for row, x in enumerate(X):
+        y = codec.rotation.rotate(x)
+        codes, widths = [], []
+        level = 1
+        while y.size > 1:
+            a, c = y[0::2], y[1::2]
+            ang = np.array([atan2f(ci, ai) for ai, ci in zip(a, c)], np.float32)
+            w = codec.level_bits[level]
+            if codec.compat:
+                q = np.empty(ang.size, np.int32)
+                polar_kernels.engine_grid_codes(level, w, ang, q)
+            else:
+                q = np.searchsorted(bnd[level, w, :2**w - 1], ang, side="left")
+            codes += list(q)
+            widths += [w] * ang.size
+            y = np.hypot(a, c)
+            level += 1
+        expect = _pack_level_major(codes, widths)
+        assert np.array_equal(enc.codes[row, :expect.size], expect), row
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_many_rows_equal_one_row_at_a_time(rng, variant):
+    codec = polar(4, variant, 128)
+    X = np.concatenate([gaussian_rows(rng, 300, 128), _boundary_angle_rows(
+        polar(4, "alloc=level", 128), rng, 300)])
+    batch = codec.encode(X, n_threads=2)
+    for i in (0, 1, 299, 300, 599):
+        one = codec.encode(X[i:i + 1], n_threads=1)
+        assert np.array_equal(one.codes[0], batch.codes[i]) and one.side[0] == batch.side[i]
 
 
 def test_radius_allocation(rng):

@@ -45,6 +45,46 @@ def test_fwht_is_the_sylvester_matrix(rng):
     assert np.allclose(out, X @ reference.hadamard_matrix(32).T, atol=1e-4)
 
 
+def fwht_float32_stage_by_stage(X):
+    """The butterflies in float32, one stage at a time over the whole array (numpy's float32 adds
+    and subtracts are IEEE, so these are the bits of any exact implementation of the order)."""
+    Y = X.astype(np.float32).copy()
+    n, h = Y.shape[1], 1
+    with np.errstate(over="ignore", invalid="ignore"):
+        while h < n:
+            Z = Y.reshape(Y.shape[0], n // (2 * h), 2, h)
+            a, b = Z[:, :, 0, :].copy(), Z[:, :, 1, :].copy()
+            Z[:, :, 0, :], Z[:, :, 1, :] = a + b, a - b
+            h *= 2
+    return Y
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096])
+def test_fwht_bits_match_stage_by_stage_float32(rng, n):
+    """The kernel groups butterflies (16 lanes in registers, two stages per pass): every element
+    must still see the same float operations on the same operands, at every width."""
+    rows = 9 if n >= 1024 else 65
+    X = gaussian_rows(rng, rows, n) * rng.uniform(1e-30, 1e30, (rows, 1)).astype(np.float32)
+    X[0, ::3] = 0
+    X[1] = np.float32(3e38)             # overflows to inf, then inf - inf: NaN, as stage by stage
+    X[2, 0] = np.nan
+    X[3, :] = np.float32(1e-45)         # subnormals
+    out = X.copy()
+    rotation_kernels.fwht_rows(out, 2)
+    expect = fwht_float32_stage_by_stage(X)
+    assert np.array_equal(out.view(np.uint32), expect.view(np.uint32))
+
+
+def test_fwht_many_rows_equal_one_row_at_a_time(rng):
+    X = gaussian_rows(rng, 1000, 256)
+    batch = X.copy()
+    rotation_kernels.fwht_rows(batch, 2)
+    for i in (0, 1, 517, 999):
+        one = X[i:i + 1].copy()
+        rotation_kernels.fwht_rows(one, 1)
+        assert np.array_equal(one[0], batch[i])
+
+
 @pytest.mark.parametrize("bad", [0, 1, 3, 48, 100])
 def test_non_power_of_two_width_is_refused(bad):
     with pytest.raises(ValueError, match=rf"{bad}.*kv8"):

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from kvquant import get_codec, reference
+from kvquant._kernels import lloyd as lloyd_kernels
 from kvquant.codebooks import load_codebook
 from kvquant.codecs.lloyd import engine_tq4_levels
 from kvquant.metrics import relative_l2
@@ -104,6 +105,92 @@ def test_thread_count_invariance(rng):
         a, b = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
         assert np.array_equal(a.codes, b.codes) and np.array_equal(a.side, b.side)
         assert np.array_equal(codec.decode(a, n_threads=1), codec.decode(a, n_threads=2))
+
+
+# -- the nearest-level rule: counted compares (<= 31 boundaries) and bucket tables above ----------
+
+def _adversarial_values(rng, bnd):
+    """Every boundary, its float neighbours, both zeros, NaN, infinities, huge and tiny values,
+    and Gaussian draws: the ties and the bucket edges where a table could go wrong."""
+    b = bnd.astype(np.float32)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-45, -1e-45],
+                       np.float32)
+    vals = [b, np.nextafter(b, np.float32(np.inf)), np.nextafter(b, np.float32(-np.inf)),
+            special, rng.standard_normal(20000).astype(np.float32) * np.float32(2),
+            rng.uniform(b[0] - 1, b[-1] + 1, 20000).astype(np.float32)]
+    return np.concatenate(vals)
+
+
+def _boundary_sets(rng):
+    """The codecs' own boundaries (both codebooks, narrow and wide rows), plus sets a table
+    finds hard: ties (repeated boundaries), a +-0 boundary, a dense cluster beside wide gaps."""
+    sets = []
+    for bits in range(1, 9):
+        for d in (2, 64, 4096):
+            for cb in ("beta", "gaussian"):
+                sets.append(get_codec(f"tq{bits}:codebook={cb}", d).boundaries)
+    sets.append(np.sort(np.concatenate([np.linspace(-1, 1, 40), [0.0, 0.0, 0.5, 0.5, 0.5]])))
+    sets.append(np.sort(np.concatenate([rng.uniform(0, 1e-3, 200), [-50.0, 50.0]])))
+    sets.append(np.sort(rng.standard_normal(255)))
+    sets.append(np.array([-0.0] + list(np.linspace(1e-7, 1, 30))))
+    return [np.ascontiguousarray(s, dtype=np.float32) for s in sets]
+
+
+def test_nearest_code_is_the_count_of_boundaries_below(rng):
+    """code = #{boundaries < y} (ties go down, NaN -> 0) by every path, against searchsorted."""
+    for bnd in _boundary_sets(rng):
+        y = _adversarial_values(rng, bnd)
+        table = lloyd_kernels.code_table(bnd)
+        out = np.empty(y.size, np.uint8)
+        lloyd_kernels.nearest_codes(y, bnd, table, out)
+        expect = np.searchsorted(bnd, y, side="left")
+        expect[np.isnan(y)] = 0
+        assert np.array_equal(out, expect), (bnd.size, np.flatnonzero(out != expect)[:5])
+
+
+def test_code_table_is_small_for_the_codecs():
+    """One boundary per bucket (window 1) in at most 4096 buckets for every stored codebook."""
+    for bits in range(5, 9):
+        for d in (2, 4, 64, 128, 4096):
+            table = get_codec(f"tq{bits}", d).code_table
+            n_buckets, window = int(table[2]), int(table[3])
+            assert window == 1 and n_buckets <= 4096 and table.size == 4 + 2 * n_buckets
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("d", [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096])
+def test_codes_match_a_float32_replica_of_the_encoder(rng, bits, d):
+    """Bit for bit against numpy doing the encoder's float32 steps (norm in double, rotation,
+    x 1/sqrt(n) then x sqrt(n)/norm, #{boundaries < y}, LSB-first packing), at every width."""
+    rows = 40 if d >= 1024 else 200
+    X = gaussian_rows(rng, rows, d) * rng.uniform(1e-3, 1e3, (rows, 1)).astype(np.float32)
+    X[0] = 0
+    X[1, 0] = np.nan
+    codec = get_codec(f"tq{bits}", d, nonfinite="inert")
+    enc = codec.encode(X)
+    norm = np.sqrt((X.astype(np.float64) ** 2).sum(axis=1))
+    radius = norm.astype(np.float32)
+    live = (radius > np.float32(1e-35)) & (radius <= np.float32(3.4e38))
+    sqrt_n = np.sqrt(np.float32(d), dtype=np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        Y = codec.rotation.rotate(X)                           # checked bit-exact in test_rotation
+        to_unit = (sqrt_n / radius).astype(np.float32)
+        Y = (Y * to_unit[:, None]).astype(np.float32)
+    codes = np.searchsorted(codec.boundaries, Y, side="left").astype(np.uint8)
+    codes[~live] = 0
+    assert np.array_equal(reference.unpack_bits(enc.codes, d, bits), codes)
+    assert np.array_equal(enc.side[:, 0], np.where(live, radius, np.float32(0)))
+
+
+@pytest.mark.parametrize("spec", ["tq3", "tq5", "tq6", "tq8", "tq7:side=unbiased"])
+def test_many_rows_equal_one_row_at_a_time(rng, spec):
+    X = gaussian_rows(rng, 700, 128)
+    codec = get_codec(spec, 128)
+    batch = codec.encode(X)
+    for i in (0, 1, 350, 699):
+        one = codec.encode(X[i:i + 1])
+        assert np.array_equal(one.codes[0], batch.codes[i])
+        assert np.array_equal(one.side[0], batch.side[i])
 
 
 # -- bad input -------------------------------------------------------------------------------

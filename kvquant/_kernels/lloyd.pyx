@@ -1,5 +1,6 @@
 # Rotated scalar codec ("tq<b>"): randomized Hadamard rotation, per-row radius, nearest level of a
-# b-bit Lloyd-Max codebook, codes bit-packed LSB first. docs/reference.md §1.2-1.3 and §2.
+# b-bit Lloyd-Max codebook (counted compares up to 5 bits, a bucket table above: rowops.h), codes
+# bit-packed LSB first. docs/reference.md §1.2-1.3 and §2.
 # The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
 # decoder divides the radius by sqrtf(n).
@@ -14,6 +15,8 @@ from libc.stdint cimport uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
+import numpy as np
+
 from kvquant._kernels._common cimport (
     PRESCALE, ROW_LIMIT, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, live_radius)
 
@@ -27,16 +30,45 @@ cdef extern from "rowops.h" nogil:
     void kvq_decode_row(const uint8_t* code, Py_ssize_t n, const float* levels, float step,
                         const float* signs, float inv_sqrt_n, float* out, float* copy)
     void kvq_nearest_codes(const float* y, Py_ssize_t n, const float* bnd, int n_bnd,
-                           uint8_t* code)
+                           const float* table, uint8_t* code)
+    Py_ssize_t kvq_code_table_plan(const float* bnd, Py_ssize_t n_bnd, Py_ssize_t* n_buckets,
+                                   Py_ssize_t* window, float* lo, float* scale)
+    void kvq_code_table_build(const float* bnd, Py_ssize_t n_bnd, float* table)
     void kvq_nearest_by_distance(const float* y, Py_ssize_t n, const float* levels, int n_levels,
                                  float* best_d, uint8_t* code)
 
+
+def code_table(const float[::1] boundaries):   # IN (n_bnd,) ascending, finite
+    """The bucket table of kvq_nearest_codes (rowops.h) for these boundaries, float32 (length,).
+
+    Built once per codebook; an encoder with more than 31 boundaries reads it instead of
+    searching."""
+    cdef Py_ssize_t n_bnd = boundaries.shape[0], n_buckets, window
+    cdef float lo, scale
+    if n_bnd == 0:
+        raise ValueError("a code table needs at least one boundary")
+    table = np.empty(kvq_code_table_plan(&boundaries[0], n_bnd, &n_buckets, &window, &lo, &scale),
+                     np.float32)
+    cdef float[::1] t = table
+    kvq_code_table_build(&boundaries[0], n_bnd, &t[0])
+    return table
+
+
+def nearest_codes(const float[::1] y,            # IN  (n,)
+                  const float[::1] boundaries,   # IN  (n_bnd,) ascending
+                  const float[::1] table,        # IN  code_table(boundaries)
+                  uint8_t[::1] out):             # OUT (n,) #{boundaries < y}, NaN -> 0
+    """The encoder's nearest-level rule on a vector (exposed for tests of the table)."""
+    if y.shape[0] > 0:
+        kvq_nearest_codes(&y[0], y.shape[0], &boundaries[0], boundaries.shape[0], &table[0],
+                          &out[0])
 
 
 def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of two
                 const float[::1] signs,         # IN  (n,) +-1
                 const float[::1] levels,        # IN  (2**bits,) ascending, N(0,1) units
                 const float[::1] boundaries,    # IN  (2**bits - 1,) ascending
+                const float[::1] table,         # IN  code_table(boundaries)
                 int bits,
                 bint unbiased,                  # side = |x|^2/<x, x^_unit> instead of |x|
                 bint by_distance,               # engine's distance scan instead of boundaries
@@ -88,7 +120,7 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
             if by_distance:
                 kvq_nearest_by_distance(y, n, &levels[0], n_levels, scratch, c)
             else:
-                kvq_nearest_codes(y, n, &boundaries[0], n_bnd, c)
+                kvq_nearest_codes(y, n, &boundaries[0], n_bnd, &table[0], c)
             kvq_pack_codes(c, n, bits, &codes[r, 0])
             if unbiased:
                 # <x, unrotate(level[c])/sqrt(n)> = (norm/n) <y, level[c]>; side = |x|^2 / that

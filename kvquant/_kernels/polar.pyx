@@ -12,6 +12,10 @@
 #                      (allocate_bits, polarops.h), so encoder and decoder agree exactly.
 # The decoder rebuilds rows with polarops.h from cos/sin tables (angle_tables), as the attention
 # consumers do (consumers_polar.h).
+# The forward transform computes no angle with libm unless it must (polar_encode.h): every
+# quantizer above is monotone in the float angle, so a bracket around atan2f decides the code; an
+# angle within a hair of a code boundary is computed with atan2f. The Lloyd codes come from bucket
+# tables (rowops.h, built once per codebook). The codes are those of the libm angles, bit for bit.
 # The norm is accumulated in double and is the stored radius; the inert rule is the engine's.
 # Magnitudes (docs/engine-arithmetic.md §8): a row whose butterflies overflow is refused in grid
 # (compat) mode (ROW_RANGE: the engine would store garbage) and otherwise rotated from a copy
@@ -31,6 +35,16 @@ cdef extern from "rowops.h" nogil:
     double kvq_sum_squares(const float* x, Py_ssize_t n, int in_index_order)
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
+    int kvq_code_lookup(const float* table, float v)
+
+cdef extern from "polar_encode.h" nogil:
+    float ANGLE_OPEN "KVQ_ANGLE_OPEN"
+    int kvq_polar_forward_level(const float* x, Py_ssize_t half, float* r, float* lo, float* hi,
+                                double* r2)
+    Py_ssize_t kvq_polar_lloyd_codes(const float* lo, const float* hi, Py_ssize_t cnt,
+                                     const uint8_t* width, const float* tables, Py_ssize_t stride,
+                                     uint8_t* code, int32_t* undecided)
+    void kvq_polar_pack(const uint8_t* code, const uint8_t* width, Py_ssize_t n, uint8_t* row)
 
 # The radius allocation and the row rebuild are shared with the attention consumers
 # (consumers_polar.h): one implementation, the same bits.
@@ -55,21 +69,6 @@ cdef float F_HALF = 0.5
 cdef float F_QUARTER = 0.25
 cdef float F_ONE_AND_HALF = 1.5
 cdef float F_TWO = 2.0
-
-
-# -- bit cursor ------------------------------------------------------------------------------
-
-cdef inline void put_bits(uint8_t* out, Py_ssize_t pos, uint32_t code, int width) noexcept nogil:
-    """OR `width` bits of `code` into the zeroed byte string at bit `pos`, LSB first."""
-    cdef Py_ssize_t byte = pos >> 3
-    cdef int shift = pos & 7
-    cdef uint32_t v
-    if width == 0:
-        return
-    v = code << shift
-    out[byte] |= <uint8_t>(v & 0xFF)
-    if shift + width > 8:
-        out[byte + 1] |= <uint8_t>((v >> 8) & 0xFF)
 
 
 # -- the engine's grids ----------------------------------------------------------------------
@@ -117,18 +116,20 @@ cdef void engine_grid(int n_levels, float* lo, float* two_w) noexcept nogil:
         two_w[level] = F_TWO * w
 
 
-# -- Lloyd codebooks ----------------------------------------------------------------------------
+# -- the code of one angle ----------------------------------------------------------------------
 
-cdef inline int nearest_centroid(float ang, const float* bnd, int n_bnd) noexcept nogil:
-    """Number of boundaries strictly below `ang` (ties go to the lower centroid)."""
-    cdef int lo = 0, hi = n_bnd, mid
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if bnd[mid] < ang:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+cdef inline int angle_code(float ang, int mode, int level, int b, const float* table,
+                           float inv_two_pi, float lo, float two_w) noexcept nogil:
+    """The code of a float angle at `level` with width b: the engine's grid or the Lloyd
+    centroid (number of boundaries strictly below it, ties to the lower one; `table` is the
+    bucket table of the (level, b) boundaries). Monotone in `ang`."""
+    if mode == MODE_ENGINE_GRID:
+        if level == 1:
+            return engine_code_level1(ang, inv_two_pi, <float>(1 << b), (1 << b) - 1)
+        return engine_code_deep(ang, lo, two_w, <float>(1 << b), (1 << b) - 1)
+    if b == 0:
+        return 0
+    return kvq_code_lookup(table, ang)
 
 
 # -- encode ----------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 int mode,                              # MODE_*
                 const int32_t[::1] level_bits,         # IN  (n_levels + 1,) fixed widths
                 const int32_t[::1] level_totals,       # IN  (n_levels + 1,) bits per level
-                const float[:, :, ::1] boundaries,     # IN  (n_levels + 1, 9, 256) Lloyd
+                const float[:, :, ::1] code_tables,    # IN  (n_levels + 1, 9, L) Lloyd
                 const int32_t[:, :, ::1] log2_cos2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, :, ::1] log2_sin2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, ::1] gains,           # IN  (n_levels + 1, 8)
@@ -147,16 +148,20 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 uint8_t[::1] status,                   # OUT (n_rows,) ROW_* codes
                 int n_threads):
     cdef Py_ssize_t n_rows = X.shape[0], n = X.shape[1], code_bytes = codes.shape[1]
-    cdef Py_ssize_t r, i, j, off, cnt, half, rlen, pos
+    cdef Py_ssize_t r, i, j, k, off, cnt, half, rlen, in_off, n_undecided
     cdef int n_levels = level_bits.shape[0] - 1, level, b, q
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
     cdef float inv_two_pi = F_HALF / PI_F
     cdef float grid_lo[MAX_LEVELS + 1]
     cdef float grid_two_w[MAX_LEVELS + 1]
     cdef double norm2
-    cdef float radius, a, c
+    cdef float radius
     cdef float* y
-    cdef float* ang
+    cdef float* tree
+    cdef float* ang_lo
+    cdef float* ang_hi
+    cdef double* r2
+    cdef int32_t* undecided
     cdef uint8_t* code
     cdef uint8_t* width
     cdef int32_t* weight
@@ -172,8 +177,14 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
     # below `safe` the rotation's partial sums (at most sqrt(n) x the norm) cannot overflow
     cdef float safe = (FLT_MAX / <float>4.0) / sqrtf(<float>n)
     with nogil, parallel(num_threads=n_threads):
-        y = <float*>malloc(n * sizeof(float))
-        ang = <float*>malloc(n * sizeof(float))
+        # tree: the inputs of every level, level 1 (the rotated row) first; level l's pairs
+        # start at 2 * (n - (n >> (l - 1))), its angles' brackets at n - (n >> (l - 1))
+        tree = <float*>malloc(2 * n * sizeof(float))
+        y = tree
+        ang_lo = <float*>malloc(n * sizeof(float))
+        ang_hi = <float*>malloc(n * sizeof(float))
+        r2 = <double*>malloc(n * sizeof(double))
+        undecided = <int32_t*>malloc(n * sizeof(int32_t))
         code = <uint8_t*>malloc(n * sizeof(uint8_t))
         width = <uint8_t*>malloc(n * sizeof(uint8_t))
         weight = <int32_t*>malloc(n * sizeof(int32_t))
@@ -199,17 +210,23 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                     continue
                 kvq_rotate_scale_row_prescaled(&X[r, 0], &signs[0], n, inv_sqrt_n, <float>1.0,
                                                PRESCALE, y)
-            # forward transform: level 1 at ang[0 .. n/2), then each level after the previous
+            # forward transform: level 1's brackets at [0 .. n/2), then each level after the
+            # previous; a level holding a non-finite value is redone with libm (its brackets
+            # open wide: every angle then goes to atan2f)
             rlen = n
             off = 0
+            in_off = 0
             while rlen > 1:
                 half = rlen >> 1
-                for j in range(half):
-                    a = y[2 * j]
-                    c = y[2 * j + 1]
-                    ang[off + j] = atan2f(c, a)
-                    y[j] = hypotf(a, c)
+                if kvq_polar_forward_level(&tree[in_off], half, &tree[in_off + rlen],
+                                           &ang_lo[off], &ang_hi[off], r2):
+                    for j in range(half):
+                        tree[in_off + rlen + j] = hypotf(tree[in_off + 2 * j],
+                                                         tree[in_off + 2 * j + 1])
+                        ang_lo[off + j] = -ANGLE_OPEN
+                        ang_hi[off + j] = ANGLE_OPEN
                 off = off + half
+                in_off = in_off + rlen
                 rlen = half
             # quantize, top level first (the radius allocation needs the levels above)
             # per-row pointers: the thread's buffers stay put, only these swap
@@ -225,18 +242,27 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 else:
                     for j in range(cnt):
                         width[off + j] = <uint8_t>level_bits[level]
-                for j in range(cnt):
+                if mode == MODE_ENGINE_GRID:
+                    n_undecided = 0
+                    for j in range(cnt):
+                        q = angle_code(ang_lo[off + j], mode, level, width[off + j], NULL,
+                                       inv_two_pi, grid_lo[level], grid_two_w[level])
+                        code[off + j] = <uint8_t>q
+                        undecided[n_undecided] = <int32_t>j
+                        if q != angle_code(ang_hi[off + j], mode, level, width[off + j], NULL,
+                                           inv_two_pi, grid_lo[level], grid_two_w[level]):
+                            n_undecided = n_undecided + 1
+                else:
+                    n_undecided = kvq_polar_lloyd_codes(
+                        &ang_lo[off], &ang_hi[off], cnt, &width[off], &code_tables[level, 0, 0],
+                        code_tables.shape[2], &code[off], undecided)
+                for k in range(n_undecided):
+                    # a code boundary inside the bracket: libm's angle decides
+                    j = undecided[k]
                     b = width[off + j]
-                    if mode == MODE_ENGINE_GRID:
-                        if level == 1:
-                            q = engine_code_level1(ang[off + j], inv_two_pi, <float>(1 << b),
-                                                   (1 << b) - 1)
-                        else:
-                            q = engine_code_deep(ang[off + j], grid_lo[level], grid_two_w[level],
-                                                 <float>(1 << b), (1 << b) - 1)
-                    else:
-                        q = nearest_centroid(ang[off + j], &boundaries[level, b, 0], (1 << b) - 1)
-                    code[off + j] = <uint8_t>q
+                    code[off + j] = <uint8_t>angle_code(
+                        atan2f(tree[2 * off + 2 * j + 1], tree[2 * off + 2 * j]), mode, level, b,
+                        &code_tables[level, b, 0], inv_two_pi, grid_lo[level], grid_two_w[level])
                 if mode == MODE_LLOYD_RADIUS and level > 1:
                     kvq_polar_child_weights(cur_w, cnt, &width[off], &code[off],
                                             &log2_cos2[level, 0, 0], &log2_sin2[level, 0, 0],
@@ -244,13 +270,13 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                     swap = cur_w
                     cur_w = next_w
                     next_w = swap
-            pos = 0
-            for i in range(n - 1):
-                put_bits(row, pos, code[i], width[i])
-                pos = pos + width[i]
+            kvq_polar_pack(code, width, n - 1, row)
             side[r] = radius
-        free(y)
-        free(ang)
+        free(tree)
+        free(ang_lo)
+        free(ang_hi)
+        free(r2)
+        free(undecided)
         free(code)
         free(width)
         free(weight)
@@ -345,6 +371,27 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
             kvq_polar_scratch_free(scratch)
             free(scratch)
         free(copy)
+
+
+# -- the forward transform, exposed for tests -------------------------------------------------
+
+def forward_level(const float[::1] x,     # IN  (2 * half,) pairs (a, c)
+                  float[::1] radius,      # OUT (half,) hypotf(a, c)
+                  float[::1] lo,          # OUT (half,) brackets around atan2f(c, a)
+                  float[::1] hi):         # OUT (half,)
+    """One level of the encoder's forward transform (polar_encode.h); True when a value was
+    not finite (the encoder then redoes the level with libm)."""
+    cdef Py_ssize_t half = radius.shape[0]
+    cdef double* r2
+    cdef int bad
+    if half == 0:
+        return False
+    r2 = <double*>malloc(half * sizeof(double))
+    if r2 == NULL:
+        raise MemoryError()
+    bad = kvq_polar_forward_level(&x[0], half, &radius[0], &lo[0], &hi[0], r2)
+    free(r2)
+    return bool(bad)
 
 
 # -- the engine's grids, exposed for tests ---------------------------------------------------

@@ -141,8 +141,10 @@ static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_
 /* The search below stops once its bracket holds this few keys, and picks among them directly. */
 #define KVQ_POLAR_FEW 16
 
-/* The keys in [lo, lo + width) (at most KVQ_POLAR_FEW of them) into cand; returns how many.
- * Blocks without one are skipped by a vectorized test. */
+/* The keys in [lo, lo + width) (the first KVQ_POLAR_FEW of them, in index order) into cand,
+ * which holds KVQ_POLAR_FEW + 1 slots; returns how many. Blocks without one are skipped by a
+ * vectorized test; inside a block every key is written to the next free slot and kept only if it
+ * is in range (no branch per key). */
 KVQ_POLAR_CLONES
 static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32_t width,
                              uint32_t* cand)
@@ -154,8 +156,10 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
         uint32_t any = 0;
         for (i = i0; i < e; i++) any |= key[i] - lo < width;
         if (any)
-            for (i = i0; i < e; i++)
-                if (key[i] - lo < width && found < KVQ_POLAR_FEW) cand[found++] = key[i];
+            for (i = i0; i < e; i++) {
+                cand[found] = key[i];
+                found += (key[i] - lo < width) & (found < KVQ_POLAR_FEW);
+            }
     }
     return found;
 }
@@ -214,7 +218,7 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
                                     int64_t total, uint32_t* keys, uint8_t* width)
 {
     const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
-    uint32_t cand[KVQ_POLAR_FEW];
+    uint32_t cand[KVQ_POLAR_FEW + 1];   /* kvq_polar_collect writes one slot past the last kept */
     int64_t lo, hi, c_lo, c_hi, t = 0, c = 0, w_sum = 0, step = 0;
     int halve = 0, m;
     int64_t w_min, w_max, base, span;

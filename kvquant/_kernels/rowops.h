@@ -5,6 +5,10 @@
  * give the same bits: they differ in speed only. */
 #ifndef KVQ_ROWOPS_H
 #define KVQ_ROWOPS_H
+#if defined(__GNUC__) && !defined(__clang__)
+/* the 16-lane helpers below are always inlined: the ABI note about passing them is moot */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +18,14 @@
 #define KVQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KVQ_CLONES
+#endif
+
+/* Helpers of the cloned functions are forced inline, so that each clone compiles them for its own
+ * instruction set. */
+#if defined(__GNUC__)
+#define KVQ_INLINE static inline __attribute__((always_inline))
+#else
+#define KVQ_INLINE static inline
 #endif
 
 /* Sum of squares in double. The engine adds in index order (kept for compat); otherwise eight
@@ -37,39 +49,138 @@ static double kvq_sum_squares(const float *x, int64_t n, int in_index_order)
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-/* y = H(D x) (unnormalized, natural order), then y *= inv_sqrt_n, then y *= to_unit: the same
- * float operations, in the same order, as the engine's encoder. */
+/* ---- 16-lane vectors ---------------------------------------------------------------------------
+ * GCC (12+) and Clang vector extensions: one 16-float vector is a zmm register under AVX-512, two
+ * ymm under AVX2, four xmm on the baseline or on ARM (the compiler lowers each operation to the
+ * target's instructions), so the code below is written once for every clone and every ISA. Loads
+ * and stores go through memcpy (no alignment assumed). Without the extensions (KVQ_VEC 0) the
+ * scalar loops run instead: the same float operations on the same operands, so the same bits. */
+#if (defined(__GNUC__) && __GNUC__ >= 12) || defined(__clang__)
+#define KVQ_VEC 1
+typedef float kvq_v16f __attribute__((vector_size(64)));
+typedef int32_t kvq_v16i __attribute__((vector_size(64)));
+
+KVQ_INLINE kvq_v16f kvq_load16(const float *p)
+{
+    kvq_v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+KVQ_INLINE void kvq_store16(float *p, kvq_v16f v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* One butterfly stage of stride h (1, 2, 4 or 8) inside a vector: lane l pairs with lane l ^ h;
+ * the lower lane of a pair gets a + b, the upper one a - b (a the lower lane's value), exactly the
+ * scalar butterfly. */
+#define KVQ_SWAP(v, h)                                                                          \
+    __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h,      \
+                            8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
+#define KVQ_PICK(l, h) ((l) & (h) ? 16 + (l) : (l))
+#define KVQ_BLEND(s, d, h)                                                                      \
+    __builtin_shufflevector(s, d, KVQ_PICK(0, h), KVQ_PICK(1, h), KVQ_PICK(2, h),              \
+                            KVQ_PICK(3, h), KVQ_PICK(4, h), KVQ_PICK(5, h), KVQ_PICK(6, h),     \
+                            KVQ_PICK(7, h), KVQ_PICK(8, h), KVQ_PICK(9, h), KVQ_PICK(10, h),    \
+                            KVQ_PICK(11, h), KVQ_PICK(12, h), KVQ_PICK(13, h), KVQ_PICK(14, h), \
+                            KVQ_PICK(15, h))
+#define KVQ_STAGE(v, h)                                                                         \
+    do {                                                                                        \
+        const kvq_v16f p_ = KVQ_SWAP(v, h);                                                     \
+        v = KVQ_BLEND(v + p_, p_ - v, h);                                                       \
+    } while (0)
+
+/* The four butterfly stages h = 1, 2, 4, 8 of 16 consecutive elements. */
+KVQ_INLINE kvq_v16f kvq_fwht16(kvq_v16f v)
+{
+    KVQ_STAGE(v, 1);
+    KVQ_STAGE(v, 2);
+    KVQ_STAGE(v, 4);
+    KVQ_STAGE(v, 8);
+    return v;
+}
+#else
+#define KVQ_VEC 0
+#endif
+
+/* Stages h = 1, 2, 4 of the transform, group of 8 by group of 8 (rows narrower than 16, and the
+ * scalar build). */
+KVQ_INLINE void kvq_fwht_groups8(float *y, int64_t n)
+{
+    int64_t g;
+    for (g = 0; g < n; g += 8) {
+        float a0 = y[g], a1 = y[g + 1], a2 = y[g + 2], a3 = y[g + 3];
+        float a4 = y[g + 4], a5 = y[g + 5], a6 = y[g + 6], a7 = y[g + 7];
+        float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;
+        float b4 = a4 + a5, b5 = a4 - a5, b6 = a6 + a7, b7 = a6 - a7;
+        float c0 = b0 + b2, c2 = b0 - b2, c1 = b1 + b3, c3 = b1 - b3;
+        float c4 = b4 + b6, c6 = b4 - b6, c5 = b5 + b7, c7 = b5 - b7;
+        y[g] = c0 + c4; y[g + 4] = c0 - c4;
+        y[g + 1] = c1 + c5; y[g + 5] = c1 - c5;
+        y[g + 2] = c2 + c6; y[g + 6] = c2 - c6;
+        y[g + 3] = c3 + c7; y[g + 7] = c3 - c7;
+    }
+}
+
+/* Stages h0, 2 h0, ..., n/2 (h0 >= 16 in vector builds): two stages per pass over the row where
+ * it can (radix 4: four vectors in registers), then the last one alone. The same butterflies, in
+ * the same stage order for every element, as one stage at a time. */
+KVQ_INLINE void kvq_fwht_wide(float *y, int64_t n, int64_t h)
+{
+    int64_t i, j;
+#if KVQ_VEC
+    for (; 4 * h <= n; h *= 4)
+        for (i = 0; i < n; i += 4 * h)
+            for (j = i; j < i + h; j += 16) {
+                const kvq_v16f v0 = kvq_load16(y + j), v1 = kvq_load16(y + j + h);
+                const kvq_v16f v2 = kvq_load16(y + j + 2 * h), v3 = kvq_load16(y + j + 3 * h);
+                const kvq_v16f s01 = v0 + v1, d01 = v0 - v1, s23 = v2 + v3, d23 = v2 - v3;
+                kvq_store16(y + j, s01 + s23);
+                kvq_store16(y + j + h, d01 + d23);
+                kvq_store16(y + j + 2 * h, s01 - s23);
+                kvq_store16(y + j + 3 * h, d01 - d23);
+            }
+    for (; h < n; h *= 2)
+        for (i = 0; i < n; i += 2 * h)
+            for (j = i; j < i + h; j += 16) {
+                const kvq_v16f a = kvq_load16(y + j), b = kvq_load16(y + j + h);
+                kvq_store16(y + j, a + b);
+                kvq_store16(y + j + h, a - b);
+            }
+#else
+    (void)y, (void)n, (void)h, (void)i, (void)j;
+#endif
+}
+
 /* Unnormalized Walsh-Hadamard transform in natural (Sylvester) order, in place: butterflies with
- * h = 1, 2, 4, ... The first three stages stay inside groups of 8 elements; doing them group by
- * group performs exactly the same float operations as stage by stage. */
+ * h = 1, 2, 4, ... (y[j], y[j + h]) -> (y[j] + y[j + h], y[j] - y[j + h]). Every element goes
+ * through the same float operations on the same operands whatever the grouping (16 lanes in
+ * registers for h < 16, two stages per pass above), so every path gives the same bits. */
 KVQ_CLONES
 static void kvq_fwht(float *y, int64_t n)
 {
-    int64_t i, j, h = 1, g;
-    if (n >= 8) {
-        for (g = 0; g < n; g += 8) {
-            float a0 = y[g], a1 = y[g + 1], a2 = y[g + 2], a3 = y[g + 3];
-            float a4 = y[g + 4], a5 = y[g + 5], a6 = y[g + 6], a7 = y[g + 7];
-            float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;
-            float b4 = a4 + a5, b5 = a4 - a5, b6 = a6 + a7, b7 = a6 - a7;
-            float c0 = b0 + b2, c2 = b0 - b2, c1 = b1 + b3, c3 = b1 - b3;
-            float c4 = b4 + b6, c6 = b4 - b6, c5 = b5 + b7, c7 = b5 - b7;
-            y[g] = c0 + c4; y[g + 4] = c0 - c4;
-            y[g + 1] = c1 + c5; y[g + 5] = c1 - c5;
-            y[g + 2] = c2 + c6; y[g + 6] = c2 - c6;
-            y[g + 3] = c3 + c7; y[g + 7] = c3 - c7;
+    int64_t i;
+    if (n < 16 || !KVQ_VEC) {
+        int64_t h = 1, j;
+        if (n >= 8) {
+            kvq_fwht_groups8(y, n);
+            h = 8;
         }
-        h = 8;
+        for (; h < n; h *= 2)
+            for (i = 0; i < n; i += 2 * h)
+                for (j = i; j < i + h; j++) {
+                    float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        return;
     }
-    for (; h < n; h *= 2) {
-        for (i = 0; i < n; i += 2 * h) {
-            for (j = i; j < i + h; j++) {
-                float a = y[j], b = y[j + h];
-                y[j] = a + b;
-                y[j + h] = a - b;
-            }
-        }
-    }
+#if KVQ_VEC
+    for (i = 0; i < n; i += 16)
+        kvq_store16(y + i, kvq_fwht16(kvq_load16(y + i)));
+    kvq_fwht_wide(y, n, 16);
+#endif
 }
 
 /* y = ((H(D x)) * inv_sqrt_n) * to_unit: the engine's encoder rotation followed by its scaling
@@ -206,6 +317,19 @@ static void kvq_pack_codes(const uint8_t *code, int64_t n, int bits, uint8_t *ou
                                (code[4 * i + 3] << 6));
         return;
     }
+    if (n % 8 == 0) {
+        /* other widths: 8 codes fill `bits` whole bytes, written little endian */
+        int64_t g;
+        int k;
+        for (g = 0; g < n / 8; g++) {
+            uint64_t acc = 0;
+            for (k = 0; k < 8; k++)
+                acc |= (uint64_t)code[8 * g + k] << (k * bits);
+            for (k = 0; k < bits; k++)
+                out[g * bits + k] = (uint8_t)(acc >> (8 * k));
+        }
+        return;
+    }
     {
         uint64_t acc = 0;
         int filled = 0;
@@ -223,37 +347,180 @@ static void kvq_pack_codes(const uint8_t *code, int64_t n, int bits, uint8_t *ou
     }
 }
 
-/* code[i] = number of boundaries strictly below y[i] (ties go to the lower level). Counting
- * compares branch-free vectorizes well for up to 15 boundaries (4 bits); wider codebooks use a
- * binary search. */
+/* ---- nearest level: the code of v is the number of boundaries strictly below it ---------------
+ * (ties go to the lower level; NaN gets code 0). Up to 31 boundaries (5 bits) the compares are
+ * counted, 16 lanes at a time. Wider codebooks use a bucket table (built once per codebook by
+ * kvq_code_table_build): v falls in bucket b = floor((v - lo) * scale), clamped to
+ * [0, n_buckets), whose entry holds a lower bound `start` of the code and the `window`
+ * boundaries from there, so code = start + #{those boundaries < v}. No branch, no search.
+ *
+ * Why it is exact: the bucket is computed with two float roundings, which move t = (v - lo) *
+ * scale by a relative 2^-23 at most, less than 2^-10 bucket for t < 4096. So a v that lands in
+ * bucket b lies in [lo + (b - 1/256) / scale, lo + (b + 1 + 1/256) / scale] (in exact arithmetic,
+ * whatever its float rounding); the builder takes start = #{boundaries below that interval} and
+ * window = the most boundaries any bucket's interval holds, so every boundary below v is among the
+ * first start + window (boundaries ascend). The same bits as a search on every ISA and clone.
+ *
+ * Table layout, float32 (counts are small integers, exact in a float): [0] lo, [1] scale,
+ * [2] n_buckets, [3] window, then n_buckets starts, then n_buckets * window boundaries (+inf past
+ * the last). */
+#define KVQ_CODE_TABLE_HEADER 4
+#define KVQ_CODE_TABLE_MAX_BUCKETS 4096
+#define KVQ_CODE_TABLE_SLACK (1.0 / 256.0)
+
+/* #{k : bnd[k] < v} and #{k : bnd[k] <= v} over ascending boundaries, by binary search. */
+static int64_t kvq_count_below(const float *bnd, int64_t n_bnd, double v, int or_equal)
+{
+    int64_t lo = 0, hi = n_bnd;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) >> 1;
+        if ((double)bnd[mid] < v || (or_equal && (double)bnd[mid] == v))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The bucket interval of b (module comment) as counts: *start and *end bound the code of every v
+ * that lands in bucket b. */
+static void kvq_code_bucket_span(const float *bnd, int64_t n_bnd, double lo, double scale,
+                                 int64_t b, int64_t n_buckets, int64_t *start, int64_t *end)
+{
+    *start = b == 0 ? 0
+                    : kvq_count_below(bnd, n_bnd, lo + ((double)b - KVQ_CODE_TABLE_SLACK) / scale, 0);
+    *end = b == n_buckets - 1
+               ? n_bnd
+               : kvq_count_below(bnd, n_bnd, lo + ((double)b + 1.0 + KVQ_CODE_TABLE_SLACK) / scale, 1);
+}
+
+/* Plans the table of n_bnd ascending finite boundaries (n_bnd >= 1): the fewest buckets (a power
+ * of two, 16 .. 4096) whose window is 1, else 4096 buckets and their window. Returns the table's
+ * length in floats and sets its parameters. */
+static int64_t kvq_code_table_plan(const float *bnd, int64_t n_bnd, int64_t *n_buckets,
+                                   int64_t *window, float *lo_f, float *scale_f)
+{
+    const double lo = (double)bnd[0], span = (double)bnd[n_bnd - 1] - lo;
+    int64_t nb, b, st, en, w = 0;
+    for (nb = 16; nb <= KVQ_CODE_TABLE_MAX_BUCKETS; nb *= 2) {
+        /* the float scale the lookup multiplies by (any positive value is correct) */
+        const float sc = span > 0.0 ? (float)((double)nb / span) : 1.0f;
+        w = 0;
+        for (b = 0; b < nb; b++) {
+            kvq_code_bucket_span(bnd, n_bnd, lo, (double)sc, b, nb, &st, &en);
+            w = en - st > w ? en - st : w;
+        }
+        *n_buckets = nb;
+        *window = w;
+        *lo_f = bnd[0];
+        *scale_f = sc;
+        if (w <= 1)
+            break;
+    }
+    if (*n_buckets > KVQ_CODE_TABLE_MAX_BUCKETS)
+        *n_buckets = KVQ_CODE_TABLE_MAX_BUCKETS;
+    return KVQ_CODE_TABLE_HEADER + *n_buckets * (1 + *window);
+}
+
+/* Fills a table planned by kvq_code_table_plan (`table` holds its length). */
+static void kvq_code_table_build(const float *bnd, int64_t n_bnd, float *table)
+{
+    int64_t nb, w, b, k, st, en;
+    float lo, sc;
+    float *start = table + KVQ_CODE_TABLE_HEADER, *bval;
+    kvq_code_table_plan(bnd, n_bnd, &nb, &w, &lo, &sc);
+    table[0] = lo;
+    table[1] = sc;
+    table[2] = (float)nb;
+    table[3] = (float)w;
+    bval = start + nb;
+    for (b = 0; b < nb; b++) {
+        kvq_code_bucket_span(bnd, n_bnd, (double)lo, (double)sc, b, nb, &st, &en);
+        start[b] = (float)st;
+        for (k = 0; k < w; k++)
+            bval[b * w + k] = st + k < n_bnd ? bnd[st + k] : INFINITY;
+    }
+}
+
+/* The bucket of v (NaN and everything below lo: bucket 0). */
+KVQ_INLINE int32_t kvq_code_bucket(const float *table, float v)
+{
+    float t = (v - table[0]) * table[1];
+    const float top = table[2] - 1.0f;
+    t = t > 0.0f ? t : 0.0f;
+    t = t < top ? t : top;
+    return (int32_t)t;
+}
+
+/* The code of v through a table (layout above). */
+KVQ_INLINE int kvq_code_lookup(const float *table, float v)
+{
+    const int32_t b = kvq_code_bucket(table, v), w = (int32_t)table[3];
+    const float *bval = table + KVQ_CODE_TABLE_HEADER + (int32_t)table[2] + (int64_t)b * w;
+    int32_t k, code = (int32_t)table[KVQ_CODE_TABLE_HEADER + b];
+    for (k = 0; k < w; k++)
+        code += bval[k] < v;
+    return code;
+}
+
+/* code[i] = number of boundaries strictly below y[i]; `table` (kvq_code_table_build of the same
+ * boundaries) is read when there are more than 31. */
 KVQ_CLONES
 static void kvq_nearest_codes(const float *y, int64_t n, const float *bnd, int n_bnd,
-                              uint8_t *code)
+                              const float *table, uint8_t *code)
 {
     int64_t i;
     int k;
-    if (n_bnd <= 15) {
-        for (i = 0; i < n; i++)
-            code[i] = 0;
-        for (k = 0; k < n_bnd; k++) {
-            float b = bnd[k];
-            for (i = 0; i < n; i++)
-                code[i] += (uint8_t)(y[i] > b);
+    if (n_bnd <= 31) {
+#if KVQ_VEC
+        typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
+        for (i = 0; i + 16 <= n; i += 16) {
+            const kvq_v16f v = kvq_load16(y + i);
+            kvq_v16i c = {0};
+            kvq_v16u8 c8;
+            for (k = 0; k < n_bnd; k++)
+                c -= v > bnd[k];                                 /* true is -1 */
+            c8 = __builtin_convertvector(c, kvq_v16u8);
+            memcpy(code + i, &c8, 16);
+        }
+#else
+        i = 0;
+#endif
+        for (; i < n; i++) {
+            int c = 0;
+            for (k = 0; k < n_bnd; k++)
+                c += y[i] > bnd[k];
+            code[i] = (uint8_t)c;
         }
         return;
     }
-    for (i = 0; i < n; i++) {
-        int lo = 0, hi = n_bnd;
-        float v = y[i];
-        while (lo < hi) {
-            int mid = (lo + hi) >> 1;
-            if (bnd[mid] < v)
-                lo = mid + 1;
-            else
-                hi = mid;
+    if (table[3] == 1.0f) {
+        /* the common case: buckets 16 lanes at a time, then two table reads per element */
+        const float *start = table + KVQ_CODE_TABLE_HEADER;
+        const float *bval = start + (int32_t)table[2];
+        i = 0;
+#if KVQ_VEC
+        for (; i + 16 <= n; i += 16) {
+            const kvq_v16f v = kvq_load16(y + i);
+            kvq_v16f t = (v - table[0]) * table[1];
+            kvq_v16i b;
+            int l;
+            t = (kvq_v16f)((kvq_v16i)t & (t > 0.0f));                       /* NaN, < 0 -> 0 */
+            t = (kvq_v16f)(((kvq_v16i)t & (t < table[2] - 1.0f))
+                           | ((kvq_v16i)((kvq_v16f){0} + (table[2] - 1.0f)) & ~(t < table[2] - 1.0f)));
+            b = __builtin_convertvector(t, kvq_v16i);
+            for (l = 0; l < 16; l++)
+                code[i + l] = (uint8_t)((int32_t)start[b[l]] + (bval[b[l]] < y[i + l]));
         }
-        code[i] = (uint8_t)lo;
+#endif
+        for (; i < n; i++) {
+            const int32_t b = kvq_code_bucket(table, y[i]);
+            code[i] = (uint8_t)((int32_t)start[b] + (bval[b] < y[i]));
+        }
+        return;
     }
+    for (i = 0; i < n; i++)
+        code[i] = (uint8_t)kvq_code_lookup(table, y[i]);
 }
 
 /* Inverse of kvq_pack_codes. */
@@ -279,6 +546,19 @@ static void kvq_unpack_codes(const uint8_t *packed, int64_t n, int bits, uint8_t
             code[4 * i + 1] = (packed[i] >> 2) & 3;
             code[4 * i + 2] = (packed[i] >> 4) & 3;
             code[4 * i + 3] = packed[i] >> 6;
+        }
+        return;
+    }
+    if (n % 8 == 0) {
+        const uint64_t mask = (1u << bits) - 1u;
+        int64_t g;
+        int k;
+        for (g = 0; g < n / 8; g++) {
+            uint64_t acc = 0;
+            for (k = 0; k < bits; k++)
+                acc |= (uint64_t)packed[g * bits + k] << (8 * k);
+            for (k = 0; k < 8; k++)
+                code[8 * g + k] = (uint8_t)((acc >> (k * bits)) & mask);
         }
         return;
     }

@@ -122,7 +122,9 @@ class LloydCodec(Codec):
         self.levels = levels.astype(np.float32)
         # Boundaries in float32: a coordinate strictly above boundary k gets a code > k.
         self.boundaries = ((levels[:-1] + levels[1:]) / 2).astype(np.float32)
-        for arr in (self.levels, self.boundaries):
+        # the encoder's bucket table of these boundaries (read for b > 5; rowops.h)
+        self.code_table = _lloyd.code_table(self.boundaries)
+        for arr in (self.levels, self.boundaries, self.code_table):
             arr.flags.writeable = False
         self.rotation = HadamardRotation(self.dim, self.seed)
         self._set_range(float(np.abs(self.levels).max()))
@@ -164,9 +166,9 @@ class LloydCodec(Codec):
         codes = np.empty((n, self.code_bytes), np.uint8)
         side = np.empty(n, np.float32)
         status = np.empty(n, np.uint8)
-        _lloyd.encode_rows(X, self.rotation.signs, self.levels, self.boundaries, self.bits,
-                           self.side_kind == "unbiased", self.compat == "colibri", codes, side,
-                           status, n_threads)
+        _lloyd.encode_rows(X, self.rotation.signs, self.levels, self.boundaries, self.code_table,
+                           self.bits, self.side_kind == "unbiased", self.compat == "colibri",
+                           codes, side, status, n_threads)
         return codes, side.reshape(n, 1), status
 
     def _decode(self, codes, side, n_threads):

@@ -79,6 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from kvquant._kernels import consumers as _consumers
+from kvquant._kernels import lloyd as _lloyd
 from kvquant._kernels import polar as _polar
 from kvquant.codecs.base import (F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec,
                                  codecs_for_width)
@@ -219,6 +220,8 @@ class PolarCodebooks:
         ``centroids64[level][bits]``, float64 (index 0 unused).
     centroids, boundaries : ndarray of shape (n_levels + 1, 9, 256), float32
         Padded tables; boundaries are midpoints of neighbouring centroids.
+    code_tables : ndarray of shape (n_levels + 1, 9, L), float32
+        The encoder's bucket table of each (level, width)'s boundaries (rowops.h).
     log2_cos2, log2_sin2 : ndarray of shape (n_levels + 1, 9, 256), int32
     gains : ndarray of shape (n_levels + 1, 8), int32
     chordal : ndarray of shape (n_levels + 1, 9), float64
@@ -267,9 +270,32 @@ class PolarCodebooks:
                 raise PolarCodebookError(f"{source}: gains of level {level} do not decrease")
             self.gains[level] = gains
             self.centroids64.append(books)
+        self.code_tables = _code_tables(self.boundaries)
         for arr in (self.centroids, self.boundaries, self.log2_cos2, self.log2_sin2, self.gains,
-                    self.chordal):
+                    self.chordal, self.code_tables):
             arr.flags.writeable = False
+
+
+# the bucket table of no boundaries (every angle gets code 0; rowops.h layout)
+_EMPTY_CODE_TABLE = np.array([0.0, 0.0, 1.0, 0.0, 0.0], np.float32)
+
+
+def _code_tables(boundaries):
+    """The encoder's bucket tables (rowops.h) of every (level, width) of ``boundaries`` (shape
+    (n_levels + 1, 9, 256), +inf past a codebook's last boundary), padded to one length: float32
+    of shape (n_levels + 1, 9, L). Widths without a codebook get the table of code 0."""
+    tables = {}
+    for level in range(boundaries.shape[0]):
+        for bits in range(1, boundaries.shape[1]):
+            bnd = np.ascontiguousarray(boundaries[level, bits, :2**bits - 1])
+            if np.all(np.isfinite(bnd)):
+                tables[level, bits] = _lloyd.code_table(bnd)
+    length = max([t.size for t in tables.values()] + [_EMPTY_CODE_TABLE.size])
+    out = np.zeros(boundaries.shape[:2] + (length,), np.float32)
+    out[:, :, :_EMPTY_CODE_TABLE.size] = _EMPTY_CODE_TABLE
+    for (level, bits), t in tables.items():
+        out[level, bits, :t.size] = t
+    return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -406,6 +432,7 @@ class PolarCodec(Codec):
             self._tables = (np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                             np.zeros(shape, np.int32), np.zeros(shape, np.int32),
                             np.zeros((n_levels + 1, MAX_ANGLE_BITS), np.int32))
+            self._code_tables = np.zeros((n_levels + 1, MAX_ANGLE_BITS + 1, 1), np.float32)
         else:
             if n_levels > MAX_LEVELS:
                 raise ValueError(
@@ -428,6 +455,7 @@ class PolarCodec(Codec):
             self._tables = (cb.centroids[:n_levels + 1], cb.boundaries[:n_levels + 1],
                             cb.log2_cos2[:n_levels + 1], cb.log2_sin2[:n_levels + 1],
                             cb.gains[:n_levels + 1])
+            self._code_tables = cb.code_tables[:n_levels + 1]
         self.level_bits = tuple(level_bits)
         self.level_total_bits = tuple(totals)
         self._level_bits = np.asarray(level_bits, np.int32)
@@ -458,10 +486,10 @@ class PolarCodec(Codec):
         codes = np.empty((n, self.code_bytes), np.uint8)
         side = np.empty(n, np.float32)
         status = np.empty(n, np.uint8)
-        centroids, boundaries, log_cos2, log_sin2, gains = self._tables
+        _, _, log_cos2, log_sin2, gains = self._tables
         _polar.encode_rows(X, self.rotation.signs, self.mode, self._level_bits,
-                           self._level_totals, boundaries, log_cos2, log_sin2, gains, codes,
-                           side, status, n_threads)
+                           self._level_totals, self._code_tables, log_cos2, log_sin2, gains,
+                           codes, side, status, n_threads)
         return codes, side.reshape(n, 1), status
 
     def _decode(self, codes, side, n_threads):

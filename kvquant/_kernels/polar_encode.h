@@ -1,0 +1,285 @@
+/* The polar encoder's row operations (kvquant/_kernels/polar.pyx): the forward transform without
+ * per-angle libm calls, the Lloyd codes of a level from bucket tables, the variable-width packing.
+ *
+ * One level maps the pairs (a, c) = (x[2j], x[2j+1]) to radii r[j] = hypotf(a, c) and angles
+ * atan2f(c, a). The codes only need each angle's code, and every quantizer of the codec (the
+ * engine's floor-and-clamp grids, the Lloyd boundaries) is a monotone function of the float
+ * angle. So the angle is computed approximately in double precision, vectorized, with a proven
+ * error bound, and the float interval [lo, hi] around it certainly holds libm's atan2f(c, a):
+ * when the quantizer gives one code at both ends, that is the code of atan2f(c, a); otherwise
+ * (about once in 10^4 angles, near a code boundary) the encoder calls atan2f itself. The codes are
+ * those of the libm angle, bit for bit.
+ *
+ * The radii feed the next level and must be libm's bits: glibc computes hypotf of finite floats
+ * as (float) sqrt((double) a * a + (double) c * c) (both squares are exact in double), which is
+ * what is done here, for finite pairs; a level with a non-finite value is redone with libm.
+ *
+ * The approximation: t = min(|a|, |c|) / max(|a|, |c|) in [0, 1]; above tan(pi/8) it is mapped
+ * to u = (t - 1) / (t + 1) and atan(t) = pi/4 + atan(u), so |u| <= tan(pi/8) = 0.4142 (one
+ * division either way); atan(u) is
+ * its Taylor series to u^25 (the rest is below u * 0.1716^13 / 27 < 5e-12 |u|); then the octant
+ * and the signs. Each step keeps a relative error below 1e-10 of the angle (a subtraction only
+ * happens where the angle is at least pi/8), libm's atan2f is within a few float ulps (a relative
+ * 2^-21), and the interval is padded by a relative 2^-16 plus 2^-140 (float subnormals): it holds
+ * atan2f(c, a) with a wide margin. Pairs with a zero or a non-finite element (where the signs of
+ * zeros decide between 0 and pi, and between pi and -pi) always go to libm.
+ */
+#ifndef KVQ_POLAR_ENCODE_H
+#define KVQ_POLAR_ENCODE_H
+#include <math.h>
+#include <stdint.h>
+
+#include "rowops.h"
+
+/* The bracket of an angle only libm may decide: wider than [-pi, pi], so every quantizer gives
+ * different codes at its ends (and finite, so that the grids' float-to-int conversions hold). */
+#define KVQ_ANGLE_OPEN 4.0f
+#define KVQ_ANGLE_PAD_REL 1.52587890625e-05   /* 2^-16 */
+#define KVQ_ANGLE_PAD_ABS 7.174648137343064e-43 /* 2^-140 */
+
+/* atan2(c, a) in double for finite, nonzero a and c (the header comment's bound). */
+KVQ_INLINE double kvq_atan2_approx(double a, double c)
+{
+    const double ax = fabs(a), ac = fabs(c);
+    const int swap = ac > ax;
+    const double num = swap ? ax : ac, den = swap ? ac : ax;   /* t = num / den in [0, 1] */
+    const int reduce = num > 0.41421356237309503 * den;
+    /* (t - 1) / (t + 1) = (num - den) / (num + den); both are exact in double (float inputs
+     * within a factor 3 of each other), so u has a single rounding */
+    const double u = reduce ? (num - den) / (num + den) : num / den;
+    const double u2 = u * u;
+    double p = 1.0 / 25.0;
+    double th;
+    p = p * u2 - 1.0 / 23.0;
+    p = p * u2 + 1.0 / 21.0;
+    p = p * u2 - 1.0 / 19.0;
+    p = p * u2 + 1.0 / 17.0;
+    p = p * u2 - 1.0 / 15.0;
+    p = p * u2 + 1.0 / 13.0;
+    p = p * u2 - 1.0 / 11.0;
+    p = p * u2 + 1.0 / 9.0;
+    p = p * u2 - 1.0 / 7.0;
+    p = p * u2 + 1.0 / 5.0;
+    p = p * u2 - 1.0 / 3.0;
+    th = u + u * (u2 * p);
+    th = reduce ? 0.78539816339744828 + th : th;          /* atan(t), in [0, pi/4] */
+    th = swap ? 1.5707963267948966 - th : th;             /* [0, pi/2] */
+    th = a < 0.0 ? 3.1415926535897931 - th : th;          /* [0, pi] */
+    return c < 0.0 ? -th : th;
+}
+
+#if KVQ_VEC
+typedef double kvq_v8d __attribute__((vector_size(64)));
+typedef int64_t kvq_v8l __attribute__((vector_size(64)));
+typedef float kvq_v8f __attribute__((vector_size(32)));
+typedef int32_t kvq_v8i __attribute__((vector_size(32)));
+
+/* m ? a : b lane by lane (m from a vector compare: all ones or zeros) */
+KVQ_INLINE kvq_v8d kvq_sel8d(kvq_v8l m, kvq_v8d a, kvq_v8d b)
+{
+    return (kvq_v8d)((m & (kvq_v8l)a) | (~m & (kvq_v8l)b));
+}
+
+/* kvq_atan2_approx on 8 lanes: the same formulas, selects instead of branches. */
+KVQ_INLINE kvq_v8d kvq_atan2_approx8(kvq_v8d a, kvq_v8d c)
+{
+    const kvq_v8l abs_mask = (kvq_v8l){0} + INT64_MAX;
+    const kvq_v8d ax = (kvq_v8d)((kvq_v8l)a & abs_mask), ac = (kvq_v8d)((kvq_v8l)c & abs_mask);
+    const kvq_v8l swap = ac > ax;
+    const kvq_v8d num = kvq_sel8d(swap, ax, ac), den = kvq_sel8d(swap, ac, ax);
+    const kvq_v8l reduce = num > 0.41421356237309503 * den;
+    const kvq_v8d u = kvq_sel8d(reduce, num - den, num) / kvq_sel8d(reduce, num + den, den);
+    const kvq_v8d u2 = u * u;
+    kvq_v8d p = (kvq_v8d){0} + 1.0 / 25.0, th;
+    p = p * u2 - 1.0 / 23.0;
+    p = p * u2 + 1.0 / 21.0;
+    p = p * u2 - 1.0 / 19.0;
+    p = p * u2 + 1.0 / 17.0;
+    p = p * u2 - 1.0 / 15.0;
+    p = p * u2 + 1.0 / 13.0;
+    p = p * u2 - 1.0 / 11.0;
+    p = p * u2 + 1.0 / 9.0;
+    p = p * u2 - 1.0 / 7.0;
+    p = p * u2 + 1.0 / 5.0;
+    p = p * u2 - 1.0 / 3.0;
+    th = u + u * (u2 * p);
+    th = kvq_sel8d(reduce, 0.78539816339744828 + th, th);
+    th = kvq_sel8d(swap, 1.5707963267948966 - th, th);
+    th = kvq_sel8d(a < 0.0, 3.1415926535897931 - th, th);
+    return kvq_sel8d(c < 0.0, -th, th);
+}
+#endif
+
+/* One level of the forward transform: r[j] = hypotf(x[2j], x[2j+1]) and [lo[j], hi[j]] around
+ * atan2f(x[2j+1], x[2j]) (lo = -4, hi = 4 for the pairs libm must decide: a zero element).
+ * Returns 1 when a value is not finite: the caller redoes the level with libm. */
+/* r[j] = (float) sqrt(r2[j]): glibc's hypotf of finite floats once r2 holds a^2 + c^2. C has no
+ * vector square root that the compiler may use without -fno-math-errno (the scalar sqrt must be
+ * able to set errno), so on x86-64 the packed instructions are called directly, picked at run
+ * time; IEEE square roots are correctly rounded, so every path gives the same bits. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static void kvq_sqrt_to_float_avx512(const double *r2,
+                                                                         int64_t n, float *r)
+{
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(r + j, _mm512_cvtpd_ps(_mm512_sqrt_pd(_mm512_loadu_pd(r2 + j))));
+    for (; j < n; j++)
+        r[j] = (float)sqrt(r2[j]);
+}
+
+__attribute__((target("avx"))) static void kvq_sqrt_to_float_avx(const double *r2, int64_t n,
+                                                                 float *r)
+{
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4)
+        _mm_storeu_ps(r + j, _mm256_cvtpd_ps(_mm256_sqrt_pd(_mm256_loadu_pd(r2 + j))));
+    for (; j < n; j++)
+        r[j] = (float)sqrt(r2[j]);
+}
+
+static void kvq_sqrt_to_float(const double *r2, int64_t n, float *r)
+{
+    int64_t j = 0;
+    if (__builtin_cpu_supports("avx512f")) {
+        kvq_sqrt_to_float_avx512(r2, n, r);
+        return;
+    }
+    if (__builtin_cpu_supports("avx")) {
+        kvq_sqrt_to_float_avx(r2, n, r);
+        return;
+    }
+    for (; j + 2 <= n; j += 2) {   /* SSE2: the x86-64 baseline */
+        const __m128 f = _mm_cvtpd_ps(_mm_sqrt_pd(_mm_loadu_pd(r2 + j)));
+        r[j] = _mm_cvtss_f32(f);
+        r[j + 1] = _mm_cvtss_f32(_mm_shuffle_ps(f, f, 1));
+    }
+    for (; j < n; j++)
+        r[j] = (float)sqrt(r2[j]);
+}
+#else
+static void kvq_sqrt_to_float(const double *r2, int64_t n, float *r)
+{
+    int64_t j;
+    for (j = 0; j < n; j++)
+        r[j] = (float)sqrt(r2[j]);
+}
+#endif
+
+KVQ_INLINE int kvq_polar_forward_pair(const float *x, int64_t j, double *r2, float *lo,
+                                      float *hi)
+{
+    const float a = x[2 * j], c = x[2 * j + 1];
+    const double ad = (double)a, cd = (double)c;
+    const double th = kvq_atan2_approx(ad, cd);
+    const double pad = fabs(th) * KVQ_ANGLE_PAD_REL + KVQ_ANGLE_PAD_ABS;
+    const int exact = (a != 0.0f) & (c != 0.0f);
+    r2[j] = ad * ad + cd * cd;
+    lo[j] = exact ? (float)(th - pad) : -KVQ_ANGLE_OPEN;
+    hi[j] = exact ? (float)(th + pad) : KVQ_ANGLE_OPEN;
+    return !(fabsf(a) <= FLT_MAX) | !(fabsf(c) <= FLT_MAX);
+}
+
+/* One level of the forward transform: r[j] = hypotf(x[2j], x[2j+1]) and [lo[j], hi[j]] around
+ * atan2f(x[2j+1], x[2j]) (lo = -4, hi = 4 for the pairs libm must decide: a zero element).
+ * `r2` is scratch for `half` doubles. Returns 1 when a value is not finite: the caller redoes the
+ * level with libm. */
+KVQ_CLONES
+static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float *lo, float *hi,
+                                   double *r2)
+{
+    int64_t j = 0;
+    int bad = 0;
+#if KVQ_VEC
+    for (; j + 8 <= half; j += 8) {
+        const kvq_v16f v = kvq_load16(x + 2 * j);
+        const kvq_v8f af = __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14);
+        const kvq_v8f cf = __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15);
+        const kvq_v8d ad = __builtin_convertvector(af, kvq_v8d);
+        const kvq_v8d cd = __builtin_convertvector(cf, kvq_v8d);
+        const kvq_v8d th = kvq_atan2_approx8(ad, cd);
+        const kvq_v8l abs_mask = (kvq_v8l){0} + INT64_MAX;
+        const kvq_v8d pad = (kvq_v8d)((kvq_v8l)th & abs_mask) * KVQ_ANGLE_PAD_REL
+                            + KVQ_ANGLE_PAD_ABS;
+        const kvq_v8i exact = (af != 0.0f) & (cf != 0.0f);
+        const kvq_v8i finite = (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX)
+                               & (cf >= -FLT_MAX);
+        const kvq_v8f th_lo = __builtin_convertvector(th - pad, kvq_v8f);
+        const kvq_v8f th_hi = __builtin_convertvector(th + pad, kvq_v8f);
+        const kvq_v8f open = (kvq_v8f){0} + KVQ_ANGLE_OPEN;
+        const kvq_v8d sq = ad * ad + cd * cd;
+        kvq_v8f out_lo, out_hi;
+        int k;
+        out_lo = (kvq_v8f)((exact & (kvq_v8i)th_lo) | (~exact & (kvq_v8i)(-open)));
+        out_hi = (kvq_v8f)((exact & (kvq_v8i)th_hi) | (~exact & (kvq_v8i)open));
+        memcpy(lo + j, &out_lo, sizeof out_lo);
+        memcpy(hi + j, &out_hi, sizeof out_hi);
+        memcpy(r2 + j, &sq, sizeof sq);
+        for (k = 0; k < 8; k++)
+            bad |= !finite[k];
+    }
+#endif
+    for (; j < half; j++)
+        bad |= kvq_polar_forward_pair(x, j, r2, lo, hi);
+    kvq_sqrt_to_float(r2, half, r);
+    return bad;
+}
+
+/* Lloyd codes of the cnt angles of one level from their brackets: code[j] = the code of lo[j]
+ * through the table of width[j] (tables + width * stride: the level's row of the codec's bucket
+ * tables, rowops.h); the indices j whose bracket ends get different codes are listed in
+ * `undecided` (their angles must come from atan2f). Returns how many. */
+KVQ_CLONES
+static int64_t kvq_polar_lloyd_codes(const float *lo, const float *hi, int64_t cnt,
+                                     const uint8_t *width, const float *tables, int64_t stride,
+                                     uint8_t *code, int32_t *undecided)
+{
+    int64_t j, n_undecided = 0;
+    for (j = 0; j < cnt; j++) {
+        const float *t = tables + width[j] * stride;
+        const int32_t b = kvq_code_bucket(t, lo[j]);
+        int q;
+        if (t[3] == 1.0f && kvq_code_bucket(t, hi[j]) == b) {
+            /* one bucket (nearly always): one boundary decides both ends */
+            const float bv = t[KVQ_CODE_TABLE_HEADER + (int32_t)t[2] + b];
+            q = (int32_t)t[KVQ_CODE_TABLE_HEADER + b] + (bv < lo[j]);
+            undecided[n_undecided] = (int32_t)j;
+            n_undecided += (bv < lo[j]) != (bv < hi[j]);
+        } else {
+            q = kvq_code_lookup(t, lo[j]);
+            undecided[n_undecided] = (int32_t)j;
+            n_undecided += q != kvq_code_lookup(t, hi[j]);
+        }
+        code[j] = (uint8_t)q;
+    }
+    return n_undecided;
+}
+
+/* n codes of width[i] bits (0..8) into the zeroed row, LSB first from bit 0, in index order. */
+static void kvq_polar_pack(const uint8_t *code, const uint8_t *width, int64_t n, uint8_t *row)
+{
+    uint64_t acc = 0;
+    int filled = 0;
+    int64_t i, o = 0;
+    for (i = 0; i < n; i++) {
+        acc |= (uint64_t)code[i] << filled;
+        filled += width[i];
+        if (filled >= 32) {
+            row[o] = (uint8_t)acc;
+            row[o + 1] = (uint8_t)(acc >> 8);
+            row[o + 2] = (uint8_t)(acc >> 16);
+            row[o + 3] = (uint8_t)(acc >> 24);
+            o += 4;
+            acc >>= 32;
+            filled -= 32;
+        }
+    }
+    for (; filled > 0; filled -= 8) {
+        row[o++] = (uint8_t)acc;
+        acc >>= 8;
+    }
+}
+
+#endif /* KVQ_POLAR_ENCODE_H */
