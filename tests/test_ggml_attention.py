@@ -383,3 +383,9 @@ def test_rotation_is_the_butterfly_of_each_row_alone(rng):
                                    atol=1e-6)
         # bit-identical row by row: a row's rotation does not depend on the rows beside it
         np.testing.assert_array_equal(np.stack([rotate_blocks(r, n) for r in X]), Y)
+
+
+def test_a_ggml_spec_is_refused_where_it_cannot_run():
+    from kvquant.models import load_model
+    with pytest.raises(ValueError, match="only a whole K/V pair of a GGUF model"):
+        load_model("tiny-mla").new_cache("ggml:q8_0/q8_0")

@@ -255,10 +255,16 @@ def cmd_kvquant(args):
     t0 = time.perf_counter()
     f32 = _kvquant_logits(model, inputs, "f32")
     f16 = _kvquant_logits(model, inputs, ggml_spec("f16"))
+    names = args.configs.split(",") if args.configs else list(llama["rows"])
+    unknown = [n for n in names if n not in llama["rows"]]
+    if unknown:
+        raise SystemExit(f"--configs: {unknown} not in the llama step's rows "
+                         f"{list(llama['rows'])}")
+    names = ["f16"] + [n for n in names if n != "f16"]
     rows = {}
-    for name in llama["rows"]:
+    for name in names:
         specs = {"as_run": ggml_spec(name)}
-        if name in STORAGE_ONLY:
+        if args.storage_only and name in STORAGE_ONLY:
             specs["storage_only"] = STORAGE_ONLY[name]
         row = {}
         batch = llama["rows"][name].get("batch_tokens")
@@ -312,7 +318,12 @@ def format_markdown(result):
     for name, lrow in result["llama_cpp"]["rows"].items():
         if name == "f16":
             continue
-        krow = result["kvquant"][name]
+        krow = result["kvquant"].get(name)
+        if krow is None:   # measured by llama.cpp only
+            lines.append(f"| {name} | {_e(lrow['kld_mean'], lrow['kld_mean_se_chunks'])} | "
+                         f"{100 * lrow['same_top']:.2f}% | {lrow['ppl_ratio']:.4f} | "
+                         "not run | | | | |")
+            continue
         a = krow["as_run"]["vs_ggml_f16"]
         so = krow.get("storage_only")
         lines.append(
@@ -347,7 +358,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--configs", help="comma-separated names among: " + ", ".join(LLAMA_CONFIGS)
                    + " (default: all)")
-    sub.add_parser("kvquant", help="run kvquant's ggml: caches and write the comparison")
+    p = sub.add_parser("kvquant", help="run kvquant's ggml: caches and write the comparison")
+    p.add_argument("--configs", help="comma-separated names of the llama step's rows (default: "
+                   "all; an f16 V summed by the one-query path is slow here: minutes a chunk)")
+    p.add_argument("--storage-only", action="store_true",
+                   help="also run the storage-only baseline of each row (q8_0+rot, ...)")
     for p in sub.choices.values():
         p.add_argument("--out", required=True, help="folder for this run's files")
     args = parser.parse_args(argv)
