@@ -281,14 +281,16 @@ def cmd_kvquant(args):
             print(f"kvquant {spec}: mean KLD {row[kind]['vs_ggml_f16']['kld_mean']:.3e} vs "
                   f"ggml:f16/f16", flush=True)
         rows[name] = row
-    result = {"model": meta["model"], "gguf": os.path.basename(meta["source_gguf"]),
-              "llama_cpp_weights": meta["weights"],
-              "text": meta["text"], "positions": meta["positions"],
-              "chunk_tokens": meta["chunk_tokens"], "n_chunks": len(inputs),
-              "llama_cpp": llama, "kvquant": rows, "kvquant_seconds": time.perf_counter() - t0}
-    _write_json(os.path.join(args.out, "crosscheck.json"), result)
-    with open(os.path.join(args.out, "crosscheck.md"), "w", encoding="utf-8") as f:
-        f.write(format_markdown(result))
+        # written after every row: a long run that stops keeps what it measured
+        result = {"model": meta["model"], "gguf": os.path.basename(meta["source_gguf"]),
+                  "llama_cpp_weights": meta["weights"],
+                  "text": meta["text"], "positions": meta["positions"],
+                  "chunk_tokens": meta["chunk_tokens"], "n_chunks": len(inputs),
+                  "llama_cpp": llama, "kvquant": rows,
+                  "kvquant_seconds": time.perf_counter() - t0}
+        _write_json(os.path.join(args.out, "crosscheck.json"), result)
+        with open(os.path.join(args.out, "crosscheck.md"), "w", encoding="utf-8") as f:
+            f.write(format_markdown(result))
     print(format_markdown(result))
 
 
