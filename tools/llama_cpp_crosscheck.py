@@ -306,7 +306,7 @@ def format_markdown(result):
         f"`{result['text']}`, {result['n_chunks']} chunks of "
         f"{result['chunk_tokens']} tokens ({result['positions']} positions), llama-cpp-python "
         f"{result['llama_cpp']['llama_cpp_python']}, flash attention, "
-        f"{result['llama_cpp']['threads']} threads.",
+        f"threads: {result['llama_cpp']['threads']}.",
         "",
         "Mean KLD against each engine's own f16 cache (± standard error over chunks); "
         "same-top-1 and PPL ratio as llama.cpp's; kvquant's `ggml:` row against `ggml:f16/f16`, "
