@@ -605,7 +605,9 @@ def add_cli(sub):
     p.add_argument("--codecs", default=None,
                    help="comma-separated specs (options may follow, as in "
                         "tq3:codebook=gaussian,side=unbiased); 'A/B' gives K/V (or L/R) "
-                        "different codecs; default: the model's list")
+                        "different codecs; 'ggml:q8_0/q8_0' (GGUF models) is llama.cpp's "
+                        "cache types with its attention arithmetic, as it runs; default: the "
+                        "model's list")
     p.add_argument("--positions", type=int, default=None,
                    help=f"real-text positions (default {DEFAULT_POSITIONS}; 0: none)")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,

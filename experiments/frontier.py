@@ -13,7 +13,7 @@ under q8_0's (measured in the same run).
 
 Run::
 
-    python -m kvquant_experiments.frontier                 # default grid (55 pairs), ~12 min on 2 cores
+    python -m kvquant_experiments.frontier                 # default grid (58 pairs), ~12 min on 2 cores
     python -m kvquant_experiments.frontier --model PATH.gguf --text FILE
     python -m kvquant_experiments.frontier --list          # configurations and their bits only
     python -m kvquant_experiments.frontier --plot-only RUN/frontier-....json
@@ -101,10 +101,14 @@ WINDOW_CONFIGS = [
     "tq4@recent=16/tq4@recent=16", "q4_0+rot@recent=16/q4_0+rot@recent=16",
     f"polar5{_H}{_K},recent=64/polar4{_H}{_V},recent=64",
 ]
+# llama.cpp's cache types with its attention arithmetic (kvquant.ggml_attention), "as it
+# runs", beside the storage-only baselines (q8_0+rot, ...)
+GGML_FAMILY = "llama.cpp as run"
+GGML_CONFIGS = ["ggml:f16/f16", "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
 DEFAULT_CONFIGS = (UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
-                   + WINDOW_CONFIGS)
+                   + WINDOW_CONFIGS + GGML_CONFIGS)
 
-BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
+BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot", GGML_FAMILY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,9 +122,12 @@ def bits_per_value(pair_spec, head_dim, tokens=None):
     stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
     """
     from kvquant.cache import RowStream
+    from kvquant.ggml_attention import is_ggml_pair, parse_ggml_pair
     from kvquant.streams.options import parse_stream_spec
     from kvquant.codecs import get_codec
     from kvquant.models import split_pair_spec
+    if is_ggml_pair(pair_spec):   # llama.cpp's cache types: no fixed costs
+        return parse_ggml_pair(pair_spec).bits_per_value(head_dim)
     nbytes = 0.0
     for stream_spec in split_pair_spec(pair_spec):
         codec_spec, opts = parse_stream_spec(stream_spec)
@@ -150,6 +157,8 @@ def pair_family(pair_spec):
     """Family of a pair: ``"stream options"`` when a stream centers or keeps sinks, else the
     codec's family when K and V share it, else ``"K/V split"``."""
     from kvquant.models import split_pair_spec
+    if pair_spec.startswith("ggml"):
+        return GGML_FAMILY
     if "recent=" in pair_spec:
         return "recent window"
     if "@" in pair_spec:
@@ -367,12 +376,14 @@ def format_markdown(result):
 CHOICE_BUDGETS = (3.5, 4.5, 5.5, 8.5)
 TUNE_TEXT = "pydoc"
 # What a run of the picks measures beside them, on the same text.
-HELD_OUT_BASELINES = ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4"]
+HELD_OUT_BASELINES = ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4",
+                      "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
 
 
 def choose(result, budgets=CHOICE_BUDGETS, source=None):
     """The frontier's picks: per budget, the configuration with the lowest mean KLD among those
-    at or under that many bits per value (f32 excluded; ties: fewer bits), on the result's text.
+    at or under that many bits per value (f32 and llama.cpp's attention as it runs excluded;
+    ties: fewer bits), on the result's text.
 
     Returns
     -------
@@ -380,7 +391,9 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
     "tune_kld_mean", "from"}}``, the layout of ``data/results/frontier-choices.json``.
     """
     from kvquant.models import split_pair_spec
-    rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
+    # llama.cpp's own attention is a bar to measure against, not a configuration to store with
+    rows = [x for x in frontier_rows(result) if x["codec"] != "f32"
+            and x["family"] != GGML_FAMILY]
     t = result["meta"]["text"]
     out = {}
     for budget in budgets:

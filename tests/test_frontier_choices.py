@@ -43,9 +43,10 @@ def test_each_pick_is_the_lowest_kld_within_its_budget(tune_run):
 def test_a_run_of_the_picks_measures_the_baselines_and_each_pick_once(tune_run):
     choices = frontier.choose(tune_run)
     configs = frontier.choice_configs(choices, extra=["tq4", "polar5/polar4"])
-    assert configs[:7] == ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4"]
-    assert configs[7:11] == [c["pair"] for c in choices.values()]
-    assert configs[11:] == ["polar5/polar4"]
+    assert configs[:9] == ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4",
+                           "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
+    assert configs[9:13] == [c["pair"] for c in choices.values()]
+    assert configs[13:] == ["polar5/polar4"]
 
 
 def test_choose_from_writes_where_asked_and_bad_files_are_refused(tmp_path, capsys):

@@ -60,6 +60,11 @@ def check_stream_spec(spec, dim, stream):
     ``@center,sinks=N``, see :func:`kvquant.streams.options.parse_stream_spec`), checked for rows
     of width ``dim``; errors name the stream. The cache takes it as it is (parsed once, its codec
     built once)."""
+    if isinstance(spec, str) and spec.strip().split(":", 1)[0] in ("ggml", "ggml-norot"):
+        raise ValueError(
+            f"{stream} rows: {spec!r} names llama.cpp's attention, which only a whole K/V pair "
+            "of a GGUF model takes (e.g. 'ggml:q8_0/q8_0', kvquant.ggml_attention); for one "
+            "stream use a codec such as q8_0 or q8_0+rot")
     try:
         return StreamSpec.of(spec).check(dim)
     except ValueError as exc:

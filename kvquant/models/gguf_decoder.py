@@ -28,6 +28,7 @@ from dataclasses import asdict
 import numpy as np
 
 from kvquant.cache import QuantizedKVCache
+from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
 from kvquant.models.gguf_config import config_from_gguf, gguf_field, layer_tensor_names
 from kvquant.models.gguf_weights import DEFAULT_BUDGET_BYTES, GGUFWeights
@@ -98,8 +99,14 @@ def new_kv_cache(cfg, pair_spec="f32"):
     """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
 
     ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V; ``cfg`` needs
-    ``n_layers``, ``n_kv_heads``, ``head_dim``.
+    ``n_layers``, ``n_kv_heads``, ``head_dim``. ``"ggml:q8_0/q8_0"`` (llama.cpp's cache types
+    and its attention arithmetic, :mod:`kvquant.ggml_attention`) gives a
+    :class:`~kvquant.ggml_attention.GGMLAttentionCache` instead.
     """
+    if is_ggml_pair(pair_spec):   # llama.cpp's attention as it runs (kvquant.ggml_attention)
+        return GGMLAttentionCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pair_spec,
+                                  prescale_query=getattr(cfg, "architecture", "") == "gemma3",
+                                  capacity=256)
     k_spec, v_spec = split_pair_spec(pair_spec)
     streams = {"k": (check_stream_spec(k_spec, cfg.head_dim, "K"), cfg.head_dim),
                "v": (check_stream_spec(v_spec, cfg.head_dim, "V"), cfg.head_dim)}
@@ -281,7 +288,8 @@ class GGUFDecoder:
             if tokens.size == 1:
                 return cache.attend(li, q[0], scale=self.config.attn_scale,
                                     n_threads=CACHE_THREADS, **_window(window))[None]
-            if self.prefill == "block":
+            # a llama.cpp attention cache computes a batch its own way, whatever self.prefill
+            if self.prefill == "block" or isinstance(cache, GGMLAttentionCache):
                 return cache.attend_prefill(li, q, scale=self.config.attn_scale,
                                             n_threads=CACHE_THREADS, **_window(window))
             return self._consumer_prefill(cache, li, q, pos, window)
