@@ -121,6 +121,9 @@ def bits_per_value(pair_spec, head_dim, tokens=None):
     from kvquant.streams.options import parse_stream_spec
     from kvquant.codecs import get_codec
     from kvquant.models import split_pair_spec
+    from kvquant_experiments import simulated_caches
+    if simulated_caches.is_simulation(pair_spec):
+        return simulated_caches.bits_per_value(pair_spec, head_dim, tokens)
     nbytes = 0.0
     for stream_spec in split_pair_spec(pair_spec):
         codec_spec, opts = parse_stream_spec(stream_spec)
@@ -150,6 +153,8 @@ def pair_family(pair_spec):
     """Family of a pair: ``"stream options"`` when a stream centers or keeps sinks, else the
     codec's family when K and V share it, else ``"K/V split"``."""
     from kvquant.models import split_pair_spec
+    if pair_spec.startswith("sim:"):
+        return "simulation"
     if "recent=" in pair_spec:
         return "recent window"
     if "@" in pair_spec:
@@ -450,6 +455,7 @@ FAMILY_STYLE = {
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
     "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
+    "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
