@@ -21,10 +21,12 @@ Options: ``res=R``: a full-precision residual of R tokens. On ``chan`` sides it 
 residual: the newest ``n mod R`` rows of a cache of n tokens stay float32 and every R tokens they
 are quantized together (R a multiple of G). On the other sides it is KIVI's value residual: the
 newest R rows stay float32 (a sliding window). ``flush=R`` (``tok`` and codec sides): the newest
-``n mod R`` rows stay float32, as transformers' cache flushes its residual. ``prerope`` (K side
-only): the keys are quantized before RoPE and rotated after dequantizing (KVQuant, Hooper et al.
-2024, arXiv 2401.18079, Section 3.2); the model must give the cache its keys before RoPE
-(:func:`kvquant.models.gguf_decoder` does when a cache sets ``keys_before_rope``).
+``n mod R`` rows stay float32, as transformers' cache flushes its residual. With a residual a
+token's query reads the cache as it stood before the token plus the token's own rows in float32
+(KIVI and transformers attend first, then flush). ``prerope`` (K side only): the keys are
+quantized before RoPE and rotated after dequantizing (KVQuant, Hooper et al. 2024, arXiv
+2401.18079); the model must give the cache its keys before RoPE (the GGUF decoder does when a
+cache sets ``keys_before_rope``).
 
 Aliases:
 
@@ -128,9 +130,17 @@ class Side:
         if self.res and self.flush:
             raise ValueError(f"{text!r}: give res=R or flush=R, not both")
 
+    def read_quantized_rows(self, n):
+        """Rows the query of the n-th token reads dequantized (0 .. this - 1; the rest in
+        float32). With a residual, that token's query reads the cache as it stood before the
+        token came, plus the token's own rows in float32: KIVI's decode step and transformers'
+        ``update`` attend before they flush. Without one, rows are quantized before any query
+        reads them, as in kvquant's own caches."""
+        return self.quantized_rows(n - 1) if (self.res or self.flush) else self.quantized_rows(n)
+
     def quantized_rows(self, n):
-        """Rows 0 .. quantized_rows(n) - 1 of a cache of n tokens are read dequantized, the
-        rest in float32."""
+        """Rows 0 .. quantized_rows(n) - 1 of a cache of n tokens are held quantized, the rest
+        in float32."""
         if self.kind == "chan":
             step = self.res or self.group
             return step * (n // step)
@@ -198,8 +208,9 @@ class _Stream:
 class SimulatedCache:
     """A simulated KV cache with the interface the GGUF models use (append, attend,
     attend_prefill, sizes). Each layer keeps its K (after RoPE) and V rows in float32 and their
-    dequantized versions; a query at position p reads each row in the version a cache of p + 1
-    tokens holds (:meth:`Side.quantized_rows`).
+    dequantized versions; the query at position p reads each row in the version the scheme's
+    decode step of that token reads (:meth:`Side.read_quantized_rows`), prefill included (KIVI's
+    own prefill attends to the float32 rows: here every position is read as decoding reads it).
 
     Parameters
     ----------
@@ -284,8 +295,10 @@ class SimulatedCache:
         scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
         pos = T - S + np.arange(S)
         rows = np.arange(T)
-        exact_k = rows[None, :] >= np.array([self.k_side.quantized_rows(p + 1) for p in pos])[:, None]
-        exact_v = rows[None, :] >= np.array([self.v_side.quantized_rows(p + 1) for p in pos])[:, None]
+        exact_k = rows[None, :] >= np.array([self.k_side.read_quantized_rows(p + 1)
+                                             for p in pos])[:, None]
+        exact_v = rows[None, :] >= np.array([self.v_side.read_quantized_rows(p + 1)
+                                             for p in pos])[:, None]
         hidden = rows[None, :] > pos[:, None]
         if sliding_window is not None:
             hidden |= rows[None, :] <= pos[:, None] - sliding_window

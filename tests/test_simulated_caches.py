@@ -79,19 +79,26 @@ def test_residual_rules():
     # no residual: a per-channel side still holds its partial group in float32
     assert [Side("chan4-g32", 64, True).quantized_rows(n) for n in (31, 32, 70)] == [0, 32, 64]
     assert [Side("tok4-g32", 64, False).quantized_rows(n) for n in (1, 70)] == [1, 70]
+    # what a token's query reads: the cache before the token, plus its own rows in float32
+    # (KIVI attends, then flushes); without a residual rows are quantized before any read
+    assert [kivi_k.read_quantized_rows(n) for n in (128, 129, 256, 257)] == [0, 128, 128, 256]
+    assert [kivi_v.read_quantized_rows(n) for n in (129, 130, 300)] == [0, 1, 171]
+    assert Side("tok4-g32", 64, False).read_quantized_rows(70) == 70
+    assert Side("chan4-g32", 64, True).read_quantized_rows(64) == 64
     hf_k, hf_v = parse("sim:hf-quanto4", 64)
     assert hf_k.text == hf_v.text == "tok4-g64@flush=128"
     assert [hf_k.quantized_rows(n) for n in (127, 128, 255, 256)] == [0, 128, 128, 256]
 
 
 def _reference_attention(sim, layer, Q, K, V, Kq, Vq):
-    """Each query p reads rows j < quantized_rows(p + 1) dequantized: a loop over positions."""
+    """Each query p reads rows j < read_quantized_rows(p + 1) dequantized: a loop over
+    positions."""
     T, S = K.shape[0], Q.shape[0]
     group = Q.shape[1] // K.shape[1]
     out = np.empty(Q.shape)
     for s in range(S):
         p = T - S + s
-        nk, nv = sim.k_side.quantized_rows(p + 1), sim.v_side.quantized_rows(p + 1)
+        nk, nv = sim.k_side.read_quantized_rows(p + 1), sim.v_side.read_quantized_rows(p + 1)
         Kr = np.concatenate([Kq[:nk], K[nk:p + 1]]).astype(np.float64)
         Vr = np.concatenate([Vq[:nv], V[nv:p + 1]]).astype(np.float64)
         for h in range(Q.shape[1]):
