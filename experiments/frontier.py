@@ -104,7 +104,10 @@ WINDOW_CONFIGS = [
 DEFAULT_CONFIGS = (UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
                    + WINDOW_CONFIGS)
 
-BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot")
+# the field's formats and schemes: the bar, not entrants (llama.cpp's cache types, simulations of
+# KIVI / transformers' QuantizedCache / pre-RoPE keys)
+BASELINES = tuple(k + r for k in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+                  for r in ("", "+rot")) + ("simulation",)
 
 
 # --------------------------------------------------------------------------------------------
