@@ -28,6 +28,12 @@ texts they were not picked on::
     # exactly those picks, plus f32, kv8, q8_0, q8_0+rot, q4_0, q4_0+rot, tq4, on any text
     python -m kvquant_experiments.frontier --choices data/results/frontier-choices.json --text code
 
+The field's other schemes run as simulations (``sim:`` specs of
+:mod:`kvquant_experiments.simulated_caches`: KIVI, transformers' QuantizedCache default, pre-RoPE
+keys; serially, in this process)::
+
+    python -m kvquant_experiments.frontier --configs "q4_0+rot,sim:kivi4,sim:hf-quanto4,sim:chan4-g128@prerope/tok4-g64"
+
 Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,png}`` into
 ``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
