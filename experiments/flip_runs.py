@@ -295,11 +295,17 @@ def add_storage(rows, meta):
     fixed / context (all the cache stores, per token of that context), ``bits_per_value`` and
     ``compression`` (f32 bytes per token over it). Rows of older results, whose
     ``bytes_per_token`` was the marginal one, are read as such."""
+    from kvquant_experiments import simulated_caches
     context = storage_context(meta)
     for r in rows:
         if "marginal_bytes_per_token" not in r:
             r["marginal_bytes_per_token"] = r["bytes_per_token"]
         r["fixed_bytes"] = int(r.get("fixed_bytes", 0))
+        if simulated_caches.is_simulation(r["codec"]):
+            # a simulation's float32 rows depend on the length: count them at this context
+            m = meta["model"]
+            r["fixed_bytes"] = int(round(simulated_caches.fixed_bytes(
+                r["codec"], m["n_layers"], m["n_kv_heads"], m["head_dim"], context)))
         r["context_tokens"] = context
         r["bytes_per_token"] = r["marginal_bytes_per_token"] + r["fixed_bytes"] / context
     f32 = next(r for r in rows if r["codec"] == "f32")

@@ -52,6 +52,7 @@ import re
 import numpy as np
 
 __all__ = ["SIM_PREFIX", "SimulatedCache", "SimulatingModel", "bits_per_value", "expand",
+           "fixed_bytes",
            "is_simulation", "parse", "with_simulations"]
 
 SIM_PREFIX = "sim:"
@@ -198,6 +199,15 @@ def bits_per_value(pair_spec, head_dim, tokens=None):
     """Bits per value of a simulation at a context of ``tokens`` (None: per further token)."""
     k, v = parse(pair_spec, head_dim)
     return (k.bits_at(tokens) + v.bits_at(tokens)) / 2
+
+
+def fixed_bytes(pair_spec, n_layers, n_kv_heads, head_dim, tokens):
+    """Bytes a simulated cache of ``tokens`` tokens holds beyond ``tokens`` x its bytes per
+    further token (float32 residual rows and partial groups), all layers and KV heads."""
+    k, v = parse(pair_spec, head_dim)
+    extra = sum((tokens - s.quantized_rows(tokens)) * (F32_BITS - s.bits_at()) * head_dim / 8
+                for s in (k, v))
+    return extra * n_layers * n_kv_heads
 
 
 class _Stream:
