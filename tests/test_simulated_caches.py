@@ -151,6 +151,10 @@ def test_bits_per_value_count_scales_zeros_and_residuals():
         ((96 * 5 + 4 * 32) / 100 + 8.5) / 2)
     cache = SimulatedCache("sim:kivi4", 3, 2, 64)
     assert cache.bytes_per_token == 3 * 2 * (5 + 5) * 64 / 8
+    # at 512 tokens only the values' 128-row window is float32 (27 bits a value more)
+    from kvquant_experiments.simulated_caches import fixed_bytes
+    assert fixed_bytes("sim:kivi4", 3, 2, 64, 512) == 3 * 2 * 128 * 27 * 64 / 8
+    assert fixed_bytes("sim:kivi4", 3, 2, 64, 600) == 3 * 2 * (88 + 128) * 27 * 64 / 8
 
 
 def test_bad_specs_are_refused_with_the_reason():
