@@ -188,6 +188,7 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     """
     from kvquant.models import load_model
     from kvquant_experiments.executor import open_executor
+    from kvquant_experiments.simulated_caches import is_simulation, with_simulations
     t_start = time.perf_counter()
     # counts fail before any work, with the option's name
     for name, value, low in (("positions", positions, 0), ("chunk tokens", chunk_tokens, 1),
@@ -208,6 +209,12 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     resolved = None if kind == "tiny-mla" else (
         text if isinstance(text, Text) else load_text(text))
     model = model if model is not None else load_model(model_name)
+    if any(is_simulation(c) for c in codecs):
+        # simulated caches (kvquant_experiments.simulated_caches) are built in this process
+        if (workers or 1) > 1 or scheduler not in (None, "serial"):
+            raise ValueError("simulated caches (sim: specs) run in this process only: use "
+                             "--workers 1 and no scheduler")
+        model, workers, scheduler = with_simulations(codecs, model), 1, "serial"
     for spec in codecs:          # fail on a bad spec before any long run
         model.new_cache(spec)
     n_prompts = DEFAULT_PROMPTS[kind] if n_prompts is None else int(n_prompts)
@@ -288,11 +295,17 @@ def add_storage(rows, meta):
     fixed / context (all the cache stores, per token of that context), ``bits_per_value`` and
     ``compression`` (f32 bytes per token over it). Rows of older results, whose
     ``bytes_per_token`` was the marginal one, are read as such."""
+    from kvquant_experiments import simulated_caches
     context = storage_context(meta)
     for r in rows:
         if "marginal_bytes_per_token" not in r:
             r["marginal_bytes_per_token"] = r["bytes_per_token"]
         r["fixed_bytes"] = int(r.get("fixed_bytes", 0))
+        if simulated_caches.is_simulation(r["codec"]):
+            # a simulation's float32 rows depend on the length: count them at this context
+            m = meta["model"]
+            r["fixed_bytes"] = int(round(simulated_caches.fixed_bytes(
+                r["codec"], m["n_layers"], m["n_kv_heads"], m["head_dim"], context)))
         r["context_tokens"] = context
         r["bytes_per_token"] = r["marginal_bytes_per_token"] + r["fixed_bytes"] / context
     f32 = next(r for r in rows if r["codec"] == "f32")

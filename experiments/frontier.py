@@ -28,6 +28,12 @@ texts they were not picked on::
     # exactly those picks, plus f32, kv8, q8_0, q8_0+rot, q4_0, q4_0+rot, tq4, on any text
     python -m kvquant_experiments.frontier --choices data/results/frontier-choices.json --text code
 
+The field's other schemes run as simulations (``sim:`` specs of
+:mod:`kvquant_experiments.simulated_caches`: KIVI, transformers' QuantizedCache default, pre-RoPE
+keys; serially, in this process)::
+
+    python -m kvquant_experiments.frontier --configs "q4_0+rot,sim:kivi4,sim:hf-quanto4,sim:chan4-g128@prerope/tok4-g64"
+
 Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,png}`` into
 ``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
@@ -108,7 +114,10 @@ GGML_CONFIGS = ["ggml:f16/f16", "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
 DEFAULT_CONFIGS = (UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
                    + WINDOW_CONFIGS + GGML_CONFIGS)
 
-BASELINES = ("q8_0", "q4_0", "q8_0+rot", "q4_0+rot", GGML_FAMILY)
+# the field's formats and schemes: the bar, not entrants (llama.cpp's cache types, simulations of
+# KIVI / transformers' QuantizedCache / pre-RoPE keys)
+BASELINES = tuple(k + r for k in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+                  for r in ("", "+rot")) + ("simulation", GGML_FAMILY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +137,9 @@ def bits_per_value(pair_spec, head_dim, tokens=None):
     from kvquant.models import split_pair_spec
     if is_ggml_pair(pair_spec):   # llama.cpp's cache types: no fixed costs
         return parse_ggml_pair(pair_spec).bits_per_value(head_dim)
+    from kvquant_experiments import simulated_caches
+    if simulated_caches.is_simulation(pair_spec):
+        return simulated_caches.bits_per_value(pair_spec, head_dim, tokens)
     nbytes = 0.0
     for stream_spec in split_pair_spec(pair_spec):
         codec_spec, opts = parse_stream_spec(stream_spec)
@@ -159,6 +171,8 @@ def pair_family(pair_spec):
     from kvquant.models import split_pair_spec
     if pair_spec.startswith("ggml"):
         return GGML_FAMILY
+    if pair_spec.startswith("sim:"):
+        return "simulation"
     if "recent=" in pair_spec:
         return "recent window"
     if "@" in pair_spec:
@@ -463,6 +477,7 @@ FAMILY_STYLE = {
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
     "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
+    "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),

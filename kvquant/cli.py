@@ -38,7 +38,8 @@ def _parse_codecs(text):
 ALL_CODECS = ("f32", "kv8", "kv8-g32", *(f"tq{b}" for b in range(1, 9)), "tq4:compat=colibri",
               *(f"polar{b}" for b in range(2, 7)),
               *(f"polar{b}:compat=colibri" for b in range(2, 7)),
-              "q8_0", "q8_0+rot", "q4_0", "q4_0+rot")
+              *(k + r for k in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+                for r in ("", "+rot")))
 
 
 def _distortion_data(args):

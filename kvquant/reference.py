@@ -560,3 +560,149 @@ def ggml_context(codes, W, dim, bits, rotated=False, seed=0x9E3779B9):
     C = np.asarray(W, np.float64)[:, :, None] * d[None]            # (m, T, n_blocks)
     ctx = np.einsum("mtb,tbi->mbi", C, v).reshape(-1, dim)
     return unrotate(ctx, seed) if rotated else ctx
+
+
+# -- llama.cpp Q4_1 / Q5_0 / Q5_1 / IQ4_NL (docs/reference.md §3) -----------------------------------
+# From the formats' definitions (ggml-quants.c, quantize_row_<type>_ref), in float32 where ggml
+# computes in float32. The float -> code step is numpy's x86 cast, as the gguf package's quantizers
+# run it: truncate to int32 (INT32_MIN when out of range), keep the low byte, clip.
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         np.float32)
+GGML_MORE_BLOCK_BYTES = {"q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_nl": 18}
+
+
+def _x86_codes(v, top):
+    v = np.asarray(v, np.float64)
+    ok = np.isfinite(v) & (v >= -2.0 ** 31) & (v < 2.0 ** 31)
+    t = np.where(ok, np.trunc(np.where(ok, v, 0)), -2.0 ** 31).astype(np.int64)
+    return np.minimum(t & 0xFF, top).astype(np.uint8)
+
+
+def _fp16_bytes(v):
+    with np.errstate(over="ignore"):
+        return np.asarray(v, np.float32).astype("<f2").view(np.uint8).reshape(*np.shape(v), 2)
+
+
+def _pack_nibbles(q):
+    return (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+
+
+def _pack_high_bits(q):
+    """bit j of a little-endian uint32 = bit 4 of q[j]: (..., 32) -> (..., 4) bytes."""
+    bits = ((q.astype(np.uint64) >> 4) & 1) << np.arange(32, dtype=np.uint64)
+    return bits.sum(axis=-1).astype("<u4").view(np.uint8).reshape(*q.shape[:-1], 4)
+
+
+def _blocks(X):
+    X = np.asarray(X, dtype=np.float32)
+    return X.reshape(X.shape[0], X.shape[1] // 32, 32)
+
+
+def q5_0_encode_rows(X):
+    B = _blocks(X)
+    peak = np.take_along_axis(B, np.argmax(np.abs(B), axis=2)[:, :, None], axis=2)[:, :, 0]
+    scale = (peak / np.float32(-16)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+        q = _x86_codes((B * inv[:, :, None]).astype(np.float32) + np.float32(16.5), 31)
+    blocks = np.concatenate([_fp16_bytes(scale), _pack_high_bits(q), _pack_nibbles(q)], axis=2)
+    return blocks.reshape(B.shape[0], -1)
+
+
+def _offset_encode_rows(X, top):
+    B = _blocks(X)
+    lo, hi = B.min(axis=2), B.max(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scale = ((hi - lo) / np.float32(top)).astype(np.float32)
+        inv = np.where(scale != 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+        v = ((B - lo[:, :, None]).astype(np.float32) * inv[:, :, None]).astype(np.float32)
+        q = _x86_codes(v + np.float32(0.5), top)
+    parts = [_fp16_bytes(scale), _fp16_bytes(lo)]
+    if top == 31:
+        parts.append(_pack_high_bits(q))
+    blocks = np.concatenate(parts + [_pack_nibbles(q)], axis=2)
+    return blocks.reshape(B.shape[0], -1)
+
+
+def q4_1_encode_rows(X):
+    return _offset_encode_rows(X, 15)
+
+
+def q5_1_encode_rows(X):
+    return _offset_encode_rows(X, 31)
+
+
+def iq4_nl_encode_rows(X):
+    """ggml's quantize_row_iq4_nl_ref: nearest level at x / d0 (d0 = peak / -127, ties to the
+    upper level unless strictly nearer the lower), then the x^2-weighted least-squares scale,
+    summed in element order in float32."""
+    B = _blocks(X)
+    K = IQ4_NL_LEVELS
+    amax = np.abs(B).max(axis=2)
+    peak = np.take_along_axis(B, np.argmax(np.abs(B), axis=2)[:, :, None], axis=2)[:, :, 0]
+    live = amax >= np.float32(1e-15)
+    d0 = np.where(live, peak, np.float32(1)) / np.float32(-127)
+    a = (np.float32(1) / d0.astype(np.float32))[:, :, None] * B                   # float32
+    upper = np.clip(np.searchsorted(K, a, side="right"), 1, 15)
+    lower_nearer = (a - K[upper - 1]) < (K[upper] - a)                            # float32
+    idx = np.where(a <= K[0], 0, np.where(a >= K[15], 15, upper - lower_nearer))
+    k = K[idx]
+    sumqx = np.zeros(amax.shape, np.float32)
+    sumq2 = np.zeros(amax.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j in range(32):
+            w = B[:, :, j] * B[:, :, j]
+            sumqx = (sumqx + (w * k[:, :, j]) * B[:, :, j]).astype(np.float32)
+            sumq2 = (sumq2 + (w * k[:, :, j]) * k[:, :, j]).astype(np.float32)
+        scale = np.where(live, sumqx / sumq2, np.float32(0)).astype(np.float32)
+    q = np.where(live[:, :, None], idx, 0).astype(np.uint8)
+    blocks = np.concatenate([_fp16_bytes(scale), _pack_nibbles(q)], axis=2)
+    return blocks.reshape(B.shape[0], -1)
+
+
+def _ggml_more_blocks(codes, dim, kind):
+    """Per block: scale d, minimum m (0 where the format has none), values v (T, n_blocks, 32),
+    all float64, with x = d v + m."""
+    codes = np.asarray(codes, np.uint8)
+    B = codes.reshape(codes.shape[0], dim // 32, GGML_MORE_BLOCK_BYTES[kind])
+    f16 = lambda a: a.copy().view("<f2")[:, :, 0].astype(np.float64)   # noqa: E731
+    d = f16(B[:, :, 0:2])
+    m = f16(B[:, :, 2:4]) if kind in ("q4_1", "q5_1") else np.zeros_like(d)
+    qs_at = {"q4_1": 4, "q5_0": 6, "q5_1": 8, "iq4_nl": 2}[kind]
+    nib = B[:, :, qs_at:qs_at + 16]
+    code = np.concatenate([nib & 0x0F, nib >> 4], axis=2).astype(np.int64)
+    if kind in ("q5_0", "q5_1"):
+        qh_at = 2 if kind == "q5_0" else 4
+        qh = B[:, :, qh_at:qh_at + 4].copy().view("<u4")[:, :, 0].astype(np.int64)
+        code |= ((qh[:, :, None] >> np.arange(32)) & 1) << 4
+    if kind == "iq4_nl":
+        v = IQ4_NL_LEVELS.astype(np.float64)[code]
+    else:
+        v = code.astype(np.float64) - (16.0 if kind == "q5_0" else 0.0)
+    return d, m, v
+
+
+def ggml_more_decode_rows(codes, dim, kind):
+    d, m, v = _ggml_more_blocks(codes, dim, kind)
+    with np.errstate(invalid="ignore"):            # inf or NaN scales of arbitrary bytes
+        return (d[:, :, None] * v + m[:, :, None]).reshape(-1, dim)
+
+
+def ggml_more_scores(codes, Q, kind, rotated=False, seed=0x9E3779B9):
+    """sum_b (d_tb sum_{i in b} q_i v_ti + m_tb sum_{i in b} q_i), q rotated first for +rot."""
+    Q = np.atleast_2d(np.asarray(Q, np.float64))
+    dim = Q.shape[1]
+    Q = rotate(Q, seed) if rotated else Q
+    d, m, v = _ggml_more_blocks(codes, dim, kind)
+    Qb = Q.reshape(Q.shape[0], dim // 32, 32)
+    partial = np.einsum("mbi,tbi->mtb", Qb, v)
+    return (partial * d[None]).sum(axis=2) + np.einsum("mb,tb->mt", Qb.sum(axis=2), m)
+
+
+def ggml_more_context(codes, W, dim, kind, rotated=False, seed=0x9E3779B9):
+    """sum_t w_t (d_tb v_t + m_tb), unrotated once for +rot."""
+    d, m, v = _ggml_more_blocks(codes, dim, kind)
+    W = np.asarray(W, np.float64)
+    ctx = np.einsum("mtb,tbi->mbi", W[:, :, None] * d[None], v) + (W @ m.reshape(len(m), -1))[:, :, None]
+    ctx = ctx.reshape(-1, dim)
+    return unrotate(ctx, seed) if rotated else ctx

@@ -34,7 +34,8 @@ SPECS = (["f32", "kv8", "kv8-g4", "kv8-g32"]
          + [f"polar{b}" for b in range(2, 7)]
          + ["polar4:compat=colibri", "polar2:compat=colibri", "polar4:alloc=level",
             "polar4:side_dtype=f16"]
-         + ["q8_0", "q4_0", "q8_0+rot", "q4_0+rot"])
+         + ["q8_0", "q4_0", "q8_0+rot", "q4_0+rot"]
+         + ["q4_1", "q5_0", "q5_1", "iq4_nl", "q5_1+rot", "iq4_nl+rot"])
 WIDTHS = (2, 64, 512, 4096)
 MAGNITUDES = (2.0**-149, 1e-38, float(np.finfo(F32).tiny), 1e-35, 1e-30, 1e-10, 1.0, 1e10,
               1e30, 1e36, FLT_MAX / 64, 1e37, 5e37, 1e38, 2e38, LIMIT, FLT_MAX)
@@ -89,9 +90,12 @@ def _unit_error_bound(spec, codec, x1, d1):
         assert np.all(np.abs(err) <= bound)
     elif codec.family == "ggml" and not codec.rotate:
         import gguf
-        kind = {"q8_0": gguf.GGMLQuantizationType.Q8_0,
-                "q4_0": gguf.GGMLQuantizationType.Q4_0}[codec.kind]
-        ref = gguf.quants.dequantize(gguf.quants.quantize(x1[None], kind), kind)[0]
+        from kvquant import reference
+        kind = getattr(gguf.GGMLQuantizationType, codec.kind.upper())
+        with np.errstate(all="ignore"):
+            codes = (reference.iq4_nl_encode_rows(x1[None]) if codec.kind == "iq4_nl"
+                     else gguf.quants.quantize(x1[None], kind))   # gguf has no IQ4_NL quantizer
+            ref = gguf.quants.dequantize(codes, kind)[0]
         assert np.array_equal(d1, ref)
     else:
         # rotated codecs: never worse than storing zero (the decoded row keeps the input's

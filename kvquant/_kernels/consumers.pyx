@@ -649,3 +649,70 @@ def context_polar(const uint8_t[:, ::1] codes,      # IN  (T, code_bytes)
         _run_context(fn, &p, c0, s0, W, partial, out, n_threads)
         _unrotate_rows_inplace(out, signs, n_threads)
         free(plan)
+
+
+# == q4_1 / q5_0 / q5_1 / iq4_nl (llama.cpp blocks, consumers_ggml_more.h), optionally rotated ==
+cdef extern from "consumers_ggml_more.h":
+    void kvq_gm_dot_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                             const float*, float*) noexcept nogil
+    void kvq_gm_axpy_portable(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                              const float*, float*) noexcept nogil
+    void kvq_gm_dot_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                           const float*, float*) noexcept nogil
+    void kvq_gm_axpy_avx512(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
+                            const float*, float*) noexcept nogil
+
+
+cdef void _ggml_more_params(kvq_params* p, const uint8_t[:, ::1] codes, int kind, int64_t dim):
+    memset(p, 0, sizeof(kvq_params))
+    p.n_rows = codes.shape[0]
+    p.dim = dim
+    p.code_bytes = codes.shape[1]
+    p.bits = kind                      # the block kind: kvquant._kernels.ggml KIND_*
+
+
+def scores_ggml_more(const uint8_t[:, ::1] codes,   # IN  (T, (n/32) * block bytes)
+                     int kind,                      # ggml KIND_Q4_1, _Q5_0, _Q5_1, _IQ4_NL
+                     bint rotate,                   # +rot: rotate the queries once
+                     const float[::1] signs,        # IN  (n,) rotation signs (any when not rotate)
+                     const float[:, ::1] Q,         # IN  (m, n) queries, original basis
+                     float[:, ::1] out,             # OUT (m, T)
+                     int n_threads):
+    """The block scale is factored out of each block's partial sum (and the minimum out of the
+    block's query sum)."""
+    cdef kvq_params p
+    cdef kvq_dot_fn fn = kvq_gm_dot_avx512 if _level >= KVQ_SIMD_AVX512 else kvq_gm_dot_portable
+    _ggml_more_params(&p, codes, kind, Q.shape[1])
+    if p.n_rows == 0 or Q.shape[0] == 0:
+        return
+    cdef const float[:, ::1] Qb = Q
+    cdef float[:, ::1] Qrot
+    if rotate:
+        Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
+        with nogil:
+            _rotate_rows(Q, signs, Qrot, n_threads)
+        Qb = Qrot
+    with nogil:
+        _run_scores(fn, &p, &codes[0, 0], NULL, Qb, out, n_threads)
+
+
+def context_ggml_more(const uint8_t[:, ::1] codes,  # IN  (T, (n/32) * block bytes)
+                      int kind,
+                      bint rotate,                  # +rot: accumulate rotated, unrotate once
+                      const float[::1] signs,       # IN  (n,)
+                      const float[:, ::1] W,        # IN  (m, T)
+                      float[:, ::1] out,            # OUT (m, n) original basis
+                      int n_threads):
+    """The block scale is folded into the weight; the minimum adds w_t m_tb to every element."""
+    cdef kvq_params p
+    cdef kvq_axpy_fn fn = (kvq_gm_axpy_avx512 if _level >= KVQ_SIMD_AVX512
+                           else kvq_gm_axpy_portable)
+    _ggml_more_params(&p, codes, kind, out.shape[1])
+    if W.shape[0] == 0:
+        return
+    cdef float[:, :, ::1] partial = _partials(p.n_rows, W.shape[0], p.dim)
+    cdef const uint8_t* c0 = &codes[0, 0] if p.n_rows else NULL
+    with nogil:
+        _run_context(fn, &p, c0, NULL, W, partial, out, n_threads)
+        if rotate:
+            _unrotate_rows_inplace(out, signs, n_threads)

@@ -93,5 +93,6 @@ def get_codec(spec, dim, **options):
             return codec
     raise ValueError(
         f"unknown codec spec {spec!r}; known: f32, kv8, kv8-g<N>, tq<b> (b = 1..8), "
-        "polar<b> (b = 2..6), q8_0, q4_0, q8_0+rot, q4_0+rot"
+        "polar<b> (b = 2..6), and llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl (each also "
+        "+rot)"
     )

@@ -95,6 +95,18 @@ def _window(window):
     return {} if window is None else {"sliding_window": window}
 
 
+def _append(cache, layer, k, v, pre_rope, row=None):
+    """Store rows in a cache. A cache with ``keys_before_rope`` set also gets the keys before
+    RoPE and the rotation ``rope_keys(X, positions)`` (to quantize them unrotated and rotate on
+    read, as KVQuant does); ``row`` picks a sequence's row of a batch."""
+    if getattr(cache, "keys_before_rope", False):
+        raw, rope_keys = pre_rope
+        cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v, rope_keys=rope_keys,
+                     k_before_rope=raw if row is None else raw[row:row + 1])
+    else:
+        cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v)
+
+
 def new_kv_cache(cfg, pair_spec="f32"):
     """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
 
@@ -282,9 +294,9 @@ class GGUFDecoder:
                 f"{self.context_length} tokens; use shorter chunks")
         pos = start + np.arange(tokens.size)
 
-        def attend(li, q, k, v):
+        def attend(li, q, k, v, pre_rope):
             window = self.config.layer_window(li)
-            cache.append(li, n_threads=CACHE_THREADS, k=k, v=v)
+            _append(cache, li, k, v, pre_rope)
             if tokens.size == 1:
                 return cache.attend(li, q[0], scale=self.config.attn_scale,
                                     n_threads=CACHE_THREADS, **_window(window))[None]
@@ -333,11 +345,11 @@ class GGUFDecoder:
             raise ValueError(f"a cache already holds {pos.max()} tokens: the next one exceeds "
                              f"the model's trained context of {self.context_length}")
 
-        def attend(li, q, k, v):
+        def attend(li, q, k, v, pre_rope):
             window = self.config.layer_window(li)
             out = np.empty_like(q)
             for b, cache in enumerate(caches):
-                cache.append(li, n_threads=CACHE_THREADS, k=k[b:b + 1], v=v[b:b + 1])
+                _append(cache, li, k[b:b + 1], v[b:b + 1], pre_rope, b)
                 out[b] = cache.attend(li, q[b], scale=self.config.attn_scale,
                                       n_threads=CACHE_THREADS, **_window(window))
             return out
@@ -357,9 +369,10 @@ class GGUFDecoder:
         return rms_norm(x, self.output_norm, self.config.rms_norm_eps)
 
     def _layers(self, tokens, pos, attend):
-        """The decoder blocks on rows of tokens at positions ``pos``; ``attend(layer, q, k, v)``
-        stores k, v (n, n_kv_heads, hd) in the cache and returns the attention output
-        (n, n_heads, hd) of the queries q (n, n_heads, hd)."""
+        """The decoder blocks on rows of tokens at positions ``pos``; ``attend(layer, q, k, v,
+        pre_rope)`` stores k, v (n, n_kv_heads, hd) in the cache and returns the attention output
+        (n, n_heads, hd) of the queries q (n, n_heads, hd); ``pre_rope`` is (the keys before
+        RoPE, ``rope_keys(X, positions)``), for caches that ask for them."""
         cfg, w = self.config, self.weights
         n, hd, eps = tokens.size, cfg.head_dim, cfg.rms_norm_eps
         x = w.rows("token_embd.weight", tokens)
@@ -384,9 +397,10 @@ class GGUFDecoder:
                 q = rms_norm(q.reshape(-1, hd), norms["attn_q_norm.weight"], eps).reshape(q.shape)
                 k = rms_norm(k.reshape(-1, hd), norms["attn_k_norm.weight"], eps).reshape(k.shape)
             base = cfg.rope_bases[li]
+            pre_rope = (k, lambda X, at, base=base: rope(X, at, base, self.rope_factors))
             q, k = rope(q, pos, base, self.rope_factors), rope(k, pos, base, self.rope_factors)
             # The rows enter the cache (quantized) before anything reads them.
-            out = attend(li, q, k, v).reshape(n, -1) @ w.get(p + "attn_output.weight").T
+            out = attend(li, q, k, v, pre_rope).reshape(n, -1) @ w.get(p + "attn_output.weight").T
             if cfg.post_norms:
                 out = rms_norm(out, norms["post_attention_norm.weight"], eps)
             x = x + out
