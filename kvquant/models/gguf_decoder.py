@@ -29,6 +29,7 @@ import numpy as np
 
 from kvquant.cache import QuantizedKVCache
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
+from kvquant.models.plan import CachePlan, is_plan_ref
 from kvquant.models.gguf_config import config_from_gguf, gguf_field, layer_tensor_names
 from kvquant.models.gguf_weights import DEFAULT_BUDGET_BYTES, GGUFWeights
 
@@ -96,9 +97,13 @@ def _window(window):
 def new_kv_cache(cfg, pair_spec="f32"):
     """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
 
-    ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V; ``cfg`` needs
-    ``n_layers``, ``n_kv_heads``, ``head_dim``.
+    ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V, or a cache
+    plan (specs per layer and KV head: the path of its JSON file, or a
+    :class:`~kvquant.models.plan.CachePlan`); ``cfg`` needs ``n_layers``, ``n_kv_heads``,
+    ``head_dim``.
     """
+    if is_plan_ref(pair_spec):
+        return CachePlan.of(pair_spec).new_cache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     k_spec, v_spec = split_pair_spec(pair_spec)
     streams = {"k": (check_stream_spec(k_spec, cfg.head_dim, "K"), cfg.head_dim),
                "v": (check_stream_spec(v_spec, cfg.head_dim, "V"), cfg.head_dim)}
