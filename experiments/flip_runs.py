@@ -566,6 +566,11 @@ def cmd_flips(args):
     from kvquant.codecs import split_spec_list
     try:
         codecs = split_spec_list(args.codecs) if args.codecs else None
+        if args.plan:   # cache plans: configurations beside (or instead of) the pair specs
+            from kvquant.models.plan import CachePlan
+            for path in args.plan:
+                CachePlan.load(path)   # a bad file fails here, naming it
+            codecs = (codecs if codecs is not None else ["f32"]) + list(args.plan)
         model = None
         if args.backend == "hf":
             model = _hf_model(args)
@@ -606,6 +611,10 @@ def add_cli(sub):
                    help="comma-separated specs (options may follow, as in "
                         "tq3:codebook=gaussian,side=unbiased); 'A/B' gives K/V (or L/R) "
                         "different codecs; default: the model's list")
+    p.add_argument("--plan", action="append", default=None, metavar="JSON",
+                   help="a cache plan file (stream specs per layer and KV head, "
+                        "kvquant.models.plan; e.g. from python -m kvquant_experiments.allocate) "
+                        "measured as one more configuration; repeatable")
     p.add_argument("--positions", type=int, default=None,
                    help=f"real-text positions (default {DEFAULT_POSITIONS}; 0: none)")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,

@@ -41,7 +41,10 @@ def is_plan_ref(spec):
 def _spec_text(value, where):
     """A layer's spec for one stream: a spec string, or a tuple of one per KV head."""
     if isinstance(value, str):
-        StreamSpec.parse(value)   # a bad spec fails here, naming it
+        try:
+            StreamSpec.parse(value)   # a bad spec fails here, naming it
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         return value.strip()
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
         return tuple(_spec_text(v, where) for v in value)
