@@ -12,7 +12,8 @@ measured step, so that a unit's change at width ``b`` against its base width ``b
 Greedy by KLD gained per bit: every unit starts at its lowest width (``b_u - span``), then the
 move that buys the most predicted KLD per bit of the budget is taken, until no move fits. The
 KLD model is a sum of convex, separable terms, for which this greedy order is the optimum of the
-model; the plan is then measured, never taken on the model's word.
+model; the plan is then measured, never taken on the model's word. Units a scan did not reach
+stay at the base width.
 
 Run::
 
@@ -38,9 +39,9 @@ def unit_curves(scans, span=1, ratio=RATIO):
 
     ``scans``: sensitivity results of the same base (step -1 and, optionally, +1)."""
     from kvquant_experiments.sensitivity import BIT_LADDERS, _BITS, spec_bits
-    bases = {s["meta"]["base"] for s in scans}
+    bases = {(s["meta"]["base"], s["meta"].get("group", 1)) for s in scans}
     if len(bases) != 1:
-        raise ValueError(f"the scans have different bases: {sorted(bases)}")
+        raise ValueError(f"the scans have different bases or layer groups: {sorted(bases)}")
     measured = {}
     for scan in scans:
         step = int(scan["meta"]["step"])
@@ -68,8 +69,9 @@ def unit_curves(scans, span=1, ratio=RATIO):
     return curves
 
 
-def allocate(base_plan, curves, budget, head_dim, tokens):
-    """The greedy allocation of :func:`unit_curves` under ``budget`` bits per value.
+def allocate(base_plan, curves, budget, head_dim, tokens, group=1):
+    """The greedy allocation of :func:`unit_curves` under ``budget`` bits per value (a unit:
+    ``group`` consecutive layers from its first).
 
     Returns
     -------
@@ -79,18 +81,23 @@ def allocate(base_plan, curves, budget, head_dim, tokens):
     from kvquant.streams.spec import StreamSpec
     from kvquant_experiments.sensitivity import shift_bits, spec_bits
 
-    def spec_of(unit, width):
-        layer, stream, head = unit
-        spec = base_plan.head_specs(layer, stream)[0 if head is None else head]
+    from kvquant_experiments.sensitivity import unit_layers
+
+    def spec_of(unit, width, layer=None):
+        _, stream, head = unit
+        spec = base_plan.head_specs(unit[0] if layer is None else layer,
+                                    stream)[0 if head is None else head]
         return shift_bits(spec, width - spec_bits(spec))
 
     def plan_of(widths):
         plan = base_plan
         for unit, width in widths.items():
-            plan = plan.with_unit(unit[0], unit[1], spec_of(unit, width), unit[2])
+            for layer in unit_layers(unit, group, base_plan.n_layers):
+                plan = plan.with_unit(layer, unit[1], spec_of(unit, width, layer), unit[2])
         return plan
 
-    heads_per_unit = {u: (base_plan.n_kv_heads or 1) if u[2] is None else 1 for u in curves}
+    heads_per_unit = {u: ((base_plan.n_kv_heads or 1) if u[2] is None else 1)
+                      * len(unit_layers(u, group, base_plan.n_layers)) for u in curves}
     n_rows = sum(len(base_plan.head_specs(layer, s)) for layer in range(base_plan.n_layers)
                  for s in ("k", "v"))
     row_bits = {}
@@ -151,13 +158,15 @@ def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
     os.makedirs(out, exist_ok=True)
     paths = []
     for budget in budgets:
-        plan, predicted, bits = allocate(base_plan, curves, budget, d, tokens)
+        plan, predicted, bits = allocate(base_plan, curves, budget, d, tokens,
+                                         meta.get("group", 1))
         plan = CachePlan(plan.layers, H, plan.calibration, {"allocation": {
             "model": meta["model_name"], "budget_bits_per_value": budget,
             "bits_per_value": bits, "bits_counted_over_tokens": tokens,
             "base": base, "base_kld_mean": meta["base_kld_mean"],
             "predicted_kld_mean": meta["base_kld_mean"] + predicted,
             "tune_text": meta["text"]["name"], "scans": [os.path.basename(p) for p in scan_paths],
+            "units_scanned": len(curves), "layers_per_unit": meta.get("group", 1),
             "span": span, "ratio": ratio,
             "method": "greedy by predicted KLD per bit (kvquant_experiments.allocate)"}})
         path = os.path.join(out, f"alloc-{model_tag(meta['model_name'])}-b{budget:g}-{tags}.json")

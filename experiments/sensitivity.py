@@ -60,27 +60,39 @@ def spec_bits(stream_spec):
     return int(m.group(2))
 
 
-def units_of(n_layers, n_kv_heads, heads=False):
-    """The units of a scan: (layer, stream, head or None), layers outermost."""
-    return [(layer, stream, head) for layer in range(n_layers) for stream in ("k", "v")
+def units_of(n_layers, n_kv_heads, heads=False, group=1):
+    """The units of a scan: (first layer, stream, head or None), layers outermost; a unit
+    spans ``group`` layers (a coarse scan; the last group may be shorter)."""
+    return [(layer, stream, head) for layer in range(0, n_layers, group) for stream in ("k", "v")
             for head in (range(n_kv_heads) if heads else (None,))]
 
 
-def _unit_plan(base, unit, step):
-    layer, stream, head = unit
-    spec = base.head_specs(layer, stream)[0 if head is None else head]
-    shifted = shift_bits(spec, step)
-    return None if shifted is None else base.with_unit(layer, stream, shifted, head)
+def unit_layers(unit, group, n_layers):
+    """The layers a unit spans."""
+    return range(unit[0], min(unit[0] + group, n_layers))
+
+
+def _unit_plan(base, unit, step, group=1):
+    _, stream, head = unit
+    plan = base
+    for layer in unit_layers(unit, group, base.n_layers):
+        spec = base.head_specs(layer, stream)[0 if head is None else head]
+        shifted = shift_bits(spec, step)
+        if shifted is None:
+            return None
+        plan = plan.with_unit(layer, stream, shifted, head)
+    return plan
 
 
 def _tag(text):
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def result_stem(model_name, text, positions, chunk_tokens, heads, step, base):
+def result_stem(model_name, text, positions, chunk_tokens, heads, step, base, group=1):
     from kvquant_experiments.flip_runs import model_tag
     return (f"sensitivity-{model_tag(model_name)}-{text}-N{positions}-c{chunk_tokens}-"
-            f"{'heads' if heads else 'layers'}-step{step:+d}-{_tag(base)}")
+            f"{'heads' if heads else 'layers'}{'' if group == 1 else f'{group}'}-"
+            f"step{step:+d}-{_tag(base)}")
 
 
 def _klds(model, plan, chunks, refs):
@@ -95,7 +107,7 @@ def _klds(model, plan, chunks, refs):
 
 def run_sensitivity(model_name="smollm2", base="polar4/polar3", text="pydoc", positions=512,
                     chunk_tokens=512, step=-1, heads=False, done=None, progress=None,
-                    on_row=None, model=None):
+                    on_row=None, model=None, group=1):
     """Scan every unit of ``model_name`` (see the module docstring).
 
     Parameters
@@ -106,6 +118,9 @@ def run_sensitivity(model_name="smollm2", base="polar4/polar3", text="pydoc", po
         Bits added to each unit in turn (-1: one bit fewer).
     heads : bool
         Units are KV heads of a layer's stream (else a layer's stream, every head).
+    group : int
+        Layers per unit (1: every layer on its own; more: a coarse scan, each unit a run of
+        consecutive layers shifted together).
     done : dict, optional
         ``{(layer, stream, head): row}`` already measured (kept, not run again).
     on_row : callable, optional
@@ -138,6 +153,7 @@ def run_sensitivity(model_name="smollm2", base="polar4/polar3", text="pydoc", po
         "model": model.describe(), "model_name": str(model_name), "base": str(base),
         "base_bits_per_value": plan.bits_per_value(d, chunk_tokens),
         "base_kld_mean": float(base_kld.mean()), "step": int(step), "heads": bool(heads),
+        "group": int(group),
         "text": {**resolved.describe(), "positions": int(positions),
                  "chunk_tokens": int(chunk_tokens),
                  "chunk_starts": [int(s) for s, _ in chunks]},
@@ -145,10 +161,12 @@ def run_sensitivity(model_name="smollm2", base="polar4/polar3", text="pydoc", po
     }
     rows = dict(done or {})
     result = {"meta": meta, "rows": []}
-    for unit in units_of(L, H, heads):
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive number of layers, got {group!r}")
+    for unit in units_of(L, H, heads, group):
         if unit in rows:
             continue
-        unit_plan = _unit_plan(plan, unit, step)
+        unit_plan = _unit_plan(plan, unit, step, group)
         if unit_plan is None:
             continue
         t1 = time.perf_counter()
@@ -156,24 +174,25 @@ def run_sensitivity(model_name="smollm2", base="polar4/polar3", text="pydoc", po
         diff = kld - base_kld
         layer, stream, head = unit
         rows[unit] = {
-            "layer": layer, "stream": stream, "head": head,
+            "layer": layer, "layers": len(unit_layers(unit, group, L)), "stream": stream,
+            "head": head,
             "spec": unit_plan.head_specs(layer, stream)[0 if head is None else head],
             "bits_delta": unit_plan.bits_per_value(d, chunk_tokens) - meta["base_bits_per_value"],
             "kld_mean": float(kld.mean()), "delta_kld": float(diff.mean()),
             "delta_kld_se": float(diff.std(ddof=1) / np.sqrt(diff.size)),
             "seconds": time.perf_counter() - t1,
         }
-        result["rows"] = [rows[u] for u in units_of(L, H, heads) if u in rows]
+        result["rows"] = [rows[u] for u in units_of(L, H, heads, group) if u in rows]
         say(f"layer {layer} {stream}{'' if head is None else f' head {head}'}: "
             f"delta KLD {diff.mean():+.3e} ({rows[unit]['seconds']:.0f} s)")
         if on_row:
             on_row(result)
-    result["rows"] = [rows[u] for u in units_of(L, H, heads) if u in rows]
+    result["rows"] = [rows[u] for u in units_of(L, H, heads, group) if u in rows]
     meta["elapsed_s"] = time.perf_counter() - t0
     return result
 
 
-CSV_COLUMNS = ["layer", "stream", "head", "spec", "bits_delta", "kld_mean", "delta_kld",
+CSV_COLUMNS = ["layer", "layers", "stream", "head", "spec", "bits_delta", "kld_mean", "delta_kld",
                "delta_kld_se", "seconds"]
 
 
@@ -199,6 +218,8 @@ def main(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--step", type=int, default=-1, help="bits added to one unit at a time")
     p.add_argument("--heads", action="store_true", help="units are KV heads (else layers)")
+    p.add_argument("--group", type=int, default=1,
+                   help="consecutive layers per unit (a coarse scan)")
     p.add_argument("--out", default=".", help="folder of the result files")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -208,7 +229,7 @@ def main(argv=None):
         else args.text
     stem = os.path.join(args.out, result_stem(args.model, name, args.positions,
                                               args.chunk_tokens, args.heads, args.step,
-                                              args.base))
+                                              args.base, args.group))
     done = {}
     if os.path.exists(stem + ".json"):
         old = load_result(stem + ".json")
@@ -227,7 +248,7 @@ def main(argv=None):
     try:
         result = run_sensitivity(args.model, args.base, args.text, args.positions,
                                  args.chunk_tokens, args.step, args.heads, done, progress,
-                                 write)
+                                 write, group=args.group)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"sensitivity: {exc}")
     write(result)

@@ -245,3 +245,19 @@ def test_allocation_plans_are_written_and_load(tmp_path):
     assert plan.bits_per_value(64, 64) <= 3.5
     with pytest.raises(ValueError, match="over the budget"):
         allocate.write_plans([str(scan)], [1.0], str(tmp_path / "plans"))
+
+
+def test_a_coarse_scan_moves_a_group_of_layers_together():
+    assert sensitivity.units_of(5, 2, group=2) == [
+        (0, "k", None), (0, "v", None), (2, "k", None), (2, "v", None), (4, "k", None),
+        (4, "v", None)]
+    assert list(sensitivity.unit_layers((4, "k", None), 2, 5)) == [4]
+    scan = _scan({(0, "k"): 0.04, (0, "v"): 0.001})
+    scan["meta"].update(group=2)
+    curves = allocate.unit_curves([scan], span=1)
+    base = CachePlan.uniform("polar4/polar3", 2, 1)
+    plan, _, bits = allocate.allocate(base, curves, 3.5, 64, None, group=2)
+    # K of both layers up a bit (4 -> 5), V of both down (3 -> 2): 3.5 bits on the mean
+    assert [plan.head_specs(i, "k") for i in range(2)] == [["polar5"], ["polar5"]]
+    assert [plan.head_specs(i, "v") for i in range(2)] == [["polar2"], ["polar2"]]
+    assert bits == pytest.approx(3.5)
