@@ -261,3 +261,35 @@ def test_a_coarse_scan_moves_a_group_of_layers_together():
     assert [plan.head_specs(i, "k") for i in range(2)] == [["polar5"], ["polar5"]]
     assert [plan.head_specs(i, "v") for i in range(2)] == [["polar2"], ["polar2"]]
     assert bits == pytest.approx(3.5)
+
+
+def test_calibration_statistics_are_the_f32_rows_moments(tiny_llama, prose, tmp_path):
+    from kvquant import flips
+    from kvquant_experiments import calibrate
+    assert calibrate.calibrated("tq4@center,normalize,sinks=1/tq3@center") == \
+        "tq4@center=calib,normalize=calib,sinks=1/tq3@center=calib"
+    stats = calibrate.measure_statistics(tiny_llama, prose, positions=64, chunk_tokens=32)
+    tokens, _ = texts.text_tokens(tiny_llama, prose)
+    rows = []
+    for _, chunk in flips.text_chunks(tokens, 64, 32, bos=tiny_llama.bos_token_id):
+        cache = tiny_llama.new_cache("f32")
+        tiny_llama.forward(np.asarray(chunk)[:-1], cache)
+        rows.append(cache.stream(1, "v", 0).decode())
+    X = np.concatenate(rows).astype(np.float64)
+    np.testing.assert_allclose(stats.vectors(1, "v")[0][0], X.mean(axis=0), rtol=1e-5,
+                               atol=1e-6)
+    sigma = X.std(axis=0)
+    np.testing.assert_allclose(stats.vectors(1, "v")[1][0],
+                               np.sqrt(np.maximum(sigma / np.sqrt((sigma ** 2).mean()), 1e-3)),
+                               rtol=1e-5)
+    path = str(tmp_path / "calib.npz")
+    stats.save(path)
+    result = calibrate.compare_calibration(tiny_llama, path, prose, positions=32,
+                                           chunk_tokens=32, pairs=["tq3@center,normalize/tq3"])
+    cells = {(r["mode"], r["statistics"]): r for r in result["rows"]}
+    assert set(cells) == {(m, s) for m in calibrate.MODES for s in ("first-append",
+                                                                     "calibrated")}
+    # a pair whose V has no stream options is left as it is
+    assert cells[("prefill", "calibrated")]["spec"] == "tq3@center=calib,normalize=calib/tq3"
+    assert all(r["kld_mean"] > 0 for r in result["rows"])
+    assert "| decode-only |" in calibrate.format_markdown(result)
