@@ -132,7 +132,8 @@ class QuantizedKVCache:
                         raise ValueError(f"stream {name!r}: codec width {codec.dim} != {dim}")
                     calibrated = options is not None and options.calibrated
                     store = StreamStore(codec, options, len(heads), capacity, **(
-                        self._statistics(statistics, layer, name, heads) if calibrated else {}))
+                        self._statistics(statistics, layer, name, heads, options)
+                        if calibrated else {}))
                     for slot, h in enumerate(heads):
                         entry[name][h] = RowStream.of(store, slot)
                     stores[name].append((store, heads))
@@ -142,14 +143,15 @@ class QuantizedKVCache:
         self._recent = max(store.recent for store in self._all_stores())
 
     @staticmethod
-    def _statistics(statistics, layer, name, heads):
-        """The calibrated offsets / channel scales of some KV heads of a layer's stream, as
-        StreamStore keywords (none without ``statistics``)."""
+    def _statistics(statistics, layer, name, heads, options):
+        """The calibrated offsets / channel scales of some KV heads of a layer's stream, those
+        its options ask for, as StreamStore keywords (none without ``statistics``)."""
         if statistics is None:
             return {}
         offsets, scales = statistics.vectors(layer, name)
-        return {"offsets": None if offsets is None else offsets[heads],
-                "channel_scales": None if scales is None else scales[heads]}
+        return {"offsets": None if offsets is None or not options.center else offsets[heads],
+                "channel_scales": (None if scales is None or not options.normalize
+                                   else scales[heads])}
 
     def _all_stores(self):
         return [store for stores in self._stores for per_name in stores.values()

@@ -165,12 +165,15 @@ def test_the_cache_gives_each_layer_and_head_its_statistics():
     L = 2
     off = rng.standard_normal((L, SLOTS, DIM)).astype(np.float32)
     sc = rng.uniform(0.5, 2.0, (L, SLOTS, DIM)).astype(np.float32)
-    stats = StreamStatistics({"k": off}, {"k": sc})
+    stats = StreamStatistics({"k": off, "v": -off}, {"k": sc, "v": sc})
     k_spec = ["tq4@center=calib,normalize=calib",
               ("tq4@center=calib,normalize=calib", "tq5@center=calib,normalize=calib",
                "tq4@center=calib,normalize=calib")]
-    cache = QuantizedKVCache(L, {"k": (k_spec, DIM), "v": ("tq4", DIM)}, n_kv_heads=SLOTS,
-                             statistics=stats)
+    # V centers only: it takes the offsets and leaves the calibration's scales
+    cache = QuantizedKVCache(L, {"k": (k_spec, DIM), "v": ("tq4@center=calib", DIM)},
+                             n_kv_heads=SLOTS, statistics=stats)
+    assert cache.stream(1, "v", 2).channel_scale is None
+    np.testing.assert_array_equal(cache.stream(1, "v", 2).offset, -off[1, 2])
     for layer in range(L):
         for h in range(SLOTS):
             np.testing.assert_array_equal(cache.stream(layer, "k", h).offset, off[layer, h])
