@@ -152,9 +152,12 @@ def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
     base_plan = CachePlan.of(base) if is_plan_ref(base) else CachePlan.uniform(base, L, H)
     base_plan = CachePlan(base_plan.layers, H, base_plan.calibration, {})
     curves = unit_curves(scans, span, ratio)
+    # the scans' base tags, units (h: KV heads, g<N>: groups of N layers) and steps
     tags = "-".join(os.path.basename(p).rsplit("-", 1)[-1].replace(".json", "")
-                    + ("h" if s["meta"]["heads"] else "") + f"{s['meta']['step']:+d}"
-                    for p, s in zip(scan_paths, scans))
+                    + ("h" if s["meta"]["heads"] else "")
+                    + (f"g{s['meta']['group']}" if s["meta"].get("group", 1) > 1 else "")
+                    + f"{s['meta']['step']:+d}" for p, s in zip(scan_paths, scans))
+    tags += f"-s{span}"
     os.makedirs(out, exist_ok=True)
     paths = []
     for budget in budgets:
