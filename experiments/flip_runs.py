@@ -315,6 +315,9 @@ def _pct(p):
 
 
 def _streams(row):
+    from kvquant.models.plan import is_plan_ref
+    if is_plan_ref(row["codec"]):   # specs by layer: named by its file
+        return "plan " + row["codec"]
     (na, a), (nb, b) = row["streams"].items()
     return a if a == b else f"{na.upper()} {a} / {nb.upper()} {b}"
 
