@@ -293,3 +293,15 @@ def test_calibration_statistics_are_the_f32_rows_moments(tiny_llama, prose, tmp_
     assert cells[("prefill", "calibrated")]["spec"] == "tq3@center=calib,normalize=calib/tq3"
     assert all(r["kld_mean"] > 0 for r in result["rows"])
     assert "| decode-only |" in calibrate.format_markdown(result)
+
+
+def test_a_head_scan_moves_one_kv_head(tiny_llama, prose):
+    result = sensitivity.run_sensitivity(tiny_llama.path, "tq3", prose, positions=32,
+                                         chunk_tokens=32, step=1, heads=True, model=tiny_llama)
+    assert [(r["layer"], r["stream"], r["head"]) for r in result["rows"]] == \
+        sensitivity.units_of(2, 2, heads=True)
+    # d = 32: tq3 is 3 + 1 bits per value, tq4 one more, on one of 8 rows
+    assert all(r["bits_delta"] == pytest.approx(1 / 8) and r["spec"] == "tq4"
+               for r in result["rows"])
+    curves = allocate.unit_curves([result], span=1)
+    assert set(curves[(0, "k", 1)]) == {2, 3, 4}
