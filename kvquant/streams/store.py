@@ -671,13 +671,18 @@ class RowStream:
     codec : Codec
     capacity : int
         Rows to allocate up front.
-    center, normalize, sinks, recent
+    center, normalize, sinks, recent, calibrated
         The stream options (:func:`kvquant.streams.options.parse_stream_spec`).
+    offset, channel_scale : ndarray of shape (dim,), optional
+        Calibrated statistics, exactly when ``calibrated`` (and asked for).
     """
 
-    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False, recent=0):
-        self.store = StreamStore(codec, StreamOptions(center, normalize, sinks, recent), 1,
-                                 capacity)
+    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False, recent=0,
+                 calibrated=False, offset=None, channel_scale=None):
+        one = (lambda v: None if v is None else np.asarray(v)[None])
+        self.store = StreamStore(codec, StreamOptions(center, normalize, sinks, recent,
+                                                      calibrated), 1, capacity,
+                                 one(offset), one(channel_scale))
         self.slot = 0
 
     @classmethod
