@@ -328,6 +328,9 @@ def _pct(p):
 
 
 def _streams(row):
+    from kvquant.models.plan import is_plan_ref
+    if is_plan_ref(row["codec"]):   # specs by layer: named by its file
+        return "plan " + row["codec"]
     (na, a), (nb, b) = row["streams"].items()
     return a if a == b else f"{na.upper()} {a} / {nb.upper()} {b}"
 
@@ -579,6 +582,11 @@ def cmd_flips(args):
     from kvquant.codecs import split_spec_list
     try:
         codecs = split_spec_list(args.codecs) if args.codecs else None
+        if args.plan:   # cache plans: configurations beside (or instead of) the pair specs
+            from kvquant.models.plan import CachePlan
+            for path in args.plan:
+                CachePlan.load(path)   # a bad file fails here, naming it
+            codecs = (codecs if codecs is not None else ["f32"]) + list(args.plan)
         model = None
         if args.backend == "hf":
             model = _hf_model(args)
@@ -621,6 +629,10 @@ def add_cli(sub):
                         "different codecs; 'ggml:q8_0/q8_0' (GGUF models) is llama.cpp's "
                         "cache types with its attention arithmetic, as it runs; default: the "
                         "model's list")
+    p.add_argument("--plan", action="append", default=None, metavar="JSON",
+                   help="a cache plan file (stream specs per layer and KV head, "
+                        "kvquant.models.plan; e.g. from python -m kvquant_experiments.allocate) "
+                        "measured as one more configuration; repeatable")
     p.add_argument("--positions", type=int, default=None,
                    help=f"real-text positions (default {DEFAULT_POSITIONS}; 0: none)")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,

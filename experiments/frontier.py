@@ -17,6 +17,8 @@ Run::
     python -m kvquant_experiments.frontier --model PATH.gguf --text FILE
     python -m kvquant_experiments.frontier --list          # configurations and their bits only
     python -m kvquant_experiments.frontier --plot-only RUN/frontier-....json
+    # a cache plan (specs per layer, kvquant.models.plan) is a config like a pair spec
+    python -m kvquant_experiments.frontier --configs data/plans/PLAN.json,tq4 --text code
 
 Held out: the picks are made on a tune text only (pydoc), and the headline numbers measured on
 texts they were not picked on::
@@ -130,22 +132,25 @@ def bits_per_value(pair_spec, head_dim, tokens=None):
     over the rows: a centered stream stores its f32 offset (head_dim floats), a stream with sinks
     stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
     """
-    from kvquant.cache import RowStream
-    from kvquant.ggml_attention import is_ggml_pair, parse_ggml_pair
-    from kvquant.streams.options import parse_stream_spec
     from kvquant.codecs import get_codec
+    from kvquant.ggml_attention import is_ggml_pair, parse_ggml_pair
     from kvquant.models import split_pair_spec
+    from kvquant.models.plan import CachePlan, is_plan_ref
+    from kvquant.streams.spec import StreamSpec
+    from kvquant.streams.store import stream_bytes
     if is_ggml_pair(pair_spec):   # llama.cpp's cache types: no fixed costs
         return parse_ggml_pair(pair_spec).bits_per_value(head_dim)
     from kvquant_experiments import simulated_caches
     if simulated_caches.is_simulation(pair_spec):
         return simulated_caches.bits_per_value(pair_spec, head_dim, tokens)
+    if is_plan_ref(pair_spec):   # a cache plan: the mean over its layers and KV heads
+        return CachePlan.of(pair_spec).bits_per_value(head_dim, tokens)
     nbytes = 0.0
     for stream_spec in split_pair_spec(pair_spec):
-        codec_spec, opts = parse_stream_spec(stream_spec)
-        stream = RowStream(get_codec(codec_spec, head_dim), **opts)
-        nbytes += (stream.bytes_for(tokens) / tokens if tokens
-                   else stream.codec.bytes_per_row)
+        spec = StreamSpec.parse(stream_spec)
+        codec = get_codec(spec.codec_spec, head_dim)
+        nbytes += (stream_bytes(codec, spec.options, tokens) / tokens if tokens
+                   else codec.bytes_per_row)
     return 8.0 * nbytes / (2 * head_dim)
 
 
@@ -169,6 +174,9 @@ def pair_family(pair_spec):
     """Family of a pair: ``"stream options"`` when a stream centers or keeps sinks, else the
     codec's family when K and V share it, else ``"K/V split"``."""
     from kvquant.models import split_pair_spec
+    from kvquant.models.plan import is_plan_ref
+    if is_plan_ref(pair_spec):
+        return "cache plan"
     if pair_spec.startswith("ggml"):
         return GGML_FAMILY
     if pair_spec.startswith("sim:"):
@@ -198,6 +206,14 @@ def _boot_columns(row):
     return out
 
 
+def _pair(config):
+    """(K spec, V spec) of a pair spec; a cache plan's path for both (its specs differ by
+    layer)."""
+    from kvquant.models import split_pair_spec
+    from kvquant.models.plan import is_plan_ref
+    return (config, config) if is_plan_ref(config) else split_pair_spec(config)
+
+
 def frontier_rows(result):
     """Flat rows of a frontier result: bits, family, metrics, front membership, goal flags."""
     from kvquant.models import split_pair_spec
@@ -206,7 +222,7 @@ def frontier_rows(result):
     add_storage(result["rows"], result["meta"])
     rows = []
     for r in result["rows"]:
-        k_spec, v_spec = split_pair_spec(r["codec"])
+        k_spec, v_spec = _pair(r["codec"])
         rows.append({
             "codec": r["codec"], "k": k_spec, "v": v_spec, "family": pair_family(r["codec"]),
             "bits_per_value": r["bits_per_value"], "bytes_per_token": r["bytes_per_token"],
@@ -415,9 +431,10 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
         if not fits:
             raise ValueError(f"no configuration of the result fits {budget} bits per value")
         best = min(fits, key=lambda x: (x["kld_mean"], x["bits_per_value"]))
-        k_spec, v_spec = split_pair_spec(best["codec"])
+        k_spec, v_spec = _pair(best["codec"])
         out[f"{budget:g}"] = {
-            "pair": f"{k_spec}/{v_spec}", "bits": round(best["bits_per_value"], 4),
+            "pair": best["codec"] if best["family"] == "cache plan" else f"{k_spec}/{v_spec}",
+            "bits": round(best["bits_per_value"], 4),
             "tune_text": t.get("name", t["source"]),
             "model": result["meta"].get("model_name", MODEL),
             "tune_kld_mean": best["kld_mean"],
@@ -478,6 +495,7 @@ FAMILY_STYLE = {
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
     "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
     "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
+    "cache plan": ("#6a3d9a", "8", "bits allocated per layer (a cache plan)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -604,7 +622,8 @@ def main(argv=None):
     p.add_argument("--model", default=MODEL,
                    help="smollm2, another name load_model knows, or a GGUF file path")
     p.add_argument("--configs", default=None,
-                   help="comma-separated pair specs (K/V); default: the built-in grid")
+                   help="comma-separated pair specs (K/V), or cache plan files (a .json of "
+                        "specs per layer: kvquant.models.plan); default: the built-in grid")
     p.add_argument("--positions", type=int, default=DEFAULTS["positions"])
     p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"])
     p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"],

@@ -5,6 +5,7 @@ render the same headless, in CI, in a notebook. Each function takes the results 
 result file) and the PNG path to write, and returns that path.
 """
 import math
+import os
 from pathlib import Path
 
 from kvquant_experiments.common import read_json
@@ -66,7 +67,10 @@ def _stream_label(stream_spec):
 def spec_label(pair_spec, streams=("K", "V")):
     """A codec or pair spec in words for a legend: ``"K polar5 (f16 side, centered, ...) /
     V polar4 (...)"`` (``streams``: the two streams' names, L and R on the MLA model); a plain
-    spec is kept as it is."""
+    spec is kept as it is; a cache plan is named by its file."""
+    from kvquant.models.plan import is_plan_ref
+    if is_plan_ref(pair_spec):
+        return "plan " + os.path.basename(pair_spec)
     if "/" not in pair_spec:
         return _stream_label(pair_spec)
     k, v = pair_spec.split("/", 1)

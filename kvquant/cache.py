@@ -49,10 +49,16 @@ class QuantizedKVCache:
         that is not a Codec), called once per layer and KV head: streams of one's own, e.g. a
         codec under study that keeps per-stream state or carries stream options (research
         code).
+        A layer's spec may also be a tuple of one spec per KV head (a bit allocation: each
+        KV head of the layer under its own codec).
     n_kv_heads : int, default 1
         Row sequences per stream and layer.
     capacity : int, default 0
         Rows to reserve per sequence.
+    statistics : StreamStatistics, optional
+        Calibrated offsets and channel scales per layer, stream and KV head
+        (:class:`~kvquant.streams.calibration.StreamStatistics`), for streams whose spec says
+        ``center=calib`` / ``normalize=calib``.
     **codec_options
         Passed to :func:`kvquant.get_codec` (e.g. ``nonfinite="inert"``, ``seed=...``).
 
@@ -63,7 +69,8 @@ class QuantizedKVCache:
     >>> out = cache.attend(0, q, scale=0.125)       # q: (9, 64) -> (9, 64)
     """
 
-    def __init__(self, n_layers, streams, n_kv_heads=1, capacity=0, **codec_options):
+    def __init__(self, n_layers, streams, n_kv_heads=1, capacity=0, statistics=None,
+                 **codec_options):
         if isinstance(n_layers, bool) or not isinstance(n_layers, (int, np.integer)) or n_layers < 1:
             raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
         if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, (int, np.integer)) \
@@ -87,9 +94,14 @@ class QuantizedKVCache:
                 raise ValueError(f"stream {name!r}: {len(per_layer)} codec specs for "
                                  f"{self.n_layers} layers")
             for s in per_layer:
-                if isinstance(s, str) and s not in parsed:
-                    parsed[s] = StreamSpec.parse(s)
-            specs[name] = [parsed[s] if isinstance(s, str) else s for s in per_layer]
+                for one in (s if isinstance(s, tuple) else (s,)):
+                    if isinstance(one, str) and one not in parsed:
+                        parsed[one] = StreamSpec.parse(one)
+                if isinstance(s, tuple) and len(s) != self.n_kv_heads:
+                    raise ValueError(f"stream {name!r}: {len(s)} specs for the "
+                                     f"{self.n_kv_heads} KV heads of a layer")
+            specs[name] = [tuple(parsed.get(x, x) for x in s) if isinstance(s, tuple)
+                           else parsed[s] if isinstance(s, str) else s for s in per_layer]
             self.dims[name] = int(dim)
         codecs = {}   # codecs are immutable: one object per distinct (codec spec, dim)
         made = set()  # ids of the streams factories returned: each must be a new one
@@ -103,23 +115,43 @@ class QuantizedKVCache:
                                    for _ in range(self.n_kv_heads)]
                     stores[name] = [(s.store, [h]) for h, s in enumerate(entry[name])]
                     continue
-                if isinstance(spec, Codec):
-                    codec, options = spec, None
-                else:
-                    spec = StreamSpec.of(spec)   # parsed above; anything else is refused here
-                    key = (spec.codec_spec, dim)
-                    if key not in codecs:
-                        codecs[key] = spec.codec(dim, **codec_options)
-                    codec, options = codecs[key], spec.options
-                if codec.dim != dim:
-                    raise ValueError(f"stream {name!r}: codec width {codec.dim} != {dim}")
-                store = StreamStore(codec, options, self.n_kv_heads, capacity)
-                entry[name] = [RowStream.of(store, h) for h in range(self.n_kv_heads)]
-                stores[name] = [(store, list(range(self.n_kv_heads)))]
+                # one store per distinct spec among the layer's KV heads (its slots)
+                head_specs = spec if isinstance(spec, tuple) else (spec,) * self.n_kv_heads
+                entry[name], stores[name] = [None] * self.n_kv_heads, []
+                for one in dict.fromkeys(head_specs):
+                    heads = [h for h, x in enumerate(head_specs) if x == one]
+                    if isinstance(one, Codec):
+                        codec, options = one, None
+                    else:
+                        one = StreamSpec.of(one)   # parsed above; anything else is refused here
+                        key = (one.codec_spec, dim)
+                        if key not in codecs:
+                            codecs[key] = one.codec(dim, **codec_options)
+                        codec, options = codecs[key], one.options
+                    if codec.dim != dim:
+                        raise ValueError(f"stream {name!r}: codec width {codec.dim} != {dim}")
+                    calibrated = options is not None and options.calibrated
+                    store = StreamStore(codec, options, len(heads), capacity, **(
+                        self._statistics(statistics, layer, name, heads, options)
+                        if calibrated else {}))
+                    for slot, h in enumerate(heads):
+                        entry[name][h] = RowStream.of(store, slot)
+                    stores[name].append((store, heads))
             self._layers.append(entry)
             self._stores.append(stores)
         # streams are fixed from here on: their widest recent window once
         self._recent = max(store.recent for store in self._all_stores())
+
+    @staticmethod
+    def _statistics(statistics, layer, name, heads, options):
+        """The calibrated offsets / channel scales of some KV heads of a layer's stream, those
+        its options ask for, as StreamStore keywords (none without ``statistics``)."""
+        if statistics is None:
+            return {}
+        offsets, scales = statistics.vectors(layer, name)
+        return {"offsets": None if offsets is None or not options.center else offsets[heads],
+                "channel_scales": (None if scales is None or not options.normalize
+                                   else scales[heads])}
 
     def _all_stores(self):
         return [store for stores in self._stores for per_name in stores.values()
@@ -377,8 +409,8 @@ class QuantizedKVCache:
     def bytes_per_token(self):
         """Bytes one token adds to the cache (all layers, streams and heads); float32 sinks and
         offsets of streams with options are a fixed cost on top (see :attr:`nbytes`)."""
-        return sum(heads[0].codec.bytes_per_row * self.n_kv_heads
-                   for entry in self._layers for heads in entry.values())
+        return sum(head.codec.bytes_per_row
+                   for entry in self._layers for heads in entry.values() for head in heads)
 
     @property
     def fixed_bytes(self):

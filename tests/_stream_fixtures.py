@@ -14,6 +14,7 @@ import numpy as np
 
 from kvquant.cache import QuantizedKVCache
 from kvquant.kvfile import CacheFile, KVFileShape, Stream
+from kvquant.streams.calibration import StreamStatistics
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                         "streams")
@@ -45,6 +46,16 @@ FILE_RECIPES = {
                     ("append", 4), ("truncate", 2), ("append", 3)]),
 }
 
+# calibrated statistics (center=calib, normalize=calib): given at the start, kept through a
+# truncation to nothing; the header records their digest
+_CALIB_K = (np.linspace(-1.0, 1.0, 2 * 16, dtype=np.float32).reshape(2, 16),
+            np.linspace(0.5, 2.0, 2 * 16, dtype=np.float32).reshape(2, 16))
+FILE_RECIPES["calibrated.kvq"] = (
+    {"streams": [Stream("K", 16, 2, "polar4@center=calib,normalize=calib,sinks=1"),
+                 Stream("V", 16, 2, "tq3@center=calib")],
+     "statistics": {"K": _CALIB_K, "V": (_CALIB_K[0][::-1].copy(), None)}},
+    [("append", 1), ("append", 1), ("append", 4), ("truncate", 0), ("append", 3)])
+
 # v1 files opened under a quantized mode: upgraded in memory, rewritten at the first save
 UPGRADE_RECIPES = {
     "v1_to_v2.coli_kv": ("v1_f32.coli_kv", {"mode": "kv8"}),
@@ -72,7 +83,8 @@ def write_file(name, path):
     if "mode" in setup:
         cf = CacheFile.open(path, SHAPE, mode=setup["mode"], block_records=4)
     else:
-        cf = CacheFile.open(path, streams=setup["streams"], vocab=256, block_records=4)
+        cf = CacheFile.open(path, streams=setup["streams"], vocab=256, block_records=4,
+                            statistics=setup.get("statistics"))
     for step in steps:
         if step[0] == "append":
             n = step[1]
@@ -89,6 +101,11 @@ CACHE_SPECS = {
     "window": {"k": "tq4:side_dtype=f16@center,sinks=1,recent=4", "v": "polar3@recent=4"},
     "mixed": {"k": "kv8-g8@normalize,recent=3", "v": "tq3:side=unbiased@center,sinks=2"},
 }
+# per layer and KV head (2 x 2 x 16): the calibrated statistics of CACHE_SPECS["calibrated"]
+CACHE_STATISTICS = StreamStatistics(
+    {"k": np.linspace(-0.5, 0.5, 64, dtype=np.float32).reshape(2, 2, 16)},
+    {"k": np.linspace(0.6, 1.6, 64, dtype=np.float32).reshape(2, 2, 16)})
+CACHE_SPECS["calibrated"] = {"k": "tq4@center=calib,normalize=calib,sinks=1", "v": "polar4"}
 CACHE_FIXTURE = "cache_outputs.npz"
 
 
@@ -99,7 +116,8 @@ def cache_outputs():
     dim, n_heads, n_kv = 16, 4, 2
     for label, specs in CACHE_SPECS.items():
         rng = np.random.default_rng(sum(map(ord, label)))
-        cache = QuantizedKVCache(2, {n: (s, dim) for n, s in specs.items()}, n_kv_heads=n_kv)
+        cache = QuantizedKVCache(2, {n: (s, dim) for n, s in specs.items()}, n_kv_heads=n_kv,
+                                 statistics=CACHE_STATISTICS if "calib" in label else None)
 
         def rows(n):
             X = rng.standard_normal((n, n_kv, dim)).astype(np.float32)

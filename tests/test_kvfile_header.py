@@ -25,11 +25,20 @@ from kvquant.kvfile import (
 DIM, SLOTS = 8, 2
 PLAIN = [Stream("K", DIM, SLOTS, "tq4"), Stream("V", DIM, SLOTS, "kv8")]
 OPTIONS = [Stream("K", DIM, SLOTS, "tq4@center,sinks=1,recent=2")]
+CALIBRATED = [Stream("K", DIM, SLOTS, "tq4@center=calib,normalize=calib,sinks=1")]
+# calibrated statistics of CALIBRATED's stream (offsets, channel scales), (SLOTS, DIM) each
+STATISTICS = {"K": (np.linspace(-1, 1, SLOTS * DIM, dtype=np.float32).reshape(SLOTS, DIM),
+                    np.full((SLOTS, DIM), 0.5, np.float32))}
+
+
+def _statistics(streams):
+    return {"statistics": STATISTICS} if streams is CALIBRATED else {}
 
 
 def write(path, streams, n=12):
     g = np.random.default_rng(5)
-    cf = CacheFile.open(path, streams=streams, vocab=100, block_records=4)
+    cf = CacheFile.open(path, streams=streams, vocab=100, block_records=4,
+                        **_statistics(streams))
     cf.append(np.arange(n), streams={s.name: g.standard_normal((n, SLOTS, DIM))
                                      for s in streams})
     cf.close()
@@ -119,6 +128,10 @@ OPTION_FIELDS = {
     ("streams", 0, "options", "sinks"): NOT_INT,
     ("streams", 0, "options", "recent"): NOT_INT + [0],
 }
+CALIBRATED_FIELDS = {
+    ("streams", 0, "statistics"): NOT_STR + ["sha256:" + "0" * 63, "md5:" + "0" * 32],
+    ("streams", 0, "options", "calibrated"): [False, 1, "yes", None, {}],
+}
 
 
 def _set(h, path, value):
@@ -131,7 +144,8 @@ def _set(h, path, value):
 
 
 def _cases():
-    for fields, streams in ((FIELDS, PLAIN), (OPTION_FIELDS, OPTIONS)):
+    for fields, streams in ((FIELDS, PLAIN), (OPTION_FIELDS, OPTIONS),
+                            (CALIBRATED_FIELDS, CALIBRATED)):
         for path, values in fields.items():
             for value in values:
                 yield path, value, streams
@@ -140,31 +154,36 @@ def _cases():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("hdr")
-    return {"plain": write(d / "plain.kvq", PLAIN), "options": write(d / "options.kvq", OPTIONS)}
+    return {"plain": write(d / "plain.kvq", PLAIN), "options": write(d / "options.kvq", OPTIONS),
+            "calibrated": write(d / "calibrated.kvq", CALIBRATED)}
+
+
+FILES = {id(PLAIN): "plain", id(OPTIONS): "options", id(CALIBRATED): "calibrated"}
 
 
 def test_the_forger_rebuilds_a_valid_file(tmp_path, files):
     """An unchanged header forged back loads every record: the forger is right, so the
     refusals below come from the fields, not from the forgery."""
-    for name, streams in (("plain", PLAIN), ("options", OPTIONS)):
+    for name, streams in (("plain", PLAIN), ("options", OPTIONS), ("calibrated", CALIBRATED)):
         data = files[name]
         assert forge(data, header_of(data)) == data
         p = tmp_path / name
         p.write_bytes(forge(data, _set(header_of(data), ("writer",), "another writer 1.0")))
-        cf = CacheFile.open(p, streams=streams, vocab=100, readonly=True)
+        cf = CacheFile.open(p, streams=streams, vocab=100, readonly=True, **_statistics(streams))
         assert len(cf) == 12 and cf.report.kinds() == ["loaded"]
 
 
 @pytest.mark.parametrize("path, value, streams", list(_cases()),
                          ids=lambda v: repr(v)[:40] if not isinstance(v, list) else "")
 def test_a_forged_header_field_is_refused_as_corrupt(tmp_path, files, path, value, streams):
-    data = files["plain" if streams is PLAIN else "options"]
+    data = files[FILES[id(streams)]]
     forged = _set(header_of(data), path, value)
     p = tmp_path / "f.kvq"
     p.write_bytes(forge(data, forged))
     for kw in ({}, {"readonly": True}, {"on_mismatch": "start_over"}):
         try:
-            cf = CacheFile.open(p, streams=streams, vocab=100, model_id="sha256:00", **kw)
+            cf = CacheFile.open(p, streams=streams, vocab=100, model_id="sha256:00", **kw,
+                                **_statistics(streams))
         except CacheFileCorrupt as exc:
             assert exc.reason == "header" and "damaged" in str(exc)
             continue

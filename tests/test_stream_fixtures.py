@@ -31,7 +31,8 @@ def _open(name, path, **kw):
     setup = (fx.UPGRADE_RECIPES[name][1] if name in fx.UPGRADE_RECIPES
              else fx.FILE_RECIPES[name][0])
     if "streams" in setup:
-        return CacheFile.open(path, streams=setup["streams"], vocab=256, **kw)
+        return CacheFile.open(path, streams=setup["streams"], vocab=256,
+                              statistics=setup.get("statistics"), **kw)
     return CacheFile.open(path, fx.SHAPE, **{k: v for k, v in setup.items()}, **kw)
 
 

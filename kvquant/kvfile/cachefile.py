@@ -47,7 +47,7 @@ class CacheFile:
     @classmethod
     def open(cls, path, shape=None, mode="f32", *, streams=None, vocab=0, tier="auto",
              on_mismatch="raise", max_records=None, nonfinite="raise", block_records=None,
-             readonly=False, n_threads=None, model_id=None):
+             readonly=False, n_threads=None, model_id=None, statistics=None):
         """Open (or prepare to create) the cache file at ``path``.
 
         Parameters
@@ -93,6 +93,12 @@ class CacheFile:
             refused (:class:`CacheFileMismatch`, reason ``"model"``); a file recording none is
             read (not checked; reported). The engine's ``.coli_kv`` tiers have no field for it:
             with an engine tier it is neither recorded nor checked (reported).
+        statistics : dict, optional
+            By stream name, the calibrated ``(offsets, channel_scales)`` (each (rows, dim)
+            float32, or None where the stream does not ask for it) of a stream whose spec says
+            ``center=calib`` / ``normalize=calib`` (:mod:`kvquant.streams.calibration`). The
+            kvq header records their digest; a file written with other statistics is refused
+            (:class:`CacheFileMismatch`, reason ``"statistics"``).
 
         Returns
         -------
@@ -131,8 +137,9 @@ class CacheFile:
         self.model_id = check_model_id(model_id)
         self._closed = False
         self._set_streams(shape, mode, streams, vocab)
+        self._set_statistics(statistics)
         self._resolve_tier(block_records)
-        self.records = CacheRecords(self.streams, self.codecs, self.options)
+        self.records = CacheRecords(self.streams, self.codecs, self.options, self.statistics)
         self.report = LoadReport(self.path, tier=self.tier)
         self._needs_rewrite = True
         self._state_dirty = False   # a stream's state changed since the file was written
@@ -206,6 +213,29 @@ class CacheFile:
         self.mode = {s.name: self.options[s.name].stream_spec(self.codecs[s.name].spec)
                      for s in self.streams}
 
+    def _set_statistics(self, statistics):
+        """The calibrated statistics by stream (checked by the stores) and their digests."""
+        from kvquant.streams.calibration import statistics_digest
+        statistics = dict(statistics or {})
+        unknown = set(statistics) - {s.name for s in self.streams if
+                                     self.options[s.name].calibrated}
+        if unknown:
+            raise ValueError(f"statistics given for stream(s) {sorted(unknown)}, whose specs do "
+                             "not say center=calib / normalize=calib")
+        self.statistics = {}
+        for s in self.streams:
+            if not self.options[s.name].calibrated:
+                continue
+            if s.name not in statistics:
+                raise ValueError(f"stream {s.name!r} ({self.mode[s.name]}) reads calibrated "
+                                 "statistics: give statistics={name: (offsets, channel_scales)}")
+            offsets, scales = statistics[s.name]
+            self.statistics[s.name] = (
+                None if offsets is None else np.asarray(offsets, np.float32),
+                None if scales is None else np.asarray(scales, np.float32))
+        self._statistics_digests = {name: statistics_digest(*vecs)
+                                    for name, vecs in self.statistics.items()}
+
     def _engine_tier_problem(self):
         """Why the running streams have no engine tier, or None."""
         if self.shape is None:
@@ -245,7 +275,8 @@ class CacheFile:
         import kvquant
         return kvq.KvqLayout(self._model, self.streams, codecs or self.codecs, block_records,
                              writer=f"kvquant {kvquant.__version__}", options=self.options,
-                             held=held, model_id=self.model_id)
+                             held=held, model_id=self.model_id,
+                             statistics=self._statistics_digests)
 
     def _describe_running(self):
         spec = self.mode["L"] if self.shape is not None and "L" in self.mode else ", ".join(

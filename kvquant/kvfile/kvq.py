@@ -39,7 +39,10 @@ records of the last, partial block (whose trailer is not written yet). Appends w
 crash at any point leaves the previous slot valid and every block it covers intact.
 
 Stream options (``"polar5@center,normalize,sinks=1"``, :mod:`kvquant.streams.options`) are in
-the stream's header entry (``options``); the state they build (offset and scales from the first
+the stream's header entry (``options``); a stream with calibrated statistics
+(``center=calib``, :mod:`kvquant.streams.calibration`) also records their digest
+(``statistics``, ``"sha256:<hex>"``), and a file is resumed only under the same statistics; the
+state they build (offset and scales from the first
 append, float32 rows of the first ``sinks`` tokens, whose records hold a zero row's codes) is
 written only by a whole-file rewrite, which the cache does whenever an append changes it (the
 first append, and appends while fewer than ``sinks`` tokens are held). A commit count below the
@@ -52,6 +55,7 @@ holds its count and seq (falling back to the other commit when that window slot 
 a crash before a commit leaves the old commit slot and its window slot untouched.
 """
 import json
+import re
 import struct
 import zlib
 
@@ -92,11 +96,13 @@ class KvqLayout:
     """Record and block layout of a kvq file for given streams and codecs."""
 
     def __init__(self, model, streams, codecs, block_records=None, writer="", options=None,
-                 held=None, model_id=None):
+                 held=None, model_id=None, statistics=None):
         """``options``: StreamOptions by stream name; ``held``: sink rows held by stream name
         (they size the state area of a file written with this layout); ``model_id``: the
         model's identity (a header without it is byte for byte the one written before it
-        existed)."""
+        existed); ``statistics``: by stream name, the digest of the calibrated statistics of
+        a stream whose options say calibrated (recorded in its header entry)."""
+        self.statistics = dict(statistics or {})
         self.model = dict(model)
         self.streams = list(streams)
         self.codecs = dict(codecs)
@@ -133,6 +139,8 @@ class KvqLayout:
             entry = {"name": s.name, "rows": s.rows, **codec_identity(self.codecs[s.name])}
             if not self.options[s.name].plain:
                 entry["options"] = self.options[s.name].as_dict()
+            if s.name in self.statistics:
+                entry["statistics"] = self.statistics[s.name]
             stream_entries.append(entry)
         self.header = {
             "format": FORMAT_NAME,
@@ -431,11 +439,14 @@ def _window_bytes(rows, dim, options):
 def _options_problem(opts):
     """Why a header's stream options are not valid, or None."""
     if not (isinstance(opts, dict) and {"center", "normalize", "sinks"} <= set(opts)
-            <= {"center", "normalize", "sinks", "recent"}
+            <= {"center", "normalize", "sinks", "recent", "calibrated"}
             and isinstance(opts["center"], bool) and isinstance(opts["normalize"], bool)
             and _is_int(opts["sinks"], 0, MAX_SINKS)
-            and _is_int(opts.get("recent", 1), 1, MAX_RECENT)):
+            and _is_int(opts.get("recent", 1), 1, MAX_RECENT)
+            and opts.get("calibrated", True) is True):
         return "options"
+    if opts.get("calibrated") and not (opts["center"] or opts["normalize"]):
+        return "options (calibrated without center or normalize)"
     if not (opts["center"] or opts["normalize"] or opts["sinks"] or opts.get("recent")):
         return "options (none set)"
     return None
@@ -470,6 +481,8 @@ def _stream_fields():
         "rotation": lambda v: v is None or _is_record(v, _ROTATION_FIELDS),
         "codebook": lambda v: v is None or _is_record(v, _CODEBOOK_FIELDS),
         "options": lambda v: _options_problem(v) is None,
+        "statistics": lambda v: isinstance(v, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", v)
+        is not None,
     }
 
 

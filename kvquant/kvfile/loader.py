@@ -96,7 +96,7 @@ def load(cf):
 def _refused(cf, exc):
     if cf._on_mismatch == "raise":
         raise exc
-    cf.records = CacheRecords(cf.streams, cf.codecs, cf.options)
+    cf.records = CacheRecords(cf.streams, cf.codecs, cf.options, cf.statistics)
     cf.report.status = "started-over"
     cf.report.add("refused", f"{exc}; starting over (the file is kept until the first "
                   "save)", reason=exc.reason)
@@ -371,6 +371,14 @@ def _load_kvq(cf, read, size, head):
                 f"{cf.mode[fs['name']]!r}: its codes hold rows after another offset, "
                 "scales or sinks; refusing it (open with the file's stream spec to resume it)",
                 "options", path, "kvq")
+        running = cf._statistics_digests.get(fs["name"])
+        if fs.get("statistics") != running:
+            raise CacheFileMismatch(
+                f"{path}: stream {fs['name']!r} was written with calibrated statistics "
+                f"{fs.get('statistics') or '(none)'}, the running stream has "
+                f"{running or '(none)'}: its codes hold rows after other offsets and scales; "
+                "refusing it (open with the statistics it was written with)",
+                "statistics", path, "kvq")
     _check_model_id(cf, header.get("model_id"))
     layout = cf._kvq_layout(header["block_records"])
     if layout.record_bytes != header["record_bytes"]:

@@ -28,11 +28,14 @@ class CacheRecords:
     tokens : ndarray of shape (n,), dtype int32
     """
 
-    def __init__(self, streams, codecs, options=None):
+    def __init__(self, streams, codecs, options=None, statistics=None):
+        """``statistics``: by stream name, the calibrated ``(offsets, channel_scales)`` (each
+        (rows, dim) or None) of a stream whose options say calibrated."""
         self._streams = list(streams)
-        options = options or {}
+        options, statistics = options or {}, statistics or {}
         self._stores = {s.name: StreamStore(codecs[s.name],
-                                            options.get(s.name, StreamOptions()), s.rows)
+                                            options.get(s.name, StreamOptions()), s.rows, 0,
+                                            *statistics.get(s.name, (None, None)))
                         for s in self._streams}
         # codes and side values of the sink tokens' records: (m, rows, code_bytes / n_side)
         self._placeholders = {s.name: (np.zeros((0, s.rows, codecs[s.name].code_bytes), np.uint8),
@@ -233,6 +236,8 @@ class CacheRecords:
         for s in self._streams:
             name, store = s.name, self._stores[s.name]
             offsets, scales, sinks = (states or {}).get(name, (None, None, None))
+            if store.options.calibrated:   # the running ones (the header's digest matched)
+                offsets, scales = store.offsets, store.channel_scales
             e = min(k, store.sinks)
             window = None
             if store.recent:

@@ -30,6 +30,7 @@ import numpy as np
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
+from kvquant.models.plan import CachePlan, is_plan_ref
 from kvquant.models.gguf_config import config_from_gguf, gguf_field, layer_tensor_names
 from kvquant.models.gguf_weights import DEFAULT_BUDGET_BYTES, GGUFWeights
 
@@ -110,11 +111,15 @@ def _append(cache, layer, k, v, pre_rope, row=None):
 def new_kv_cache(cfg, pair_spec="f32"):
     """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
 
-    ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V; ``cfg`` needs
-    ``n_layers``, ``n_kv_heads``, ``head_dim``. ``"ggml:q8_0/q8_0"`` (llama.cpp's cache types
-    and its attention arithmetic, :mod:`kvquant.ggml_attention`) gives a
-    :class:`~kvquant.ggml_attention.GGMLAttentionCache` instead.
+    ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V, or a cache
+    plan (specs per layer and KV head: the path of its JSON file, or a
+    :class:`~kvquant.models.plan.CachePlan`); ``cfg`` needs ``n_layers``, ``n_kv_heads``,
+    ``head_dim``. ``"ggml:q8_0/q8_0"`` (llama.cpp's cache types and its attention arithmetic,
+    :mod:`kvquant.ggml_attention`) gives a :class:`~kvquant.ggml_attention.GGMLAttentionCache`
+    instead.
     """
+    if is_plan_ref(pair_spec):
+        return CachePlan.of(pair_spec).new_cache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     if is_ggml_pair(pair_spec):   # llama.cpp's attention as it runs (kvquant.ggml_attention)
         return GGMLAttentionCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pair_spec,
                                   prescale_query=getattr(cfg, "architecture", "") == "gemma3",

@@ -13,6 +13,7 @@ import numpy as np
 
 STREAM_OPTIONS = ("center", "normalize", "sinks", "recent")
 STREAM_FLAGS = ("center", "normalize")
+CALIBRATED = "calib"   # the value of a flag whose statistics come from a calibration
 STREAM_COUNTS = ("sinks", "recent")
 MAX_SINKS = 1 << 16   # float32 rows kept at the start of a stream, at most
 MAX_RECENT = 1 << 16  # float32 rows kept at its end, at most
@@ -38,6 +39,13 @@ def parse_stream_spec(spec):
         normalization) measured better on SmolLM2 keys than full normalization (exponent 1).
         Reading costs nothing extra: scores use the query times the scales, contexts are scaled
         once.
+    ``center=calib``, ``normalize=calib``
+        The same, with the offset and the channel scales measured once on a calibration text
+        (per model, layer, stream and KV head: :mod:`kvquant.streams.calibration`) and given
+        to the stream when it is made, instead of taken from its first append: a stream fed
+        one token at a time, or started empty, then reads through the same statistics as a
+        prompt's prefill. Calibrated statistics are all or nothing: a stream that centers and
+        normalizes takes both from the calibration.
     ``sinks=N``
         Keep the first N rows of the sequence in float32, unquantized (attention sinks: the first
         tokens draw much of the attention and their keys are outliers). N <= 65536.
@@ -61,11 +69,13 @@ def parse_stream_spec(spec):
     ('tq4', {'recent': 16})
     >>> parse_stream_spec("tq4:side=unbiased")
     ('tq4:side=unbiased', {})
+    >>> parse_stream_spec("polar4@center=calib,normalize=calib")
+    ('polar4', {'center': True, 'normalize': True, 'calibrated': True})
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"a stream spec must be a non-empty string, got {spec!r}")
     codec_spec, at, opt_text = spec.strip().partition("@")
-    options = {}
+    options, calibrated = {}, []
     if at and not opt_text.strip():
         raise ValueError(f"stream spec {spec!r}: nothing after '@' (options: center, normalize, "
                          "sinks=N, recent=W)")
@@ -77,9 +87,12 @@ def parse_stream_spec(spec):
         if key in options:
             raise ValueError(f"stream spec {spec!r}: option {key!r} given twice")
         if key in STREAM_FLAGS:  # flags; the others (STREAM_COUNTS) take a count
-            if eq:
-                raise ValueError(f"stream spec {spec!r}: {key!r} takes no value")
+            if eq and value.strip() != CALIBRATED:
+                raise ValueError(f"stream spec {spec!r}: {key!r} takes no value, or "
+                                 f"'{key}={CALIBRATED}' (statistics from a calibration), got "
+                                 f"{item!r}")
             options[key] = True
+            calibrated.append(bool(eq))
         else:
             try:
                 n = int(value)
@@ -90,12 +103,20 @@ def parse_stream_spec(spec):
                 raise ValueError(f"stream spec {spec!r}: {key} must be '{key}=N' with "
                                  f"0 <= N <= {limit}, got {item!r}")
             options[key] = n
+    if any(calibrated):
+        if not all(calibrated):
+            raise ValueError(f"stream spec {spec!r}: calibrated statistics are all or nothing; "
+                             "write " + " and ".join(f"'{k}={CALIBRATED}'" for k in STREAM_FLAGS
+                                                      if k in options))
+        options["calibrated"] = True
     return codec_spec.strip(), options
 
 
-def format_stream_spec(codec_spec, center=False, normalize=False, sinks=0, recent=0):
+def format_stream_spec(codec_spec, center=False, normalize=False, sinks=0, recent=0,
+                       calibrated=False):
     """The canonical stream spec (inverse of :func:`parse_stream_spec`)."""
-    opts = ((["center"] if center else []) + (["normalize"] if normalize else [])
+    flag = "=" + CALIBRATED if calibrated else ""
+    opts = ((["center" + flag] if center else []) + (["normalize" + flag] if normalize else [])
             + ([f"sinks={sinks}"] if sinks else []) + ([f"recent={recent}"] if recent else []))
     return codec_spec + ("@" + ",".join(opts) if opts else "")
 
@@ -128,8 +149,11 @@ class StreamOptions:
     normalize: bool = False
     sinks: int = 0
     recent: int = 0
+    calibrated: bool = False   # offset / scales given by a calibration, not the first append
 
     def __post_init__(self):
+        if self.calibrated and not (self.center or self.normalize):
+            raise ValueError("calibrated statistics need center or normalize")
         for name, limit in (("sinks", MAX_SINKS), ("recent", MAX_RECENT)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
@@ -142,17 +166,19 @@ class StreamOptions:
         return not (self.center or self.normalize or self.sinks or self.recent)
 
     def as_dict(self):
-        """The options as keyword arguments (``recent`` only when set: files written before it
-        existed hold the other three)."""
+        """The options as keyword arguments (``recent`` and ``calibrated`` only when set: files
+        written before they existed hold the other three)."""
         out = {"center": bool(self.center), "normalize": bool(self.normalize),
                "sinks": int(self.sinks)}
         if self.recent:
             out["recent"] = int(self.recent)
+        if self.calibrated:
+            out["calibrated"] = True
         return out
 
     def stream_spec(self, codec_spec):
         return format_stream_spec(codec_spec, self.center, self.normalize, self.sinks,
-                                  self.recent)
+                                  self.recent, self.calibrated)
 
 
 def split_stream_spec(spec):
@@ -177,11 +203,11 @@ def split_rows(X, options, offset, scale, n_rows, nonfinite="raise", where=""):
     ``offset`` / ``scale`` are the stream's (None before its first rows), ``n_rows`` the rows it
     holds (the first ``min(n_rows, sinks)`` of them in float32). Returns
     ``(offset, scale, exact, rest)``: the stream's offset and scales after this append (the
-    first append sets them), the new sink rows (float32; NaN/inf rows zeroed when
+    first append sets them, unless they are calibrated), the new sink rows (float32; NaN/inf rows zeroed when
     ``nonfinite="inert"``, refused otherwise; ``where`` prefixes that error) and the other rows,
     centered and scaled, for the codec to encode. Nothing is changed in place.
     """
-    first = n_rows == 0 and X.shape[0] > 0
+    first = n_rows == 0 and X.shape[0] > 0 and not options.calibrated
     n_exact = min(n_rows, options.sinks)
     if options.center and first:
         offset = finite_mean(X)

@@ -67,6 +67,10 @@ class StreamStore:
         Rows per token (KV heads of a layer, row slots of a file's stream).
     capacity : int, default 0
         Coded rows to allocate per slot up front.
+    offsets, channel_scales : ndarray of shape (slots, dim), float32, optional
+        Calibrated statistics: given exactly when the options say ``calibrated`` (and ask for
+        them); the store then uses them from its first row on and keeps them through
+        truncation.
 
     Notes
     -----
@@ -74,7 +78,8 @@ class StreamStore:
     C-contiguous block that the consumers read without a copy.
     """
 
-    def __init__(self, codec, options=None, slots=1, capacity=0):
+    def __init__(self, codec, options=None, slots=1, capacity=0, offsets=None,
+                 channel_scales=None):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a Codec (use kvquant.get_codec), got {codec!r}")
         options = StreamOptions() if options is None else options
@@ -89,8 +94,10 @@ class StreamStore:
         self.n_rows = 0
         self._n_exact = 0        # rows held in float32 (the first min(n_rows, sinks))
         self._last_append = 0    # rows before the last append (reads of fewer rows: refused)
-        self.offsets = None          # (slots, dim) float32 once a centered stream got rows
-        self.channel_scales = None   # (slots, dim) float32 once a normalized stream got rows
+        # (slots, dim) float32 once a centered / normalized stream got rows (from the start
+        # when calibrated)
+        self.offsets, self.channel_scales = _calibrated_vectors(
+            options, self.slots, dim, offsets, channel_scales)
         self._exact = np.empty((self.slots, 0, dim), np.float32)   # grows up to `sinks` rows
         self._recent_rows = np.empty((self.slots, 0, dim), np.float32)  # [_recent_start, n_rows)
         self._recent_start = 0
@@ -206,7 +213,7 @@ class StreamStore:
                 n_coded and n_exact != options.sinks):
             raise ValueError(f"{options.sinks} sink row(s) of width {dim} come before any coded "
                              f"row: got {sinks.shape} sink rows and {n_coded} coded rows")
-        has_rows = n_coded + n_exact > 0
+        has_rows = n_coded + n_exact > 0 or options.calibrated
         for name, vec, asked in (("offset", offsets, options.center),
                                  ("channel_scale", channel_scales, options.normalize)):
             if (vec is not None) != (asked and has_rows):
@@ -216,10 +223,13 @@ class StreamStore:
             if vec is not None and np.shape(vec) != (slots, dim):
                 raise ValueError(f"{name} must have shape ({slots}, {dim}), got "
                                  f"{np.shape(vec)}")
-        self = cls(codec, options, slots, n_coded)
-        self.offsets = None if offsets is None else np.array(offsets, np.float32)
-        self.channel_scales = (None if channel_scales is None
-                               else np.array(channel_scales, np.float32))
+        if options.calibrated:
+            self = cls(codec, options, slots, n_coded, offsets, channel_scales)
+        else:
+            self = cls(codec, options, slots, n_coded)
+            self.offsets = None if offsets is None else np.array(offsets, np.float32)
+            self.channel_scales = (None if channel_scales is None
+                                   else np.array(channel_scales, np.float32))
         self._hold_exact(n_exact)
         self._exact[:, :n_exact] = sinks.transpose(1, 0, 2)
         self._n_exact = self.n_rows = n_exact
@@ -334,7 +344,7 @@ class StreamStore:
 
     def store(self, prepared):
         """Keep what :meth:`prepare` (or :meth:`prepare_encoded`) returned."""
-        if not self.plain:
+        if not self.plain and not self.options.calibrated:
             self.offsets, self.channel_scales = prepared.offsets, prepared.channel_scales
         self._last_append = self.n_rows
         k = prepared.sinks.shape[0]
@@ -394,7 +404,8 @@ class StreamStore:
         self._recent_start = keep
         self._last_append = min(self._last_append, self.n_rows)
         if self.n_rows == 0:
-            self.offsets = self.channel_scales = None
+            if not self.options.calibrated:
+                self.offsets = self.channel_scales = None
             self._recent_start = 0
 
     # -- what is held ------------------------------------------------------------------------
@@ -562,11 +573,7 @@ class StreamStore:
         (besides their codes), and the offsets and scales from the first append on. (The copies
         of a long append's older rows, held until the next append for its own queries, are not
         counted.)"""
-        exact = min(n_rows, self.sinks)
-        window = min(n_rows - exact, self.recent)
-        vectors = (self.options.center + self.options.normalize) if n_rows else 0
-        return self.slots * ((n_rows - exact) * self.codec.bytes_per_row
-                             + 4 * self.codec.dim * (exact + window + vectors))
+        return stream_bytes(self.codec, self.options, n_rows, self.slots)
 
     @property
     def nbytes(self):
@@ -586,6 +593,48 @@ class StreamStore:
         """Bytes allocated."""
         return (self._codes.nbytes + self._side.nbytes + self._exact.nbytes
                 + self._recent_rows.nbytes)
+
+
+def stream_bytes(codec, options, n_rows, slots=1):
+    """Bytes a stream of ``codec`` with ``options`` holds once it has ``n_rows`` rows in each
+    of ``slots`` slots (:meth:`StreamStore.bytes_for`)."""
+    exact = min(n_rows, options.sinks)
+    window = min(n_rows - exact, options.recent)
+    vectors = (options.center + options.normalize) if n_rows else 0
+    return slots * ((n_rows - exact) * codec.bytes_per_row
+                    + 4 * codec.dim * (exact + window + vectors))
+
+
+def _calibrated_vectors(options, slots, dim, offsets, channel_scales):
+    """A store's calibrated (offsets, channel_scales) checked, or (None, None) without a
+    calibration."""
+    if not options.calibrated:
+        if offsets is not None or channel_scales is not None:
+            raise ValueError(f"offsets / channel scales are given to a stream whose options "
+                             f"{options.as_dict()} do not say calibrated (center=calib, "
+                             "normalize=calib)")
+        return None, None
+    out = []
+    for name, vec, asked in (("offsets", offsets, options.center),
+                             ("channel scales", channel_scales, options.normalize)):
+        if (vec is not None) != asked:
+            raise ValueError(
+                f"a stream with options {options.as_dict()} needs calibrated {name} exactly "
+                f"when it asks for them: " + ("give them (a calibration file: python -m "
+                                              "kvquant_experiments.calibrate)" if asked else
+                                              "drop them"))
+        if vec is None:
+            out.append(None)
+            continue
+        vec = np.array(vec, np.float32)
+        if vec.shape != (slots, dim):
+            raise ValueError(f"calibrated {name} must have shape ({slots}, {dim}), got "
+                             f"{vec.shape}")
+        if not np.isfinite(vec).all() or (name != "offsets" and not (vec > 0).all()):
+            raise ValueError(f"calibrated {name} hold NaN, inf" + (
+                "" if name == "offsets" else " or a value <= 0"))
+        out.append(vec)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -622,13 +671,18 @@ class RowStream:
     codec : Codec
     capacity : int
         Rows to allocate up front.
-    center, normalize, sinks, recent
+    center, normalize, sinks, recent, calibrated
         The stream options (:func:`kvquant.streams.options.parse_stream_spec`).
+    offset, channel_scale : ndarray of shape (dim,), optional
+        Calibrated statistics, exactly when ``calibrated`` (and asked for).
     """
 
-    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False, recent=0):
-        self.store = StreamStore(codec, StreamOptions(center, normalize, sinks, recent), 1,
-                                 capacity)
+    def __init__(self, codec, capacity=0, center=False, sinks=0, normalize=False, recent=0,
+                 calibrated=False, offset=None, channel_scale=None):
+        one = (lambda v: None if v is None else np.asarray(v)[None])
+        self.store = StreamStore(codec, StreamOptions(center, normalize, sinks, recent,
+                                                      calibrated), 1, capacity,
+                                 one(offset), one(channel_scale))
         self.slot = 0
 
     @classmethod

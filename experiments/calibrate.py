@@ -1,0 +1,224 @@
+"""Calibrated stream statistics: measure them on a calibration text, and what they change.
+
+``measure``: the f32 K and V rows of a model over a text's chunks (one prefill each, the rows
+after RoPE as the cache stores them), pooled per layer, stream and KV head, give the offsets and
+channel scales of ``center=calib`` / ``normalize=calib``
+(:class:`kvquant.streams.calibration.StreamStatistics`), written to a ``.npz``::
+
+    nice -n 10 python -m kvquant_experiments.calibrate measure --model smollm2 --text pydoc \\
+        --positions 1024 --out data/calibration/smollm2-pydoc-N1024-c512.npz
+
+``compare``: on another (held-out) text, each pair with first-append statistics against the
+same pair with calibrated ones, in two ways of filling the cache:
+
+* ``prefill``: each chunk in one prefill (the first append is the whole chunk);
+* ``decode-only``: the first token alone, then the rest (the first append is one row, as a
+  stream fed one token at a time, or started empty, gets: its offset is that row and its
+  scales all ones). The rows' codes are those one-token appends would store; attention reads
+  the rest of the chunk through the decoded-block prefill, which agrees with one-query decode
+  steps to rounding.
+
+::
+
+    nice -n 10 python -m kvquant_experiments.calibrate compare --model smollm2 --text code \\
+        --calibration data/calibration/smollm2-pydoc-N1024-c512.npz --positions 1024 \\
+        --out data/results
+
+writes ``calibration-<model>-<text>-N<positions>-c<chunk>.{json,csv,md}``.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from .common import environment, write_csv, write_json
+
+__all__ = ["CALIBRATION_PAIRS", "compare_calibration", "measure_statistics"]
+
+_H = ":side_dtype=f16"
+# the frontier's picks at <= 3.5 and <= 4.5 bits (without a recent window): first-append
+# statistics, and the same pair calibrated
+CALIBRATION_PAIRS = [
+    f"polar4{_H}@center,normalize,sinks=1/polar3{_H}@center,sinks=1",
+    f"polar5{_H}@center,normalize,sinks=1/polar4{_H}@center,sinks=1",
+]
+MODES = ("prefill", "decode-only")
+
+
+def calibrated(pair_spec):
+    """The pair with ``center``/``normalize`` taken from the calibration (``center=calib``)."""
+    out = []
+    for spec in pair_spec.split("/"):
+        codec, at, opts = spec.partition("@")
+        names = [o.strip() for o in opts.split(",") if o.strip()]
+        names = [o + "=calib" if o in ("center", "normalize") else o for o in names]
+        out.append(codec + (at + ",".join(names) if names else ""))
+    return "/".join(out)
+
+
+def _chunks(model, text, positions, chunk_tokens):
+    from kvquant import flips
+    from kvquant_experiments.texts import load_text, text_tokens
+    tokens, resolved = text_tokens(model, load_text(text))
+    return resolved, flips.text_chunks(tokens, positions, chunk_tokens, bos=model.bos_token_id)
+
+
+def measure_statistics(model, text="pydoc", positions=1024, chunk_tokens=512, model_name=None):
+    """:class:`~kvquant.streams.calibration.StreamStatistics` of the model's f32 K and V rows over
+    the text's chunks (offsets and scales for both streams)."""
+    from kvquant.streams.calibration import StreamStatistics
+    resolved, chunks = _chunks(model, text, positions, chunk_tokens)
+    L, H = model.n_layers, model.n_kv_heads
+    rows = {"k": [[] for _ in range(L)], "v": [[] for _ in range(L)]}
+    for _, ids in chunks:
+        cache = model.new_cache("f32")
+        model.forward_hidden(np.asarray(ids)[:-1], cache)
+        for layer in range(L):
+            for name in rows:
+                rows[name][layer].append(np.stack(
+                    [cache.stream(layer, name, h).decode() for h in range(H)], axis=1))
+    pooled = {name: [np.concatenate(parts) for parts in per_layer]
+              for name, per_layer in rows.items()}
+    meta = {"model": str(model_name or model.describe().get("model")),
+            "text": resolved.describe(), "positions": int(positions),
+            "chunk_tokens": int(chunk_tokens), "rows_per_head": int(pooled["k"][0].shape[0]),
+            "rows": "K after RoPE and V, f32 cache, one prefill per chunk"}
+    return StreamStatistics.from_rows(pooled, meta=meta)
+
+
+def _kld(model, spec, ids, ref, mode):
+    from kvquant.flips import kl_rows
+    ids = np.asarray(ids)[:-1]
+    cache = model.new_cache(spec)
+    if mode == "prefill":
+        hidden = model.forward_hidden(ids, cache)
+    else:
+        hidden = np.concatenate([model.forward_hidden(ids[:1], cache),
+                                 model.forward_hidden(ids[1:], cache)])
+    return kl_rows(ref, model.logits(hidden))
+
+
+def compare_calibration(model, calibration, text="code", positions=1024, chunk_tokens=512,
+                        pairs=CALIBRATION_PAIRS, progress=None, model_name=None):
+    """Mean KLD (against the f32 cache) of each pair with first-append and calibrated
+    statistics, in both modes; rows with the paired difference per position."""
+    from kvquant.models.plan import CachePlan
+    say = progress or (lambda msg: None)
+    resolved, chunks = _chunks(model, text, positions, chunk_tokens)
+    L, H = model.n_layers, model.n_kv_heads
+    refs = [model.logits(model.forward_hidden(np.asarray(ids)[:-1], model.new_cache("f32")))
+            for _, ids in chunks]
+    rows = []
+    for pair in pairs:
+        plans = {"first-append": pair,
+                 "calibrated": CachePlan.uniform(calibrated(pair), L, H, calibration)}
+        for mode in MODES:
+            klds = {}
+            for stats, spec in plans.items():
+                t0 = time.perf_counter()
+                klds[stats] = np.concatenate([_kld(model, spec, ids, ref, mode)
+                                              for (_, ids), ref in zip(chunks, refs)])
+                say(f"{pair} {mode} {stats}: mean KLD {klds[stats].mean():.4e} "
+                    f"({time.perf_counter() - t0:.0f} s)")
+            diff = klds["calibrated"] - klds["first-append"]
+            for stats, kld in klds.items():
+                rows.append({"pair": pair, "mode": mode, "statistics": stats,
+                             "spec": pair if stats == "first-append" else calibrated(pair),
+                             "kld_mean": float(kld.mean()),
+                             "kld_mean_se": float(kld.std(ddof=1) / np.sqrt(kld.size)),
+                             "calibrated_minus_first": float(diff.mean()),
+                             "calibrated_minus_first_se": float(
+                                 diff.std(ddof=1) / np.sqrt(diff.size))})
+    meta = {"model_name": str(model_name), "model": model.describe(),
+            "calibration": os.path.relpath(calibration) if isinstance(calibration, str)
+            else None,
+            "text": {**resolved.describe(), "positions": int(positions),
+                     "chunk_tokens": int(chunk_tokens),
+                     "chunk_starts": [int(s) for s, _ in chunks]},
+            "modes": {"prefill": "each chunk in one prefill",
+                      "decode-only": "the first token alone, then the rest of the chunk"}}
+    return {"meta": meta, "rows": rows}
+
+
+CSV_COLUMNS = ["pair", "mode", "statistics", "spec", "kld_mean", "kld_mean_se",
+               "calibrated_minus_first", "calibrated_minus_first_se"]
+
+
+def format_markdown(result):
+    meta = result["meta"]
+    t = meta["text"]
+    lines = [f"{meta['model']['model']}: mean KLD against the f32 cache, {t['positions']} "
+             f"positions of {t['source']} in chunks of {t['chunk_tokens']}; calibrated "
+             f"statistics from {meta['calibration']}. decode-only: each chunk's first token "
+             "alone, then the rest (the first append is one row).", "",
+             "| pair | mode | first-append KLD ± SE | calibrated KLD ± SE | calibrated - first "
+             "± SE (paired) |", "|---|---|---|---|---|"]
+    by = {(r["pair"], r["mode"], r["statistics"]): r for r in result["rows"]}
+    for pair in dict.fromkeys(r["pair"] for r in result["rows"]):
+        for mode in MODES:
+            a, b = by[(pair, mode, "first-append")], by[(pair, mode, "calibrated")]
+            lines.append(f"| {pair} | {mode} | {a['kld_mean']:.4e} ± {a['kld_mean_se']:.1e} | "
+                         f"{b['kld_mean']:.4e} ± {b['kld_mean_se']:.1e} | "
+                         f"{b['calibrated_minus_first']:+.3e} ± "
+                         f"{b['calibrated_minus_first_se']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from kvquant.models import load_model
+    from kvquant_experiments.flip_runs import model_tag
+    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.calibrate",
+                                description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="measure the statistics on a calibration text")
+    c = sub.add_parser("compare", help="first-append against calibrated statistics")
+    for q in (m, c):
+        q.add_argument("--model", default="smollm2")
+        q.add_argument("--positions", type=int, default=1024)
+        q.add_argument("--chunk-tokens", type=int, default=512)
+        q.add_argument("--out", required=True, help="measure: the .npz to write; compare: a "
+                                                     "folder")
+        q.add_argument("--quiet", action="store_true")
+    m.add_argument("--text", default="pydoc", help="the calibration text")
+    c.add_argument("--text", default="code", help="a held-out text")
+    c.add_argument("--calibration", required=True, help="the .npz `measure` wrote")
+    c.add_argument("--pairs", default=None, help="';'-separated pair specs (default: the "
+                                                 "frontier's 3.5- and 4.5-bit picks)")
+    args = p.parse_args(argv)
+
+    def progress(msg):
+        if not args.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        model = load_model(args.model)
+        if args.command == "measure":
+            stats = measure_statistics(model, args.text, args.positions, args.chunk_tokens,
+                                       args.model)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            stats.save(args.out)
+            print(f"wrote {args.out} ({stats.digest()})")
+            return 0
+        pairs = args.pairs.split(";") if args.pairs else CALIBRATION_PAIRS
+        result = compare_calibration(model, args.calibration, args.text, args.positions,
+                                     args.chunk_tokens, pairs, progress, args.model)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"calibrate: {exc}")
+    result["environment"] = environment()
+    t = result["meta"]["text"]
+    stem = os.path.join(args.out, f"calibration-{model_tag(args.model)}-{t['name']}-"
+                                  f"N{t['positions']}-c{t['chunk_tokens']}")
+    os.makedirs(args.out, exist_ok=True)
+    write_json(stem + ".json", result)
+    write_csv(stem + ".csv", result["rows"], CSV_COLUMNS)
+    with open(stem + ".md", "w") as f:
+        f.write(format_markdown(result) + "\n")
+    print(format_markdown(result))
+    print(f"wrote {stem}.json, .csv, .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
