@@ -178,13 +178,15 @@ def build_prompt(encode, n_tokens, depth, key, template=None, bos=None):
                       filler_before=cut, filler_after=len(filler) - cut)
 
 
-def model_prompt(model, n_tokens, depth, seed=DEFAULT_SEED, template=None):
-    """:func:`build_prompt` with ``model``'s tokenizer (its BOS id first) and the seed's key."""
+def model_prompt(model, length, depth, seed=DEFAULT_SEED, template=None):
+    """The prompt of a context of ``length`` tokens: :func:`build_prompt` of at most ``length -
+    NEW_TOKENS`` tokens (the answer decoded after it fits too) with ``model``'s tokenizer (its
+    BOS id first) and the key of (``seed``, ``length``, ``depth``)."""
     def encode(text):
         ids = model.encode(text).tolist()
         return ids[1:] if model.bos_token_id is not None and ids[:1] == [model.bos_token_id] \
             else ids
-    return build_prompt(encode, n_tokens, depth, passkey_of(seed, n_tokens, depth),
+    return build_prompt(encode, length - NEW_TOKENS, depth, passkey_of(seed, length, depth),
                         template=template, bos=model.bos_token_id)
 
 

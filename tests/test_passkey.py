@@ -137,26 +137,28 @@ def test_run_writes_and_resumes(model, model_path, tmp_path, capsys, monkeypatch
     choices = tmp_path / "choices.json"
     pick = "tq4:side_dtype=f16@center,normalize,sinks=1/tq4:side_dtype=f16@center,sinks=1"
     choices.write_text(json.dumps({"4.5": {"pair": pick, "bits": 4.4, "tune_text": "pydoc"}}))
-    argv = ["--model", model_path, "--lengths", "40,56", "--depths", "0,1", "--configs",
+    argv = ["--model", model_path, "--lengths", "40,64", "--depths", "0,1", "--configs",
             "f32,tq4", "--choices", str(choices), "--out", str(tmp_path), "--quiet"]
     assert passkey.main(argv + ["--list"]) == 0
     assert capsys.readouterr().out.split() == ["f32", "tq4", pick]
     # the random model has a short context, so the short template stands in for the default
     monkeypatch.setattr(passkey, "TEMPLATE", SHORT)
     assert passkey.main(argv) == 0
-    stem = tmp_path / "passkey-random-qwen3-L40-56-d0-100-s0"
+    stem = tmp_path / "passkey-random-qwen3-L40-64-d0-100-s0"
     result = json.loads(stem.with_suffix(".json").read_text())
     rows = result["rows"]
     assert [(r["codec"], r["n_tokens_asked"], r["depth"]) for r in rows] == [
-        (c, n, d) for c in ("f32", "tq4", pick) for n in (40, 56) for d in (0.0, 1.0)]
+        (c, n, d) for c in ("f32", "tq4", pick) for n in (40, 64) for d in (0.0, 1.0)]
     for r in rows:
-        assert r["n_tokens"] <= r["n_tokens_asked"]
+        # the answer fits the length asked too (64: the random model's whole context)
+        assert r["n_tokens"] + len(r["continuation_ids"]) <= r["n_tokens_asked"]
+        assert r["n_tokens"] > r["n_tokens_asked"] - passkey.NEW_TOKENS - 8
         assert r["retrieved"] == (passkey.read_answer(r["continuation"]) == r["key"])
         assert r["key"] == passkey.passkey_of(0, r["n_tokens_asked"], r["depth"])
     f32_rows = [r for r in rows if r["codec"] == "f32"]
     for r in f32_rows:
-        p = passkey.build_prompt(_encode(model), r["n_tokens_asked"], r["depth"], r["key"],
-                                 template=SHORT)
+        p = passkey.build_prompt(_encode(model), r["n_tokens_asked"] - passkey.NEW_TOKENS,
+                                 r["depth"], r["key"], template=SHORT)
         assert r["continuation_ids"] == _reference_greedy(model, p.ids,
                                                           len(r["continuation_ids"]))
     md = stem.with_suffix(".md").read_text()
