@@ -16,8 +16,8 @@ Run (one model, the lengths and depths given, f32 plus the frontier's picks and 
     python -m kvquant_experiments.passkey --list     # the configurations only
 
 Writes ``passkey-<model>-L<lengths>-d<depths>-s<seed>.{json,csv,md}`` into ``--out`` (default:
-the current directory) after every configuration, and resumes from that JSON: a run cut short
-keeps what it measured. Seeds and filler are fixed and recorded in the result.
+the current directory) after every prompt, and resumes from that JSON: a run cut short keeps
+what it measured. The prompts run depth by depth, every configuration at each. Seeds and filler are fixed and recorded in the result.
 """
 import argparse
 import json
@@ -233,15 +233,15 @@ def _settled(text):
 # Runs and result files
 # --------------------------------------------------------------------------------------------
 def result_stem(meta):
-    """``passkey-<model>-L<lengths>-d<depths in %>-s<seed>``."""
+    """``passkey-<model>-L<lengths>-d<depths in %, increasing>-s<seed>``."""
     from kvquant_experiments.flip_runs import model_tag
     lengths = "-".join(str(n) for n in meta["lengths"])
-    depths = "-".join(f"{round(100 * d):d}" for d in meta["depths"])
+    depths = "-".join(f"{round(100 * d):d}" for d in sorted(meta["depths"]))
     return f"passkey-{model_tag(meta['model_name'])}-L{lengths}-d{depths}-s{meta['seed']}"
 
 
 def run_passkey(model_name, configs, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
-                seed=DEFAULT_SEED, model=None, done=None, on_config=None, progress=None,
+                seed=DEFAULT_SEED, model=None, done=None, on_prompt=None, progress=None,
                 choices=None, template=None):
     """Retrieval of every (configuration, length, depth).
 
@@ -253,9 +253,10 @@ def run_passkey(model_name, configs, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEP
     configs : list of str
         Pair specs.
     done : list of dict or None
-        Rows of an earlier run with the same prompts; their (config, length) cells are kept.
-    on_config : callable(result) or None
-        Called with the result so far after every configuration (writes the files).
+        Rows of an earlier run with the same prompts; their (config, length, depth) cells are
+        kept, not measured again.
+    on_prompt : callable(result) or None
+        Called with the result so far after every prompt (writes the files).
     choices : dict or None
         The choices file the configurations came from (recorded).
     template : Template or None
@@ -286,28 +287,30 @@ def run_passkey(model_name, configs, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEP
         "prompts": [p.describe() for n in lengths for p in prompts[n]],
         "rows": [],
     }
-    keep = {(r["codec"], r["n_tokens_asked"]) for r in (done or [])}
-    result["rows"] = [r for r in (done or [])]
-    for spec in configs:
-        for n in lengths:
-            if (spec, n) in keep:
-                continue
-            t0 = time.perf_counter()
-            outs = retrieve(model, prompts[n], spec)
-            wall = time.perf_counter() - t0
-            for p, out in zip(prompts[n], outs):
+    keep = {(r["codec"], r["n_tokens_asked"], r["depth"]) for r in (done or [])}
+    result["rows"] = list(done or [])
+    # depth by depth, every configuration at each: a run cut short compares them on the same
+    # prompts
+    for n in lengths:
+        for p in prompts[n]:
+            for spec in configs:
+                if (spec, n, p.depth) in keep:
+                    continue
+                t0 = time.perf_counter()
+                out = retrieve(model, [p], spec)[0]
                 text = model.decode(out)
                 answer = read_answer(text)
                 result["rows"].append({
                     "codec": spec, "n_tokens_asked": n, "n_tokens": p.n_tokens,
                     "depth": p.depth, "needle_start": p.needle_start, "key": p.key,
                     "answer": answer, "retrieved": answer == p.key, "continuation": text,
-                    "continuation_ids": out, "wall_s": wall / len(outs)})
-            if progress:
-                hits = sum(r["retrieved"] for r in result["rows"][-len(outs):])
-                progress(f"{spec} at {n} tokens: {hits}/{len(outs)} retrieved ({wall:.0f} s)")
-        if on_config:
-            on_config(result)
+                    "continuation_ids": out, "wall_s": time.perf_counter() - t0})
+                if progress:
+                    progress(f"{spec} at {n} tokens, depth {p.depth:g}: "
+                             f"{'retrieved' if answer == p.key else 'missed'} ({answer!r} for "
+                             f"{p.key}, {time.perf_counter() - t0:.0f} s)")
+                if on_prompt:
+                    on_prompt(result)
     result["meta"]["environment"] = environment()
     return result
 
@@ -433,7 +436,7 @@ def main(argv=None):
         progress(f"resuming from {path}: {len(done)} prompts measured")
     try:
         result = run_passkey(args.model, configs, lengths, depths, args.seed, done=done,
-                             on_config=lambda r: write_passkey(r, args.out), progress=progress,
+                             on_prompt=lambda r: write_passkey(r, args.out), progress=progress,
                              choices=choices)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"passkey: {exc}")

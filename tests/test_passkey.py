@@ -148,7 +148,7 @@ def test_run_writes_and_resumes(model, model_path, tmp_path, capsys, monkeypatch
     result = json.loads(stem.with_suffix(".json").read_text())
     rows = result["rows"]
     assert [(r["codec"], r["n_tokens_asked"], r["depth"]) for r in rows] == [
-        (c, n, d) for c in ("f32", "tq4", pick) for n in (40, 64) for d in (0.0, 1.0)]
+        (c, n, d) for n in (40, 64) for d in (0.0, 1.0) for c in ("f32", "tq4", pick)]
     for r in rows:
         # the answer fits the length asked too (64: the random model's whole context)
         assert r["n_tokens"] + len(r["continuation_ids"]) <= r["n_tokens_asked"]
