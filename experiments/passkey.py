@@ -15,8 +15,8 @@ Run (one model, the lengths and depths given, f32 plus the frontier's picks and 
         --choices data/results/frontier-choices.json --out data/results
     python -m kvquant_experiments.passkey --list     # the configurations only
 
-Writes ``passkey-<model>-L<lengths>-d<depths>-s<seed>.{json,csv,md}`` into ``--out`` (default:
-the current directory) after every prompt, and resumes from that JSON: a run cut short keeps
+Writes ``passkey-<model>-L<lengths>-d<depths>-s<seed>.{json,csv,md}`` into ``--out`` (default: a
+folder of that name under the current directory) after every prompt, and resumes from that JSON: a run cut short keeps
 what it measured. The prompts run depth by depth, every configuration at each. Seeds and filler are fixed and recorded in the result.
 """
 import argparse
@@ -402,7 +402,8 @@ def main(argv=None):
     p.add_argument("--configs", default=None,
                    help="comma-separated pair specs instead of the baselines (the picks of "
                         "--choices are added)")
-    p.add_argument("--out", default=".", help="output folder")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: ./passkey-<model>-L..-d..-s..)")
     p.add_argument("--list", action="store_true", help="print the configurations, run nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -428,7 +429,8 @@ def main(argv=None):
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     meta = {"model_name": args.model, "lengths": lengths, "depths": depths, "seed": args.seed}
-    path = os.path.join(args.out, result_stem(meta) + ".json")
+    out = args.out or result_stem(meta)
+    path = os.path.join(out, result_stem(meta) + ".json")
     done = None
     if os.path.isfile(path):
         with open(path) as f:
@@ -436,11 +438,11 @@ def main(argv=None):
         progress(f"resuming from {path}: {len(done)} prompts measured")
     try:
         result = run_passkey(args.model, configs, lengths, depths, args.seed, done=done,
-                             on_prompt=lambda r: write_passkey(r, args.out), progress=progress,
+                             on_prompt=lambda r: write_passkey(r, out), progress=progress,
                              choices=choices)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"passkey: {exc}")
-    paths = write_passkey(result, args.out)
+    paths = write_passkey(result, out)
     print(format_markdown(result))
     for path in paths:
         print(f"wrote {path}")
