@@ -420,10 +420,11 @@ def load_choices(path):
     return choices
 
 
-def choice_configs(choices, extra=()):
-    """The configurations a run of the picks measures: the baselines, then each pick once,
-    then ``extra``."""
-    configs = list(HELD_OUT_BASELINES)
+def choice_configs(choices, extra=(), baselines=None):
+    """The configurations a run of the picks measures: the baselines (default
+    :data:`HELD_OUT_BASELINES`; f32 always first), then each pick once, then ``extra``."""
+    configs = ["f32"] + [b for b in (HELD_OUT_BASELINES if baselines is None else baselines)
+                         if b != "f32"]
     for pick in choices.values():
         if pick["pair"] not in configs:
             configs.append(pick["pair"])
@@ -495,13 +496,16 @@ def run_label(result):
 def run_command(result, choices_path="data/results/frontier-choices.json"):
     """The command that measures a run of the picks again."""
     t, meta = result["meta"]["text"], result["meta"]
-    measured = choice_configs(meta["frontier"]["choices"])
-    extra = [r["codec"] for r in result["rows"] if r["codec"] not in measured]
+    codecs = [r["codec"] for r in result["rows"]]
+    baselines = [b for b in HELD_OUT_BASELINES if b in codecs]
+    extra = [c for c in codecs
+             if c not in choice_configs(meta["frontier"]["choices"], baselines=baselines)]
     return (f"python -m kvquant_experiments.frontier --model {meta.get('model_name', MODEL)} "
             f"--choices {choices_path} --text {t.get('name', t['source'])} "
             f"--positions {t['positions']} --chunk-tokens {t['chunk_tokens']} "
             f"--prompts {meta['protocol']['prompts']}"
             + (" --score second-half" if t.get("score") == "second-half" else "")
+            + (f" --baselines {','.join(baselines)}" if baselines != HELD_OUT_BASELINES else "")
             + (f" --configs '{','.join(extra)}'" if extra else ""))
 
 
@@ -712,6 +716,10 @@ def main(argv=None):
     p.add_argument("--choices", metavar="JSON", default=None,
                    help="run exactly the picks of a choices file (plus the baselines "
                         + ", ".join(HELD_OUT_BASELINES) + "; --configs adds more) on --text")
+    p.add_argument("--baselines", default=None,
+                   help="with --choices: the baselines measured beside the picks "
+                        "(comma-separated; default " + ",".join(HELD_OUT_BASELINES) + "; f32 "
+                        "is always measured)")
     p.add_argument("--goals", metavar="JSON", nargs="+", default=None,
                    help="print the held-out goals table of runs of the picks (their JSON "
                         "files, e.g. data/results/frontier-choices-*.json); run nothing")
@@ -741,8 +749,8 @@ def main(argv=None):
         return 0
     choices = None
     extra = []
+    from kvquant.codecs import split_spec_list
     if args.configs:
-        from kvquant.codecs import split_spec_list
         extra = configs = split_spec_list(args.configs)
     else:
         configs = list(DEFAULT_CONFIGS)
@@ -751,7 +759,8 @@ def main(argv=None):
             choices = load_choices(args.choices)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"frontier: {exc}")
-        configs = choice_configs(choices, extra)
+        baselines = split_spec_list(args.baselines) if args.baselines else None
+        configs = choice_configs(choices, extra, baselines)
     if args.list:
         from kvquant.models import load_model
         head_dim = load_model(args.model).head_dim

@@ -78,3 +78,15 @@ def test_goals_table_has_a_column_and_a_command_per_run(run, capsys):
     assert out.count("python -m kvquant_experiments.frontier --model") == len(paths)
     assert ("--model gemma3-270m --choices data/results/frontier-choices.json --text code "
             "--positions 1024 --chunk-tokens 512 --prompts 1`") in out
+
+
+def test_a_run_with_fewer_baselines_says_so_in_its_command(run):
+    choices = run["meta"]["frontier"]["choices"]
+    picks = [c["pair"] for c in choices.values()]
+    assert frontier.choice_configs(choices, baselines=["q4_0+rot", "q8_0+rot"]) == [
+        "f32", "q4_0+rot", "q8_0+rot", *picks]
+    fewer = copy.deepcopy(run)
+    fewer["rows"] = [r for r in fewer["rows"] if r["codec"] not in ("kv8", "q8_0", "q4_0", "tq4")]
+    command = frontier.run_command(fewer)
+    assert command.endswith("--prompts 1 --baselines f32,q8_0+rot,q4_0+rot")
+    assert "--baselines" not in frontier.run_command(run)
