@@ -188,3 +188,19 @@ def test_markdown_compares_with_f32():
     assert table["`f32`"] == ["2/3 [50%]", "yes"]
     assert table["`a`"] == ["2/3 [100%]", "no"]        # misses what f32 retrieves
     assert table["`b` (pick <= 4.5)"] == ["3/3", "yes"]
+
+
+@pytest.mark.slow
+def test_smollm2_retrieves_at_1k_through_the_45_bit_pick():
+    """SmolLM2 finds the number in f32 at a 1024-token context, and through the frontier's
+    4.5-bit pick as well (the committed 8k runs: data/results/passkey-smollm2-*)."""
+    from _experiments_env import ROOT
+    try:
+        model = load_model("smollm2")
+    except ImportError as exc:
+        pytest.fail(f"the slow tests need the real model: {exc}")
+    pick = json.loads((ROOT / "data" / "results" / "frontier-choices.json").read_text())["4.5"]
+    result = passkey.run_passkey("smollm2", ["f32", pick["pair"]], lengths=[1024],
+                                 depths=[0.5], model=model)
+    assert [(r["codec"], r["retrieved"]) for r in result["rows"]] == [
+        ("f32", True), (pick["pair"], True)], [r["continuation"] for r in result["rows"]]
