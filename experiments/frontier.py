@@ -508,6 +508,8 @@ def run_command(result, choices_path="data/results/frontier-choices.json"):
             f"--positions {t['positions']} --chunk-tokens {t['chunk_tokens']} "
             f"--prompts {meta['protocol']['prompts']}"
             + (" --score second-half" if t.get("score") == "second-half" else "")
+            + (f" --budgets {','.join(meta['frontier']['choices'])}"
+               if len(meta["frontier"]["choices"]) < len(CHOICE_BUDGETS) else "")
             + (f" --baselines {','.join(baselines)}" if baselines != HELD_OUT_BASELINES else "")
             + (f" --configs '{','.join(extra)}'" if extra else ""))
 
@@ -723,6 +725,9 @@ def main(argv=None):
                    help="with --choices: the baselines measured beside the picks "
                         "(comma-separated; default " + ",".join(HELD_OUT_BASELINES) + "; f32 "
                         "is always measured)")
+    p.add_argument("--budgets", default=None,
+                   help="with --choices: run only the picks of these budgets (comma-separated, "
+                        "e.g. 4.5)")
     p.add_argument("--goals", metavar="JSON", nargs="+", default=None,
                    help="print the held-out goals table of runs of the picks (their JSON "
                         "files, e.g. data/results/frontier-choices-*.json); run nothing")
@@ -762,6 +767,13 @@ def main(argv=None):
             choices = load_choices(args.choices)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"frontier: {exc}")
+        if args.budgets:
+            wanted = [f"{float(b):g}" for b in args.budgets.split(",") if b.strip()]
+            missing = [b for b in wanted if b not in choices]
+            if missing:
+                raise SystemExit(f"frontier: {args.choices} has no pick for {missing} bits; it "
+                                 f"has {', '.join(choices)}")
+            choices = {b: choices[b] for b in wanted}
         baselines = split_spec_list(args.baselines) if args.baselines else None
         configs = choice_configs(choices, extra, baselines)
     if args.list:

@@ -90,3 +90,15 @@ def test_a_run_with_fewer_baselines_says_so_in_its_command(run):
     command = frontier.run_command(fewer)
     assert command.endswith("--prompts 1 --baselines f32,q8_0+rot,q4_0+rot")
     assert "--baselines" not in frontier.run_command(run)
+
+
+def test_a_run_of_some_picks_names_their_budgets(run):
+    some = copy.deepcopy(run)
+    pick = some["meta"]["frontier"]["choices"]["4.5"]
+    some["meta"]["frontier"]["choices"] = {"4.5": pick}
+    some["rows"] = [r for r in some["rows"] if r["codec"] in ("f32", "q4_0+rot", pick["pair"])]
+    assert frontier.run_command(some).endswith("--budgets 4.5 --baselines f32,q4_0+rot")
+    assert [c["budget"] for c in frontier.goal_cells(some)] == ["4.5"]
+    with pytest.raises(SystemExit, match=r"no pick for \['2.5'\] bits"):
+        frontier.main(["--choices", str(RESULTS / "frontier-choices.json"), "--budgets", "2.5",
+                       "--list"])
