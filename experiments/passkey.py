@@ -340,7 +340,7 @@ def format_markdown(result):
     lines = [
         f"{meta['model']['model']}: passkey retrieval ({KEY_DIGITS}-digit number, greedy "
         f"decoding through the cache), prompts of {', '.join(str(n) for n in lengths)} tokens, "
-        f"the number at {', '.join(f'{round(100 * d)}%' for d in meta['depths'])} of the filler "
+        f"the number at {', '.join(f'{round(100 * d)}%' for d in sorted(meta['depths']))} of the filler "
         f"(seed {meta['seed']}). Cells: retrieved / prompts; missed depths in brackets. "
         "'= f32': the configuration retrieves every prompt f32 retrieves.",
         "",
