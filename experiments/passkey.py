@@ -16,8 +16,9 @@ Run (one model, the lengths and depths given, f32 plus the frontier's picks and 
     python -m kvquant_experiments.passkey --list     # the configurations only
 
 Writes ``passkey-<model>-L<lengths>-d<depths>-s<seed>.{json,csv,md}`` into ``--out`` (default: a
-folder of that name under the current directory) after every prompt, and resumes from that JSON: a run cut short keeps
-what it measured. The prompts run depth by depth, every configuration at each. Seeds and filler are fixed and recorded in the result.
+folder of that name under the current directory) after every prompt, and resumes from that JSON:
+a run cut short keeps what it measured. The prompts run depth by depth, every configuration at
+each. Seeds and filler are fixed and recorded in the result.
 """
 import argparse
 import json
@@ -337,10 +338,11 @@ def format_markdown(result):
     picks = {}
     for budget, pick in (meta.get("choices") or {}).items():
         picks.setdefault(pick["pair"], []).append(budget)
+    depths = ", ".join(f"{round(100 * d)}%" for d in sorted(meta["depths"]))
     lines = [
         f"{meta['model']['model']}: passkey retrieval ({KEY_DIGITS}-digit number, greedy "
-        f"decoding through the cache), prompts of {', '.join(str(n) for n in lengths)} tokens, "
-        f"the number at {', '.join(f'{round(100 * d)}%' for d in sorted(meta['depths']))} of the filler "
+        f"decoding through the cache), contexts of {', '.join(str(n) for n in lengths)} tokens "
+        f"(prompt and answer), the number at {depths} of the filler "
         f"(seed {meta['seed']}). Cells: retrieved / prompts; missed depths in brackets. "
         "'= f32': the configuration retrieves every prompt f32 retrieves.",
         "",
