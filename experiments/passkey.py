@@ -284,7 +284,7 @@ def run_passkey(model_name, configs, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEP
                  "scoring": "retrieved: the first run of digits of the greedy continuation "
                             "equals the passkey",
                  "source": "task form of Mohtashami & Jaggi, arXiv:2305.16300; own wording",
-                 "choices": choices},
+                 "choices": choices, "environment": environment()},
         "prompts": [p.describe() for n in lengths for p in prompts[n]],
         "rows": [],
     }
@@ -312,7 +312,6 @@ def run_passkey(model_name, configs, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEP
                              f"{p.key}, {time.perf_counter() - t0:.0f} s)")
                 if on_prompt:
                     on_prompt(result)
-    result["meta"]["environment"] = environment()
     return result
 
 
