@@ -343,11 +343,15 @@ def format_markdown(result):
         f"decoding through the cache), contexts of {', '.join(str(n) for n in lengths)} tokens "
         f"(prompt and answer), the number at {depths} of the filler "
         f"(seed {meta['seed']}). Cells: retrieved / prompts; missed depths in brackets. "
+        "Bits per value with the fixed costs of stream options spread over the longest context. "
         "'= f32': the configuration retrieves every prompt f32 retrieves.",
         "",
-        "| K/V | " + " | ".join(f"{n} tokens" for n in lengths) + " | = f32 |",
-        "|---|" + "---|" * len(lengths) + "---|",
+        "| K/V | bits/value at " + f"{max(lengths)} | "
+        + " | ".join(f"{n} tokens" for n in lengths) + " | = f32 |",
+        "|---|---|" + "---|" * len(lengths) + "---|",
     ]
+    from kvquant_experiments.frontier import bits_per_value
+    head_dim = meta["model"]["head_dim"]
     f32 = {(r["n_tokens_asked"], r["depth"]) for r in result["rows"]
            if r["codec"] == "f32" and r["retrieved"]}
     for spec in dict.fromkeys(r["codec"] for r in result["rows"]):
@@ -357,14 +361,21 @@ def format_markdown(result):
                 cells.append("–")
                 continue
             hit, asked, missed = s[(spec, n)]
-            cells.append(f"{hit}/{asked}" + (f" [{', '.join(f'{round(100 * d)}%' for d in missed)}]"
-                                             if missed else ""))
+            ran = {r["depth"] for r in result["rows"]
+                   if r["codec"] == spec and r["n_tokens_asked"] == n}
+            not_run = [d for d in sorted(meta["depths"]) if d not in ran]
+            cells.append(f"{hit}/{asked}"
+                         + (f" [{', '.join(f'{round(100 * d)}%' for d in missed)}]"
+                            if missed else "")
+                         + (f" (not run: {', '.join(f'{round(100 * d)}%' for d in not_run)})"
+                            if not_run else ""))
         mine = {(r["n_tokens_asked"], r["depth"]) for r in result["rows"]
                 if r["codec"] == spec and r["retrieved"]}
         ran = {(r["n_tokens_asked"], r["depth"]) for r in result["rows"] if r["codec"] == spec}
         same = "yes" if (f32 & ran) <= mine else "no"
         label = f"`{spec}`" + (f" (pick <= {', '.join(picks[spec])})" if spec in picks else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {same} |")
+        bits = bits_per_value(spec, head_dim, tokens=max(lengths))
+        lines.append(f"| {label} | {bits:.2f} | " + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
 
 

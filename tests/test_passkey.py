@@ -178,16 +178,19 @@ def test_markdown_compares_with_f32():
     def row(codec, n, depth, ok):
         return {"codec": codec, "n_tokens_asked": n, "depth": depth, "retrieved": ok}
     rows = ([row("f32", 8192, d, d != 0.5) for d in (0.0, 0.5, 1.0)]
-            + [row("a", 8192, d, d != 1.0) for d in (0.0, 0.5, 1.0)]
-            + [row("b", 8192, d, True) for d in (0.0, 0.5, 1.0)])
-    result = {"meta": {"model": {"model": "m"}, "lengths": [8192], "depths": [0.0, 0.5, 1.0],
-                       "seed": 0, "choices": {"4.5": {"pair": "b"}}}, "rows": rows}
+            + [row("tq4", 8192, d, d != 1.0) for d in (0.0, 0.5, 1.0)]
+            + [row("q4_0+rot", 8192, d, True) for d in (0.0, 0.5)])
+    result = {"meta": {"model": {"model": "m", "head_dim": 64}, "lengths": [8192],
+                       "depths": [0.0, 0.5, 1.0], "seed": 0,
+                       "choices": {"4.5": {"pair": "q4_0+rot"}}}, "rows": rows}
     lines = passkey.format_markdown(result).splitlines()
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
              for line in lines if line.startswith("| `")}
-    assert table["`f32`"] == ["2/3 [50%]", "yes"]
-    assert table["`a`"] == ["2/3 [100%]", "no"]        # misses what f32 retrieves
-    assert table["`b` (pick <= 4.5)"] == ["3/3", "yes"]
+    # bits per value: f32 32, tq4 4 + 32 bits of norm per 64 values, q4_0 4.5
+    assert table["`f32`"] == ["32.00", "2/3 [50%]", "yes"]
+    assert table["`tq4`"] == ["4.50", "2/3 [100%]", "no"]        # misses what f32 retrieves
+    # not run at 100%: compared on what it ran
+    assert table["`q4_0+rot` (pick <= 4.5)"] == ["4.50", "2/2 (not run: 100%)", "yes"]
 
 
 @pytest.mark.slow
