@@ -355,9 +355,24 @@ def _committed_frontier_section():
                "mean KLD on it"],
               [[b, f"`{c['pair']}`", f"{c['bits']:.2f}", c["tune_text"],
                 _fmt(c.get("tune_kld_mean"), 3)] for b, c in choices.items()])
+    runs = [json.loads(p.read_text()) for p in sorted(results.glob("frontier-choices-*.json"))]
+    if runs:
+        from kvquant_experiments.frontier import goals_table
+        sec.para("The goals on held-out text, cell by cell (`python -m kvquant_experiments."
+                 "frontier --goals data/results/frontier-choices-*.json`; a column per run of "
+                 "the picks, its command below the table; bits as stored at that run's chunk "
+                 "length):")
+        sec.add(goals_table(runs), "")
     for path in sorted(results.glob("frontier-choices-*.md")):
         sec.add(f"**{path.name}** (held out unless it says so):", "", path.read_text().strip(),
                 "")
+    passkeys = sorted(results.glob("passkey-*.md"))
+    if passkeys:
+        sec.para("Passkey retrieval at long context (`python -m kvquant_experiments.passkey`: a "
+                 "number hidden in filler at several depths, greedy decoding through the cache "
+                 "of each configuration):")
+        for path in passkeys:
+            sec.add(f"**{path.name}**:", "", path.read_text().strip(), "")
     return sec
 
 
