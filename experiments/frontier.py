@@ -484,7 +484,7 @@ def choice_configs(choices, extra=(), baselines=None):
 HELD_OUT_GOALS = {"3.5": 0.03, "4.5": 0.015, "5.5": 0.004}
 # At 8.5 bits: under the storage-only q8_0+rot of the same run, and AS_RUN_FACTOR times under
 # llama.cpp's q8_0 as it runs (its quantized attention arithmetic), when the run has that row.
-AS_RUN_Q8_0 = "ggml:q8_0"
+AS_RUN_Q8_0 = "ggml:q8_0/q8_0"
 AS_RUN_FACTOR = 10.0
 
 
