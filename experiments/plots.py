@@ -318,7 +318,7 @@ def plot_speed_step(results, out, threads=None):
     from kvquant_experiments.distortion import codec_family
     for ax, dim in zip(axes[0], dims):
         sub = [r for r in rows if r["dim"] == dim]
-        # numpy's time per T: the median over the codecs' interleaved runs
+        # numpy's time per T: the median over the cells that timed it (one per codec)
         by_T = {}
         for r in sub:
             by_T.setdefault(r["T"], []).append(r[f"numpy_s_{threads}t"])
