@@ -73,11 +73,14 @@ REMEDY_NOTES = {
 }
 
 
-def write_shape_gguf(path, shape=SMOLLM2_SHAPE, seed=0):
-    """A llama-architecture GGUF of the given shape with random float16 weights."""
+def write_shape_gguf(path, shape=SMOLLM2_SHAPE, seed=0, weight_type=None):
+    """A llama-architecture GGUF of the given shape with random weights: float16 matrices, or
+    ``weight_type`` (a ``gguf.GGMLQuantizationType`` name such as ``"Q8_0"``) through
+    ``gguf.quants.quantize``; norms in float32."""
     import gguf
     s = shape
     rng = np.random.default_rng(seed)
+    qtype = None if weight_type is None else gguf.GGMLQuantizationType[weight_type]
     D, F, H, G, hd, V = s["hidden"], s["ffn"], s["n_heads"], s["n_kv"], s["head_dim"], s["vocab"]
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(s["n_layers"])
@@ -93,7 +96,12 @@ def write_shape_gguf(path, shape=SMOLLM2_SHAPE, seed=0):
 
     def add(name, shape_, scale):
         arr = rng.standard_normal(shape_, dtype=np.float32) * np.float32(scale)
-        w.add_tensor(name, arr + np.float32(1.0) if len(shape_) == 1 else arr.astype(np.float16))
+        if len(shape_) == 1:
+            w.add_tensor(name, arr + np.float32(1.0))
+        elif qtype is None:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", (V, D), 0.02)
     for i in range(s["n_layers"]):

@@ -29,44 +29,8 @@ LLAMA_1B = dict(n_layers=16, hidden=2048, ffn=8192, n_heads=32, n_kv=8, head_dim
 
 
 def write_llama_1b(path, seed=0, qtype="Q8_0"):
-    import gguf
-    s = LLAMA_1B
-    rng = np.random.default_rng(seed)
-    t = gguf.GGMLQuantizationType[qtype]
-    D, F, H, G, hd, V = s["hidden"], s["ffn"], s["n_heads"], s["n_kv"], s["head_dim"], s["vocab"]
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(s["n_layers"])
-    w.add_context_length(s["context"])
-    w.add_embedding_length(D)
-    w.add_feed_forward_length(F)
-    w.add_head_count(H)
-    w.add_head_count_kv(G)
-    w.add_rope_freq_base(s["rope_base"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(hd)
-    w.add_vocab_size(V)
-
-    def add(name, shape, scale):
-        arr = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
-        if len(shape) == 1:
-            w.add_tensor(name, arr + np.float32(1.0))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
-
-    add("token_embd.weight", (V, D), 0.02)
-    for i in range(s["n_layers"]):
-        p = f"blk.{i}."
-        add(p + "attn_norm.weight", (D,), 0.05)
-        add(p + "ffn_norm.weight", (D,), 0.05)
-        for name, shape in [("attn_q", (H * hd, D)), ("attn_k", (G * hd, D)),
-                            ("attn_v", (G * hd, D)), ("attn_output", (D, H * hd)),
-                            ("ffn_gate", (F, D)), ("ffn_up", (F, D)), ("ffn_down", (D, F))]:
-            add(p + name + ".weight", shape, 1.0 / np.sqrt(shape[1]))
-    add("output_norm.weight", (D,), 0.05)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    from kvquant_experiments.bench_forward import write_shape_gguf
+    write_shape_gguf(path, LLAMA_1B, seed=seed, weight_type=qtype)
 
 
 def main(argv=None):
