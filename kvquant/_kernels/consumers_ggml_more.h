@@ -16,6 +16,7 @@
 #define KVQ_CONSUMERS_GGML_MORE_H
 
 #include "simd.h"
+#include "consumers_ggml.h"   /* kvq_fp16_value: the blocks' fp16 fields */
 
 #define KVQ_GM_Q4_1 2
 #define KVQ_GM_Q5_0 3
@@ -53,25 +54,6 @@ static inline int kvq_gm_qh_offset(const int kind)
     return kind == KVQ_GM_Q5_0 ? 2 : 4;
 }
 
-/* Exact widening of the little-endian binary16 at b. */
-static inline float kvq_gm_fp16(const uint8_t* b)
-{
-    const uint32_t h = (uint32_t)b[0] | ((uint32_t)b[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, u;
-    float f;
-    if (e == 0x1F) {
-        u = sign | 0x7F800000u | (m << 13);
-    } else if (e != 0) {
-        u = sign | ((e + 112u) << 23) | (m << 13);
-    } else {   /* zero or subnormal: m * 2^-24, exact in float */
-        f = (float)m * 0x1p-24f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    }
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline uint32_t kvq_gm_qh(const uint8_t* blk, const int kind)
 {
     const uint8_t* b = blk + kvq_gm_qh_offset(kind);
@@ -104,7 +86,7 @@ static void kvq_gm_dot_portable(const kvq_params* p, const uint8_t* codes, const
         kvq_zero16(acc);
         for (b = 0; b < nb; b++) {
             const uint8_t* blk = row + b * bb;
-            const float d = kvq_gm_fp16(blk);
+            const float d = kvq_fp16_value(blk);
             const uint32_t qh = five ? kvq_gm_qh(blk, kind) : 0u;
             const float* qb = q + 32 * b;
             kvq_zero16(part);
@@ -113,7 +95,7 @@ static void kvq_gm_dot_portable(const kvq_params* p, const uint8_t* codes, const
                     part[j] = part[j] + qb[16 * s + j] * kvq_gm_value(blk, 16 * s + j, kind, qh);
             for (j = 0; j < 16; j++) acc[j] = acc[j] + part[j] * d;
             if (offset) {
-                const float m = kvq_gm_fp16(blk + 2);
+                const float m = kvq_fp16_value(blk + 2);
                 kvq_zero16(qsum);
                 for (s = 0; s < 2; s++)
                     for (j = 0; j < 16; j++) qsum[j] = qsum[j] + qb[16 * s + j];
@@ -137,12 +119,12 @@ static void kvq_gm_axpy_portable(const kvq_params* p, const uint8_t* codes, cons
         const uint8_t* row = codes + t * p->code_bytes;
         for (b = 0; b < nb; b++) {
             const uint8_t* blk = row + b * bb;
-            const float c = w[t] * kvq_gm_fp16(blk);
+            const float c = w[t] * kvq_fp16_value(blk);
             const uint32_t qh = five ? kvq_gm_qh(blk, kind) : 0u;
             float* a = acc + 32 * b;
             for (j = 0; j < 32; j++) a[j] = a[j] + c * kvq_gm_value(blk, j, kind, qh);
             if (offset) {
-                const float wm = w[t] * kvq_gm_fp16(blk + 2);
+                const float wm = w[t] * kvq_fp16_value(blk + 2);
                 for (j = 0; j < 32; j++) a[j] = a[j] + wm;
             }
         }
@@ -199,9 +181,9 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_gm_dot_rows(const kvq_params
             kvq_gm_values(blk, kind, levels, &lo, &hi);
             part = _mm512_add_ps(_mm512_setzero_ps(), _mm512_mul_ps(q0, lo));
             part = _mm512_add_ps(part, _mm512_mul_ps(q1, hi));
-            acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(part, _mm512_set1_ps(kvq_gm_fp16(blk))));
+            acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(part, _mm512_set1_ps(kvq_fp16_value(blk))));
             if (kvq_gm_has_min(kind))
-                acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(qsum, _mm512_set1_ps(kvq_gm_fp16(blk + 2))));
+                acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(qsum, _mm512_set1_ps(kvq_fp16_value(blk + 2))));
         }
     }
     if (NR == 4)
@@ -227,11 +209,11 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_gm_axpy_rows(const kvq_param
             const uint8_t* blk = c + k * cb + b * bb;
             kvq_prefetch(blk + KVQ_PREFETCH_BYTES);
             kvq_gm_values(blk, kind, levels, &lo, &hi);
-            coef = _mm512_set1_ps(w[k] * kvq_gm_fp16(blk));
+            coef = _mm512_set1_ps(w[k] * kvq_fp16_value(blk));
             a0 = _mm512_add_ps(a0, _mm512_mul_ps(coef, lo));
             a1 = _mm512_add_ps(a1, _mm512_mul_ps(coef, hi));
             if (kvq_gm_has_min(kind)) {
-                wm = _mm512_set1_ps(w[k] * kvq_gm_fp16(blk + 2));
+                wm = _mm512_set1_ps(w[k] * kvq_fp16_value(blk + 2));
                 a0 = _mm512_add_ps(a0, wm);
                 a1 = _mm512_add_ps(a1, wm);
             }
