@@ -75,6 +75,7 @@ MODEL = "smollm2"
 BUDGET_LOW, KLD_GOAL_LOW = 4.5, 0.02   # bits per value, mean KLD (nats)
 BUDGET_HIGH = 8.5                      # bits per value; goal: KLD <= q8_0's
 LABEL_GAP = 0.075  # decades between stacked labels in the figure
+LABEL_COLUMN = 0.05  # bits: points closer than this stack their labels in one column
 DEFAULTS = {"positions": 2048, "chunk_tokens": 512, "prompts": 4}
 
 UNIFORM = [
@@ -558,21 +559,42 @@ def run_command(result, choices_path="data/results/frontier-choices.json"):
             + (f" --configs '{','.join(extra)}'" if extra else ""))
 
 
+def _run_key(result):
+    """Runs of the picks that measure the same cell: model, text, chunk, positions, prompts."""
+    t = result["meta"]["text"]
+    return (_model_tag(result), t["chunk_tokens"], t.get("name", t["source"]), t["positions"],
+            result["meta"]["protocol"]["prompts"], t.get("score", "all"))
+
+
+def _merged_cells(runs):
+    """The goal cells of runs of one key, per budget: the cell whose goal could be checked (a
+    later run may add a baseline, such as the as-run q8_0, that an earlier one lacked)."""
+    merged = {}
+    for r in runs:
+        for c in goal_cells(r):
+            if c["budget"] not in merged or merged[c["budget"]]["met"] is None:
+                merged[c["budget"]] = c
+    return list(merged.values())
+
+
 def goals_table(results):
     """Markdown: the held-out goals per budget (rows) on each run of the picks (columns), each
     cell the pick's mean KLD and bits on that run and whether it meets the goal; then the
-    command of each column. ``results``: runs of the picks (``--choices``)."""
-    results = sorted((r for r in results if r["meta"].get("frontier", {}).get("choices")),
-                     key=lambda r: (_model_tag(r), r["meta"]["text"]["chunk_tokens"],
-                                    r["meta"]["text"].get("name", "")))
-    if not results:
+    command(s) of each column. ``results``: runs of the picks (``--choices``); runs of the same
+    model, text, chunk, positions and prompts share a column."""
+    groups = {}
+    for r in results:
+        if r["meta"].get("frontier", {}).get("choices"):
+            groups.setdefault(_run_key(r), []).append(r)
+    if not groups:
         return "(no run of the picks)"
-    cols = [goal_cells(r) for r in results]
+    keys = sorted(groups)
+    cols = [_merged_cells(groups[k]) for k in keys]
     budgets = sorted({c["budget"] for col in cols for c in col}, key=float)
     mark = {True: "**met**", False: "missed", None: "open"}
-    lines = ["| budget | goal | " + " | ".join(f"({i}) {run_label(r)}"
-                                               for i, r in enumerate(results, 1)) + " |",
-             "|---|---|" + "---|" * len(results)]
+    lines = ["| budget | goal | " + " | ".join(f"({i}) {run_label(groups[k][0])}"
+                                               for i, k in enumerate(keys, 1)) + " |",
+             "|---|---|" + "---|" * len(keys)]
     for b in budgets:
         goal = (f"mean KLD <= {HELD_OUT_GOALS[b]:g}" if b in HELD_OUT_GOALS else
                 f"under q8_0+rot, {AS_RUN_FACTOR:g}x under q8_0 as llama.cpp runs it")
@@ -584,8 +606,8 @@ def goals_table(results):
                          + ("" if b in HELD_OUT_GOALS else f" ({c['goal']})"))
         lines.append(f"| <= {b} | {goal} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines += [f"({i}) `{run_command(r)}`" + ("" if i == len(results) else "  ")
-              for i, r in enumerate(results, 1)]
+    lines += [f"({i}) " + "; ".join(f"`{run_command(r)}`" for r in groups[k])
+              + ("" if i == len(keys) else "  ") for i, k in enumerate(keys, 1)]
     return "\n".join(lines)
 
 
@@ -671,20 +693,24 @@ def plot_frontier(result, out):
                     or x["codec"] in picks),
                    key=lambda x: (x["bits_per_value"], -x["kld_mean"]))
     number = {x["codec"]: n for n, x in enumerate(named, 1)}
-    columns = {}
+    columns = {}   # points within LABEL_COLUMN bits of the column's first share its labels
     for x in named:
-        columns.setdefault(round(x["bits_per_value"], 3), []).append(x)
+        near = [b for b in columns if abs(x["bits_per_value"] - b) < LABEL_COLUMN]
+        columns.setdefault(near[0] if near else x["bits_per_value"], []).append(x)
     for bits, col in columns.items():
         col.sort(key=lambda x: -x["kld_mean"])
         right = not any(0 < b - bits < 0.4 for b in columns)
         ys = _spread([math.log10(max(x["kld_mean"], 1e-12)) for x in col], LABEL_GAP)
         for x, ly in zip(col, ys):
             color = FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]
-            ax.annotate(str(number[x["codec"]]), (bits, x["kld_mean"]),
+            ax.annotate(str(number[x["codec"]]), (x["bits_per_value"], x["kld_mean"]),
                         xytext=(bits + (0.12 if right else -0.12), 10 ** ly),
                         textcoords="data", fontsize=7, va="center", color=color,
                         ha="left" if right else "right",
                         fontweight="bold" if x["family"] in BASELINES else "normal",
+                        # a white ground keeps a number legible where a goal line crosses it
+                        bbox={"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none",
+                              "alpha": 0.85},
                         arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
                                     "shrinkA": 0, "shrinkB": 4})
     entries = [(number[x["codec"]], f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} "

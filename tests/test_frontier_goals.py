@@ -71,7 +71,11 @@ def test_goals_table_has_a_column_and_a_command_per_run(run, capsys):
     assert frontier.main(["--goals", *paths]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
-    assert header.count("|") == 3 + len(paths)
+    # runs of one model, text, chunk, positions and prompts share a column
+    cells = {(r["meta"].get("model_name"), r["meta"]["text"].get("name"), r["meta"]["text"]["chunk_tokens"],
+              r["meta"]["text"]["positions"], r["meta"]["protocol"]["prompts"])
+             for r in (json.loads(open(p).read()) for p in paths)}
+    assert header.count("|") == 3 + len(cells)
     assert "gemma3-270m code c512" in header
     for budget in ("<= 3.5", "<= 4.5", "<= 5.5", "<= 8.5"):
         assert f"| {budget} |" in out
@@ -109,3 +113,22 @@ def test_a_run_of_some_picks_names_their_budgets(run):
     with pytest.raises(SystemExit, match=r"no pick for \['2.5'\] bits"):
         frontier.main(["--choices", str(RESULTS / "frontier-choices.json"), "--budgets", "2.5",
                        "--list"])
+
+
+def test_a_later_run_of_the_same_cell_closes_its_open_goal(run):
+    pick = run["meta"]["frontier"]["choices"]["8.5"]
+    rows = {r["codec"]: r for r in run["rows"]}
+    later = copy.deepcopy(run)
+    later["meta"]["frontier"]["choices"] = {"8.5": pick}
+    as_run = dict(copy.deepcopy(rows["q8_0+rot"]), codec=frontier.AS_RUN_Q8_0,
+                  kld_mean=rows[pick["pair"]]["kld_mean"] * 3)
+    later["rows"] = [rows["f32"], rows["q8_0+rot"], rows[pick["pair"]], as_run]
+    table = frontier.goals_table([run, later])
+    header, _, *body = table.splitlines()
+    assert header.count("|") == 4                      # one column for the two runs
+    high = next(line for line in body if line.startswith("| <= 8.5 |"))
+    assert "missed" in high and "open" not in high     # 3x under the as-run row, not 10x
+    assert table.count("python -m kvquant_experiments.frontier") == 2
+    other = copy.deepcopy(later)
+    other["meta"]["text"]["positions"] = 2 * run["meta"]["text"]["positions"]
+    assert frontier.goals_table([run, other]).splitlines()[0].count("|") == 5
