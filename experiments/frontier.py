@@ -46,6 +46,7 @@ Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,p
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -309,12 +310,16 @@ def _model_tag(result):
 
 
 def result_stem(result):
-    """``frontier-<model>-<text>-N<positions>-c<chunk tokens>-p<prompts>``."""
+    """``frontier-<model>-<text>-N<positions>-c<chunk tokens>-p<prompts>``; a run of some of the
+    picks adds ``-b<budget>-...`` (so that it does not take the name of a run of all of them)."""
     t = result["meta"]["text"]
-    kind = "frontier-choices" if result["meta"].get("frontier", {}).get("choices") else "frontier"
+    choices = result["meta"].get("frontier", {}).get("choices")
+    kind = "frontier-choices" if choices else "frontier"
+    some = choices and len(choices) < len(CHOICE_BUDGETS)
     return (f"{kind}-{_model_tag(result)}-{t.get('name', 'pydoc')}-N{t['positions']}"
             f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}"
-            + ("-half" if t.get("score") == "second-half" else ""))
+            + ("-half" if t.get("score") == "second-half" else "")
+            + ("-b" + "-b".join(sorted(choices, key=float)) if some else ""))
 
 
 CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token", "fixed_bytes",
@@ -449,6 +454,36 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
             "from": source or result_stem(result),
         }
     return out
+
+
+def merge_tune_runs(results, names=None):
+    """One result holding the rows of several runs on the same tune text (a grid run, then
+    runs of more configurations), for :func:`choose`. The runs must share the model, the text
+    and its chunks, the positions and the prompts, or their KLDs are not comparable: a
+    ``ValueError`` names what differs. A configuration in several runs keeps its first row."""
+    names = names or [f"result {i}" for i in range(1, len(results) + 1)]
+
+    def key(r):
+        t, m = r["meta"]["text"], r["meta"]
+        return {"model": m.get("model_name", MODEL), "text": t.get("name", t["source"]),
+                "positions": t["positions"], "chunk_tokens": t["chunk_tokens"],
+                "chunk_starts": t.get("chunk_starts"), "prompts": m["protocol"]["prompts"],
+                "score": t.get("score", "all")}
+    first = key(results[0])
+    for name, r in zip(names[1:], results[1:]):
+        differ = {k: (first[k], v) for k, v in key(r).items() if first[k] != v}
+        if differ:
+            raise ValueError(f"{name} is not a run on the same tune text as {names[0]}: "
+                             + "; ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
+                             + ". Pick from runs of one model, text, chunking and protocol.")
+    merged = copy.deepcopy(results[0])
+    seen = {r["codec"] for r in merged["rows"]}
+    for r in results[1:]:
+        for row in r["rows"]:
+            if row["codec"] not in seen:
+                merged["rows"].append(copy.deepcopy(row))
+                seen.add(row["codec"])
+    return merged
 
 
 def load_choices(path):
@@ -794,10 +829,11 @@ def main(argv=None):
                         "is data/figures/frontier_smollm2.png)")
     p.add_argument("--score", choices=("all", "second-half"), default="all",
                    help="text positions in the statistics (second-half: as llama-perplexity)")
-    p.add_argument("--choose-from", metavar="JSON", default=None,
-                   help="write the picks of a frontier result on its (tune) text, one per budget "
-                        f"({', '.join(f'{b:g}' for b in CHOICE_BUDGETS)} bits), to "
-                        "--choices-out; run nothing")
+    p.add_argument("--choose-from", metavar="JSON", nargs="+", default=None,
+                   help="write the picks of frontier results on their (tune) text, one per "
+                        f"budget ({', '.join(f'{b:g}' for b in CHOICE_BUDGETS)} bits), to "
+                        "--choices-out; several results must share model, text, chunks and "
+                        "prompts (a grid, then more configurations); run nothing")
     p.add_argument("--choices-out", default="frontier-choices.json",
                    help="where --choose-from writes (the repo's: "
                         "data/results/frontier-choices.json)")
@@ -822,9 +858,16 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     if args.choose_from:
-        with open(args.choose_from) as f:
-            tuned = json.load(f)
-        choices = choose(tuned, source=os.path.basename(args.choose_from))
+        runs = []
+        for path in args.choose_from:
+            with open(path) as f:
+                runs.append(json.load(f))
+        names = [os.path.basename(p) for p in args.choose_from]
+        try:
+            tuned = merge_tune_runs(runs, names)
+        except ValueError as exc:
+            raise SystemExit(f"frontier: {exc}")
+        choices = choose(tuned, source=", ".join(names))
         write_json(args.choices_out, choices)
         for budget, pick in choices.items():
             print(f"<= {budget} bits: {pick['pair']} ({pick['bits']:.2f} bits, mean KLD "

@@ -79,3 +79,33 @@ def test_a_rerun_announces_the_cells_it_reused(tmp_path, capsys):
                        desc="toy", tally=again)
     assert again == {"reused": 3, "computed": 0, "work_seconds": 0.0}
     assert f"toy: reused 3 cells from {tmp_path}" in capsys.readouterr().err
+
+
+def test_picks_can_come_from_several_runs_on_one_tune_text(tune_run, tmp_path):
+    import copy
+    more = copy.deepcopy(tune_run)
+    rows = [r for r in tune_run["rows"] if r["codec"] != "f32"]
+    # the fewest bits and half the lowest KLD of the grid: the pick of every budget it fits
+    smallest = min(rows, key=lambda r: r["bytes_per_token"])
+    extra = dict(copy.deepcopy(smallest), codec="polar3/polar3",
+                 kld_mean=min(r["kld_mean"] for r in rows) / 2)
+    more["rows"] = [tune_run["rows"][0], extra]
+    merged = frontier.merge_tune_runs([tune_run, more])
+    assert len(merged["rows"]) == len(tune_run["rows"]) + 1
+    picks = frontier.choose(merged)
+    bits = next(r for r in frontier.frontier_rows(merged)
+                if r["codec"] == "polar3/polar3")["bits_per_value"]
+    fits = [b for b in picks if float(b) >= bits]
+    assert fits and all(picks[b]["pair"] == "polar3/polar3" for b in fits)   # best where it fits
+    other = copy.deepcopy(more)
+    other["meta"]["text"]["name"] = "code"
+    with pytest.raises(ValueError, match="not a run on the same tune text.*text 'pydoc' vs 'code'"):
+        frontier.merge_tune_runs([tune_run, other], ["grid.json", "code.json"])
+    paths = []
+    for name, r in (("grid.json", tune_run), ("code.json", other)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(r))
+    with pytest.raises(SystemExit, match="code.json is not a run on the same tune text"):
+        frontier.main(["--choose-from", *map(str, paths), "--choices-out",
+                       str(tmp_path / "c.json")])
+    assert not (tmp_path / "c.json").exists()

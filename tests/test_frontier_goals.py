@@ -132,3 +132,11 @@ def test_a_later_run_of_the_same_cell_closes_its_open_goal(run):
     other = copy.deepcopy(later)
     other["meta"]["text"]["positions"] = 2 * run["meta"]["text"]["positions"]
     assert frontier.goals_table([run, other]).splitlines()[0].count("|") == 5
+
+
+def test_a_run_of_some_picks_is_named_for_them(run):
+    assert frontier.result_stem(run) == "frontier-choices-gemma3-270m-code-N1024-c512-p1"
+    some = copy.deepcopy(run)
+    some["meta"]["frontier"]["choices"] = {b: run["meta"]["frontier"]["choices"][b]
+                                           for b in ("8.5", "4.5")}
+    assert frontier.result_stem(some) == "frontier-choices-gemma3-270m-code-N1024-c512-p1-b4.5-b8.5"
