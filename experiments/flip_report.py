@@ -28,12 +28,14 @@ __all__ = [
 # The frontier's picks (data/results/frontier-choices.json, chosen on the tune text pydoc; a test
 # checks that the two agree), in budget order 3.5, 4.5, 5.5, 8.5 bits per value.
 PICKS = [
-    "polar4:side_dtype=f16@center,normalize,sinks=1/polar3:side_dtype=f16@center,sinks=1",
-    "polar4:side_dtype=f16@center,normalize,sinks=1,recent=16"
-    "/polar3:side_dtype=f16@center,sinks=1,recent=16",
-    "polar5:side_dtype=f16@center,normalize,sinks=1,recent=16"
-    "/polar4:side_dtype=f16@center,sinks=1,recent=16",
-    "tq8:side_dtype=f16@center,normalize,sinks=1/tq8:side_dtype=f16@center,sinks=1",
+    "polar3:side_dtype=f16@center,normalize,sinks=1,recent=12"
+    "/polar3:side_dtype=f16@center,sinks=1,recent=4",
+    "polar4:side_dtype=f16@center,normalize,sinks=1,recent=12"
+    "/polar4:side_dtype=f16@center,sinks=1,recent=4",
+    "polar6:side_dtype=f16@center,normalize,sinks=1,recent=8"
+    "/polar4:side_dtype=f16@center,sinks=1,recent=8",
+    "tq8:side_dtype=f16@center,normalize,sinks=1"
+    "/tq8:side_dtype=f16@center,sinks=1",
 ]
 # The real model's text in the report: held out (the picks were chosen on pydoc).
 REPORT_TEXT = "code"
@@ -52,8 +54,7 @@ REPORT_CODECS = {
                 "polar5:side_dtype=f16@center,normalize,sinks=1/polar4:side_dtype=f16@center,sinks=1",
                 "q4_0+rot@center,normalize,sinks=1/q4_0+rot@center,sinks=1",
                 # the frontier's picks at 3.5, 4.5, 5.5 and 8.5 bits, chosen on pydoc
-                # (data/results/frontier-choices.json; the 5.5 pick is the pair above with a
-                # recent window of 16 f32 rows): the report runs them on a held-out text
+                # (data/results/frontier-choices.json): the report runs them on a held-out text
                 *PICKS],
 }
 TINY_EXTRAS = ["polar3", "polar4", "polar6", "polar6:compat=colibri", "q8_0/kv8", "q4_0/kv8",

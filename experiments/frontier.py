@@ -607,7 +607,12 @@ def _merged_cells(runs):
     merged = {}
     for r in runs:
         for c in goal_cells(r):
-            if c["budget"] not in merged or merged[c["budget"]]["met"] is None:
+            known = merged.get(c["budget"])
+            if known is not None and known["pair"] != c["pair"]:
+                raise ValueError(
+                    f"runs of {run_label(r)} measure different picks at {c['budget']} bits "
+                    f"({known['pair']} and {c['pair']}): pass the runs of one choices file")
+            if known is None or known["met"] is None:
                 merged[c["budget"]] = c
     return list(merged.values())
 
@@ -879,7 +884,10 @@ def main(argv=None):
         for path in args.goals:
             with open(path) as f:
                 results.append(json.load(f))
-        print(goals_table(results))
+        try:
+            print(goals_table(results))
+        except ValueError as exc:
+            raise SystemExit(f"frontier: {exc}")
         return 0
     choices = None
     extra = []

@@ -347,8 +347,9 @@ def _committed_frontier_section():
     choices = json.loads(choices_path.read_text())
     sec.para("From committed runs, not recomputed here. The picks (`data/results/"
              "frontier-choices.json`, from `python -m kvquant_experiments.frontier "
-             "--choose-from <grid run on the tune text>`): per budget, the lowest mean KLD of "
-             "the frontier's grid on the tune text. `python -m kvquant_experiments.frontier "
+             "--choose-from <runs on the tune text>`): per budget, the lowest mean KLD of "
+             "the frontier's grid and its further runs (data/results/tune-windows/) on the tune "
+             "text. `python -m kvquant_experiments.frontier "
              "--choices data/results/frontier-choices.json --text T` runs exactly them on any "
              "text.")
     sec.table(["budget (bits/value)", "pick (K / V)", "bits/value", "tune text",

@@ -12,6 +12,8 @@ from kvquant_experiments import executor, flip_report, frontier  # noqa: E402
 
 RESULTS = ROOT / "data" / "results"
 TUNE_RUN = RESULTS / "frontier-smollm2-N2048-c512-p4.json"
+# further runs on the tune text (recent windows split between K and V) the picks also come from
+TUNE_MORE = sorted((RESULTS / "tune-windows").glob("frontier-smollm2-pydoc-*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +21,12 @@ def tune_run():
     return json.loads(TUNE_RUN.read_text())
 
 
-def test_committed_choices_are_the_picks_of_the_tune_run(tune_run):
+def test_committed_choices_are_the_picks_of_the_tune_runs(tune_run):
     committed = json.loads((RESULTS / "frontier-choices.json").read_text())
-    made = frontier.choose(tune_run, source=TUNE_RUN.name)
+    assert TUNE_MORE
+    runs = [tune_run] + [json.loads(p.read_text()) for p in TUNE_MORE]
+    assert {r["meta"]["text"]["name"] for r in runs} == {"pydoc"}
+    made = frontier.choose(frontier.merge_tune_runs(runs))
     assert {b: (c["pair"], c["bits"], c["tune_text"]) for b, c in made.items()} == {
         b: (c["pair"], c["bits"], c["tune_text"]) for b, c in committed.items()}
     assert list(committed) == ["3.5", "4.5", "5.5", "8.5"]

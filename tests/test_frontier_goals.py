@@ -47,6 +47,7 @@ def test_cells_compare_each_pick_with_its_budgets_goal(run):
 
 
 def test_the_high_budget_waits_for_the_as_run_baseline(run):
+    run["rows"] = [r for r in run["rows"] if r["codec"] != frontier.AS_RUN_Q8_0]
     pick = run["meta"]["frontier"]["choices"]["8.5"]["pair"]
     rows = {r["codec"]: r for r in run["rows"]}
     assert rows[pick]["kld_mean"] < rows["q8_0+rot"]["kld_mean"]
@@ -80,11 +81,11 @@ def test_goals_table_has_a_column_and_a_command_per_run(run, capsys):
     for budget in ("<= 3.5", "<= 4.5", "<= 5.5", "<= 8.5"):
         assert f"| {budget} |" in out
     assert out.count("python -m kvquant_experiments.frontier --model") == len(paths)
-    # the committed runs predate the as-run rows (ggml:...), so their commands name the
-    # baselines they did run
-    ran = ",".join(b for b in frontier.HELD_OUT_BASELINES if not b.startswith("ggml"))
-    assert ("--model gemma3-270m --choices data/results/frontier-choices.json --text code "
-            f"--positions 1024 --chunk-tokens 512 --prompts 1 --baselines {ran}`") in out
+    for p in paths:   # each run's own command, with the baselines and budgets it ran
+        assert f"`{frontier.run_command(json.loads(open(p).read()))}`" in out
+    assert ("`python -m kvquant_experiments.frontier --model gemma3-270m --choices "
+            "data/results/frontier-choices.json --text code --positions 1024 --chunk-tokens 512 "
+            "--prompts 1") in out
 
 
 def test_a_run_with_fewer_baselines_says_so_in_its_command(run):
@@ -93,7 +94,8 @@ def test_a_run_with_fewer_baselines_says_so_in_its_command(run):
     assert frontier.choice_configs(choices, baselines=["q4_0+rot", "q8_0+rot"]) == [
         "f32", "q4_0+rot", "q8_0+rot", *picks]
     fewer = copy.deepcopy(run)
-    fewer["rows"] = [r for r in fewer["rows"] if r["codec"] not in ("kv8", "q8_0", "q4_0", "tq4")]
+    fewer["rows"] = [r for r in fewer["rows"]
+                     if r["codec"] in ("f32", "q8_0+rot", "q4_0+rot", *picks)]
     command = frontier.run_command(fewer)
     assert command.endswith("--prompts 1 --baselines f32,q8_0+rot,q4_0+rot")
     every = copy.deepcopy(run)
@@ -140,3 +142,12 @@ def test_a_run_of_some_picks_is_named_for_them(run):
     some["meta"]["frontier"]["choices"] = {b: run["meta"]["frontier"]["choices"][b]
                                            for b in ("8.5", "4.5")}
     assert frontier.result_stem(some) == "frontier-choices-gemma3-270m-code-N1024-c512-p1-b4.5-b8.5"
+
+
+def test_runs_of_one_cell_with_different_picks_are_refused(run):
+    other = copy.deepcopy(run)
+    pick = other["meta"]["frontier"]["choices"]["4.5"]
+    row = next(r for r in other["rows"] if r["codec"] == pick["pair"])
+    row["codec"] = pick["pair"] = "polar4/polar4"
+    with pytest.raises(ValueError, match="different picks at 4.5 bits"):
+        frontier.goals_table([run, other])
