@@ -142,24 +142,22 @@ static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_
 #define KVQ_POLAR_FEW 16
 
 /* The keys in [lo, lo + width) (the first KVQ_POLAR_FEW of them, in index order) into cand,
- * which holds KVQ_POLAR_FEW + 1 slots; returns how many. Blocks without one are skipped by a
- * vectorized test; inside a block every key is written to the next free slot and kept only if it
- * is in range (no branch per key). */
+ * which holds KVQ_POLAR_FEW + 1 slots; returns how many. Each block of 16 keys gives a bit mask
+ * of the keys in range (a vectorized test); only its set bits are visited. */
 KVQ_POLAR_CLONES
 static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32_t width,
                              uint32_t* cand)
 {
     int64_t i0, i;
     int found = 0;
-    for (i0 = 0; i0 < m; i0 += 16) {
+    for (i0 = 0; i0 < m && found < KVQ_POLAR_FEW; i0 += 16) {
         const int64_t e = i0 + 16 < m ? i0 + 16 : m;
-        uint32_t any = 0;
-        for (i = i0; i < e; i++) any |= key[i] - lo < width;
-        if (any)
-            for (i = i0; i < e; i++) {
-                cand[found] = key[i];
-                found += (key[i] - lo < width) & (found < KVQ_POLAR_FEW);
-            }
+        uint32_t mask = 0;
+        for (i = i0; i < e; i++) mask |= (uint32_t)(key[i] - lo < width) << (i - i0);
+        while (mask != 0 && found < KVQ_POLAR_FEW) {
+            cand[found++] = key[i0 + __builtin_ctz(mask)];
+            mask &= mask - 1u;
+        }
     }
     return found;
 }
