@@ -251,7 +251,8 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
         int32_t q_lo[16], q_hi[16];
         uint8_t b_w[16] = {0};
         int w_max = 0, n_cmp;
-        kvq_v16u8 w8;
+        kvq_v16u8 w8, c8;
+        uint32_t mask;
         kvq_v16i wi, c_lo = {0}, c_hi = {0};
         kvq_v16f v_lo, v_hi;
         memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
@@ -269,17 +270,25 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
             c_lo -= v_lo > bk;                                    /* true is -1 */
             c_hi -= v_hi > bk;
         }
-        memcpy(q_lo, &c_lo, sizeof q_lo);
-        memcpy(q_hi, &c_hi, sizeof q_hi);
-        for (l = 0; l < m; l++) {
-            if (b_w[l] > 5) {
-                const float *t = tables + b_w[l] * stride;
-                q_lo[l] = kvq_code_lookup(t, b_lo[l]);
-                q_hi[l] = kvq_code_lookup(t, b_hi[l]);
-            }
-            code[j + l] = (uint8_t)q_lo[l];
-            undecided[n_undecided] = (int32_t)(j + l);
-            n_undecided += q_lo[l] != q_hi[l];
+        if (w_max > 5) {
+            memcpy(q_lo, &c_lo, sizeof q_lo);
+            memcpy(q_hi, &c_hi, sizeof q_hi);
+            for (l = 0; l < m; l++)
+                if (b_w[l] > 5) {
+                    const float *t = tables + b_w[l] * stride;
+                    q_lo[l] = kvq_code_lookup(t, b_lo[l]);
+                    q_hi[l] = kvq_code_lookup(t, b_hi[l]);
+                }
+            memcpy(&c_lo, q_lo, sizeof q_lo);
+            memcpy(&c_hi, q_hi, sizeof q_hi);
+        }
+        c8 = __builtin_convertvector(c_lo, kvq_v16u8);
+        memcpy(code + j, &c8, (size_t)m);
+        /* the lanes whose ends differ (rare), in increasing order */
+        mask = _mm512_cmpneq_epi32_mask((__m512i)c_lo, (__m512i)c_hi) & ((1u << m) - 1u);
+        while (mask != 0) {
+            undecided[n_undecided++] = (int32_t)(j + __builtin_ctz(mask));
+            mask &= mask - 1u;
         }
     }
     return n_undecided;
