@@ -40,6 +40,7 @@ cdef extern from "rowops.h" nogil:
     int kvq_code_lookup(const float* table, float v)
 
 cdef extern from "polar_encode.h" nogil:
+    int kvq_polar_portable
     float ANGLE_OPEN "KVQ_ANGLE_OPEN"
     int kvq_polar_forward_level(const float* x, Py_ssize_t half, float* r, float* lo, float* hi,
                                 double* r2)
@@ -136,6 +137,14 @@ cdef inline int angle_code(float ang, int mode, int level, int b, const float* t
 
 
 # -- encode ----------------------------------------------------------------------------------
+
+def set_portable(bint portable):
+    """True: this module's encoder skips its AVX-512 helpers (the vector Lloyd codes, the
+    allocation's candidate scan) and runs the portable code, as on a CPU without AVX-512; False:
+    the automatic choice. For tests: both must give the same bits."""
+    global kvq_polar_portable
+    kvq_polar_portable = 1 if portable else 0
+
 
 def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 9, 256)
                      const float[:, :, ::1] code_tables):   # IN (n_levels + 1, 9, L)

@@ -29,6 +29,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "polarops.h"
 #include "rowops.h"
 
 /* The bracket of an angle only libm may decide: wider than [-pi, pi], so every quantizer gives
@@ -307,7 +308,7 @@ static int64_t kvq_polar_lloyd_codes(const float *lo, const float *hi, int64_t c
 {
     int64_t j, n_undecided = 0;
 #if KVQ_CODE_PLAN
-    if (cols != NULL && __builtin_cpu_supports("avx512f"))
+    if (cols != NULL && !kvq_polar_portable && __builtin_cpu_supports("avx512f"))
         return kvq_polar_lloyd_codes_avx512(lo, hi, cnt, width, tables, stride, cols, code,
                                             undecided);
 #else

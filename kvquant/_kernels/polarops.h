@@ -15,6 +15,11 @@
 #include <string.h>
 
 #define KVQ_POLAR_MAX_BITS 8      /* widest code of one angle (radius allocation) */
+
+/* Nonzero: the encoder's AVX-512 helpers (here and in polar_encode.h) stand aside and the
+ * portable code runs, as on a CPU without AVX-512 (polar.pyx's set_portable, for the tests that
+ * check both give the same bits; each module holds its own copy). */
+static int kvq_polar_portable = 0;
 #define KVQ_POLAR_TAB 256         /* entries per (level, width) row of the angle tables */
 
 /* the codec's modes (kvquant.codecs.polar MODE_*) */
@@ -180,7 +185,7 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
     int64_t i0, i;
     int found = 0;
 #if KVQ_POLAR_COLLECT_AVX512
-    if (__builtin_cpu_supports("avx512f"))
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f"))
         return kvq_polar_collect_avx512(key, m, lo, width, cand);
 #endif
     for (i0 = 0; i0 < m && found < KVQ_POLAR_FEW; i0 += 16) {
