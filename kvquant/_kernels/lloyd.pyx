@@ -1,5 +1,6 @@
 # Rotated scalar codec ("tq<b>"): randomized Hadamard rotation, per-row radius, nearest level of a
-# b-bit Lloyd-Max codebook (counted compares up to 5 bits, a bucket table above: rowops.h), codes
+# b-bit Lloyd-Max codebook (rowops.h: a search tree in vector registers from 5 to 8 bits where
+# AVX-512 is there, else counted compares up to 31 boundaries and a bucket table above), codes
 # bit-packed LSB first. docs/reference.md §1.2-1.3 and §2.
 # The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
@@ -29,8 +30,11 @@ cdef extern from "rowops.h" nogil:
     void kvq_unpack_codes(const uint8_t* packed, Py_ssize_t n, int bits, uint8_t* code)
     void kvq_decode_row(const uint8_t* code, Py_ssize_t n, const float* levels, float step,
                         const float* signs, float inv_sqrt_n, float* out, float* copy)
+    ctypedef struct kvq_code_plan:
+        pass
+    int kvq_code_plan_build(const float* bnd, Py_ssize_t n_bnd, kvq_code_plan* plan)
     void kvq_nearest_codes(const float* y, Py_ssize_t n, const float* bnd, int n_bnd,
-                           const float* table, uint8_t* code)
+                           const float* table, const kvq_code_plan* plan, uint8_t* code)
     Py_ssize_t kvq_code_table_plan(const float* bnd, Py_ssize_t n_bnd, Py_ssize_t* n_buckets,
                                    Py_ssize_t* window, float* lo, float* scale)
     void kvq_code_table_build(const float* bnd, Py_ssize_t n_bnd, float* table)
@@ -57,11 +61,46 @@ def code_table(const float[::1] boundaries):   # IN (n_bnd,) ascending, finite
 def nearest_codes(const float[::1] y,            # IN  (n,)
                   const float[::1] boundaries,   # IN  (n_bnd,) ascending
                   const float[::1] table,        # IN  code_table(boundaries)
-                  uint8_t[::1] out):             # OUT (n,) #{boundaries < y}, NaN -> 0
-    """The encoder's nearest-level rule on a vector (exposed for tests of the table)."""
-    if y.shape[0] > 0:
-        kvq_nearest_codes(&y[0], y.shape[0], &boundaries[0], boundaries.shape[0], &table[0],
-                          &out[0])
+                  uint8_t[::1] out,              # OUT (n,) #{boundaries < y}, NaN -> 0
+                  bint search_tree=True):
+    """The encoder's nearest-level rule on a vector (exposed for tests of every path).
+
+    With ``search_tree`` the vector search tree of rowops.h runs where it can (AVX-512, 16 to 255
+    boundaries), as in the encoder; without it only the counted compares and the bucket table.
+    Returns whether the search tree ran."""
+    cdef kvq_code_plan* plan = NULL
+    cdef bint use_plan = False
+    if y.shape[0] == 0:
+        return False
+    if search_tree:
+        plan = <kvq_code_plan*>malloc(sizeof(kvq_code_plan))
+        if plan == NULL:
+            raise MemoryError()
+        use_plan = kvq_code_plan_build(&boundaries[0], boundaries.shape[0], plan)
+    kvq_nearest_codes(&y[0], y.shape[0], &boundaries[0], boundaries.shape[0], &table[0],
+                      plan if use_plan else NULL, &out[0])
+    free(plan)
+    return use_plan and y.shape[0] >= 16
+
+
+def pack_codes(const uint8_t[::1] code,         # IN  (n,) codes < 2**bits
+               int bits,
+               uint8_t[::1] out):               # OUT (>= ceil(n*bits/8),) only those written
+    """The encoder's packer on one row (exposed for tests: bits and the bytes it touches)."""
+    if out.shape[0] < (code.shape[0] * bits + 7) // 8:
+        raise ValueError("out holds fewer than ceil(n * bits / 8) bytes")
+    if code.shape[0] > 0:
+        kvq_pack_codes(&code[0], code.shape[0], bits, &out[0])
+
+
+def unpack_codes(const uint8_t[::1] packed,     # IN  (ceil(n*bits/8),) exactly the row
+                 int bits,
+                 uint8_t[::1] code):            # OUT (n,)
+    """The decoder's unpacker on one row (exposed for tests)."""
+    if packed.shape[0] != (code.shape[0] * bits + 7) // 8:
+        raise ValueError("packed must hold exactly ceil(n * bits / 8) bytes")
+    if code.shape[0] > 0:
+        kvq_unpack_codes(&packed[0], code.shape[0], bits, &code[0])
 
 
 def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of two
@@ -94,6 +133,15 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
     # `safe_side` the decoded norm (at most side x the largest level) cannot pass ROW_LIMIT.
     cdef float safe = (FLT_MAX / <float>4.0) / sqrtf_n
     cdef float safe_side = ROW_LIMIT / max(max_level, <float>1.0)
+    # the vector search tree of the nearest level, built once per call (NULL: the other paths)
+    cdef kvq_code_plan* plan = NULL
+    if not by_distance:
+        plan = <kvq_code_plan*>malloc(sizeof(kvq_code_plan))
+        if plan == NULL:
+            raise MemoryError()
+        if not kvq_code_plan_build(&boundaries[0], n_bnd, plan):
+            free(plan)
+            plan = NULL
     with nogil, parallel(num_threads=n_threads):
         y = <float*>malloc(n * sizeof(float))
         scratch = <float*>malloc(n * sizeof(float))
@@ -120,7 +168,7 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
             if by_distance:
                 kvq_nearest_by_distance(y, n, &levels[0], n_levels, scratch, c)
             else:
-                kvq_nearest_codes(y, n, &boundaries[0], n_bnd, &table[0], c)
+                kvq_nearest_codes(y, n, &boundaries[0], n_bnd, &table[0], plan, c)
             kvq_pack_codes(c, n, bits, &codes[r, 0])
             if unbiased:
                 # <x, unrotate(level[c])/sqrt(n)> = (norm/n) <y, level[c]>; side = |x|^2 / that
@@ -144,6 +192,7 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
         free(y)
         free(scratch)
         free(c)
+    free(plan)
 
 
 def decode_rows(const uint8_t[:, ::1] codes,    # IN  (n_rows, ceil(n*bits/8))

@@ -27,6 +27,8 @@ from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
+import numpy as np
+
 from kvquant._kernels._common cimport (
     PRESCALE, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, kvq_unrotate_row_safe,
     live_radius)
@@ -38,12 +40,14 @@ cdef extern from "rowops.h" nogil:
     int kvq_code_lookup(const float* table, float v)
 
 cdef extern from "polar_encode.h" nogil:
+    int kvq_polar_portable
     float ANGLE_OPEN "KVQ_ANGLE_OPEN"
     int kvq_polar_forward_level(const float* x, Py_ssize_t half, float* r, float* lo, float* hi,
                                 double* r2)
+    int POLAR_COLS "KVQ_POLAR_COLS"
     Py_ssize_t kvq_polar_lloyd_codes(const float* lo, const float* hi, Py_ssize_t cnt,
                                      const uint8_t* width, const float* tables, Py_ssize_t stride,
-                                     uint8_t* code, int32_t* undecided)
+                                     const float* cols, uint8_t* code, int32_t* undecided)
     void kvq_polar_pack(const uint8_t* code, const uint8_t* width, Py_ssize_t n, uint8_t* row)
 
 # The radius allocation and the row rebuild are shared with the attention consumers
@@ -134,12 +138,40 @@ cdef inline int angle_code(float ang, int mode, int level, int b, const float* t
 
 # -- encode ----------------------------------------------------------------------------------
 
+def set_portable(bint portable):
+    """True: this module's encoder skips its AVX-512 helpers (the vector Lloyd codes, the
+    allocation's candidate scan) and runs the portable code, as on a CPU without AVX-512; False:
+    the automatic choice. For tests: both must give the same bits."""
+    global kvq_polar_portable
+    kvq_polar_portable = 1 if portable else 0
+
+
+def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 9, 256)
+                     const float[:, :, ::1] code_tables):   # IN (n_levels + 1, 9, L)
+    """The column tables of polar_encode.h, float32 (n_levels + 1, KVQ_POLAR_COLS, 16): entry
+    [level, k, w] is boundary k of width w at that level, +inf past the width's 2**w - 1
+    boundaries, for lanes w > 8, and for a width whose bucket table is the empty one (every angle
+    code 0: a width without a complete codebook)."""
+    cdef Py_ssize_t n_lev = boundaries.shape[0], level, w, k
+    out = np.full((n_lev, POLAR_COLS, 16), np.inf, np.float32)
+    cdef float[:, :, ::1] o = out
+    for level in range(n_lev):
+        for w in range(1, MAX_ANGLE_BITS + 1):
+            # the empty table (rowops.h layout, window 0) gives code 0 whatever the value
+            if code_tables[level, w, 3] == 0.0:
+                continue
+            for k in range(min(POLAR_COLS, (1 << w) - 1)):
+                o[level, k, w] = boundaries[level, w, k]
+    return out
+
+
 def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a power of two
                 const float[::1] signs,                # IN  (n,) +-1
                 int mode,                              # MODE_*
                 const int32_t[::1] level_bits,         # IN  (n_levels + 1,) fixed widths
                 const int32_t[::1] level_totals,       # IN  (n_levels + 1,) bits per level
                 const float[:, :, ::1] code_tables,    # IN  (n_levels + 1, 9, L) Lloyd
+                const float[:, :, ::1] boundaries,     # IN  (n_levels + 1, 9, 256) Lloyd
                 const int32_t[:, :, ::1] log2_cos2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, :, ::1] log2_sin2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, ::1] gains,           # IN  (n_levels + 1, 8)
@@ -174,6 +206,12 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
     if n_rows == 0:
         return
     engine_grid(n_levels, grid_lo, grid_two_w)
+    # the boundary columns of the vector code path (polar_encode.h), once per call
+    cdef const float[:, :, ::1] cols
+    cdef const float* cols_p = NULL
+    if mode != MODE_ENGINE_GRID:
+        cols = boundary_columns(boundaries, code_tables)
+        cols_p = &cols[0, 0, 0]
     # below `safe` the rotation's partial sums (at most sqrt(n) x the norm) cannot overflow
     cdef float safe = (FLT_MAX / <float>4.0) / sqrtf(<float>n)
     with nogil, parallel(num_threads=n_threads):
@@ -255,7 +293,8 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 else:
                     n_undecided = kvq_polar_lloyd_codes(
                         &ang_lo[off], &ang_hi[off], cnt, &width[off], &code_tables[level, 0, 0],
-                        code_tables.shape[2], &code[off], undecided)
+                        code_tables.shape[2], cols_p + level * POLAR_COLS * 16, &code[off],
+                        undecided)
                 for k in range(n_undecided):
                     # a code boundary inside the bracket: libm's angle decides
                     j = undecided[k]

@@ -29,6 +29,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "polarops.h"
 #include "rowops.h"
 
 /* The bracket of an angle only libm may decide: wider than [-pi, pi], so every quantizer gives
@@ -227,16 +228,92 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
     return bad;
 }
 
+/* Boundaries per width that the vector path compares (widths up to 5); the codec's column table
+ * of a level holds, for k < KVQ_POLAR_COLS, the k-th boundary of every width w (0..8) in lane w:
+ * cols[16 k + w], +inf past a width's boundaries (and for a width without a codebook: code 0). */
+#define KVQ_POLAR_COLS 31
+
+#if KVQ_CODE_PLAN
+/* kvq_polar_lloyd_codes sixteen angles at a time: each lane's code is the count of its width's
+ * boundaries below the bracket end (each boundary column permuted to the lanes' widths; the
+ * same rule as the bucket tables, #{boundaries < v}); lanes wider than 5 bits take the table.
+ * Under AVX-512 (rowops.h's KVQ_CODE_PLAN: GCC's permutations). */
+__attribute__((target("avx512f"))) static int64_t
+kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, const uint8_t *width,
+                             const float *tables, int64_t stride, const float *cols,
+                             uint8_t *code, int32_t *undecided)
+{
+    typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
+    int64_t j, n_undecided = 0;
+    int k, l;
+    for (j = 0; j < cnt; j += 16) {
+        const int m = cnt - j < 16 ? (int)(cnt - j) : 16;
+        float b_lo[16] = {0}, b_hi[16] = {0};
+        int32_t q_lo[16], q_hi[16];
+        uint8_t b_w[16] = {0};
+        int w_max = 0, n_cmp;
+        kvq_v16u8 w8, c8;
+        uint32_t mask;
+        kvq_v16i wi, c_lo = {0}, c_hi = {0};
+        kvq_v16f v_lo, v_hi;
+        memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
+        memcpy(b_hi, hi + j, (size_t)m * sizeof(float));
+        memcpy(b_w, width + j, (size_t)m);
+        for (l = 0; l < m; l++)
+            w_max = b_w[l] > w_max ? b_w[l] : w_max;
+        n_cmp = w_max >= 5 ? KVQ_POLAR_COLS : (1 << w_max) - 1;
+        memcpy(&w8, b_w, 16);
+        wi = __builtin_convertvector(w8, kvq_v16i);
+        v_lo = kvq_load16(b_lo);
+        v_hi = kvq_load16(b_hi);
+        for (k = 0; k < n_cmp; k++) {
+            const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
+            c_lo -= v_lo > bk;                                    /* true is -1 */
+            c_hi -= v_hi > bk;
+        }
+        if (w_max > 5) {
+            memcpy(q_lo, &c_lo, sizeof q_lo);
+            memcpy(q_hi, &c_hi, sizeof q_hi);
+            for (l = 0; l < m; l++)
+                if (b_w[l] > 5) {
+                    const float *t = tables + b_w[l] * stride;
+                    q_lo[l] = kvq_code_lookup(t, b_lo[l]);
+                    q_hi[l] = kvq_code_lookup(t, b_hi[l]);
+                }
+            memcpy(&c_lo, q_lo, sizeof q_lo);
+            memcpy(&c_hi, q_hi, sizeof q_hi);
+        }
+        c8 = __builtin_convertvector(c_lo, kvq_v16u8);
+        memcpy(code + j, &c8, (size_t)m);
+        /* the lanes whose ends differ (rare), in increasing order */
+        mask = _mm512_cmpneq_epi32_mask((__m512i)c_lo, (__m512i)c_hi) & ((1u << m) - 1u);
+        while (mask != 0) {
+            undecided[n_undecided++] = (int32_t)(j + __builtin_ctz(mask));
+            mask &= mask - 1u;
+        }
+    }
+    return n_undecided;
+}
+#endif
+
 /* Lloyd codes of the cnt angles of one level from their brackets: code[j] = the code of lo[j]
  * through the table of width[j] (tables + width * stride: the level's row of the codec's bucket
  * tables, rowops.h); the indices j whose bracket ends get different codes are listed in
- * `undecided` (their angles must come from atan2f). Returns how many. */
+ * `undecided` in increasing order (their angles must come from atan2f). Returns how many.
+ * `cols` (the level's column table, or NULL) lets AVX-512 count boundaries in vectors. */
 KVQ_CLONES
 static int64_t kvq_polar_lloyd_codes(const float *lo, const float *hi, int64_t cnt,
                                      const uint8_t *width, const float *tables, int64_t stride,
-                                     uint8_t *code, int32_t *undecided)
+                                     const float *cols, uint8_t *code, int32_t *undecided)
 {
     int64_t j, n_undecided = 0;
+#if KVQ_CODE_PLAN
+    if (cols != NULL && !kvq_polar_portable && __builtin_cpu_supports("avx512f"))
+        return kvq_polar_lloyd_codes_avx512(lo, hi, cnt, width, tables, stride, cols, code,
+                                            undecided);
+#else
+    (void)cols;
+#endif
     for (j = 0; j < cnt; j++) {
         const float *t = tables + width[j] * stride;
         const int32_t b = kvq_code_bucket(t, lo[j]);

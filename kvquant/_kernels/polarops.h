@@ -15,6 +15,11 @@
 #include <string.h>
 
 #define KVQ_POLAR_MAX_BITS 8      /* widest code of one angle (radius allocation) */
+
+/* Nonzero: the encoder's AVX-512 helpers (here and in polar_encode.h) stand aside and the
+ * portable code runs, as on a CPU without AVX-512 (polar.pyx's set_portable, for the tests that
+ * check both give the same bits; each module holds its own copy). */
+static int kvq_polar_portable = 0;
 #define KVQ_POLAR_TAB 256         /* entries per (level, width) row of the angle tables */
 
 /* the codec's modes (kvquant.codecs.polar MODE_*) */
@@ -142,24 +147,55 @@ static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_
 #define KVQ_POLAR_FEW 16
 
 /* The keys in [lo, lo + width) (the first KVQ_POLAR_FEW of them, in index order) into cand,
- * which holds KVQ_POLAR_FEW + 1 slots; returns how many. Blocks without one are skipped by a
- * vectorized test; inside a block every key is written to the next free slot and kept only if it
- * is in range (no branch per key). */
+ * which holds KVQ_POLAR_FEW + 1 slots; returns how many. Each block of 16 keys gives a bit mask
+ * of the keys in range (a vectorized test); only its set bits are visited. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#define KVQ_POLAR_COLLECT_AVX512 1
+/* The same under AVX-512: one unsigned compare gives a block's mask. */
+__attribute__((target("avx512f"))) static int kvq_polar_collect_avx512(const uint32_t* key,
+                                                                      int64_t m, uint32_t lo,
+                                                                      uint32_t width,
+                                                                      uint32_t* cand)
+{
+    const __m512i v_lo = _mm512_set1_epi32((int)lo), v_width = _mm512_set1_epi32((int)width);
+    int64_t i0, i;
+    int found = 0;
+    for (i0 = 0; i0 + 16 <= m && found < KVQ_POLAR_FEW; i0 += 16) {
+        const __m512i k = _mm512_loadu_si512((const void*)(key + i0));
+        uint32_t mask = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(k, v_lo), v_width);
+        while (mask != 0 && found < KVQ_POLAR_FEW) {
+            cand[found++] = key[i0 + __builtin_ctz(mask)];
+            mask &= mask - 1u;
+        }
+    }
+    for (i = i0; i < m && found < KVQ_POLAR_FEW; i++)
+        if (key[i] - lo < width)
+            cand[found++] = key[i];
+    return found;
+}
+#else
+#define KVQ_POLAR_COLLECT_AVX512 0
+#endif
+
 KVQ_POLAR_CLONES
 static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32_t width,
                              uint32_t* cand)
 {
     int64_t i0, i;
     int found = 0;
-    for (i0 = 0; i0 < m; i0 += 16) {
+#if KVQ_POLAR_COLLECT_AVX512
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f"))
+        return kvq_polar_collect_avx512(key, m, lo, width, cand);
+#endif
+    for (i0 = 0; i0 < m && found < KVQ_POLAR_FEW; i0 += 16) {
         const int64_t e = i0 + 16 < m ? i0 + 16 : m;
-        uint32_t any = 0;
-        for (i = i0; i < e; i++) any |= key[i] - lo < width;
-        if (any)
-            for (i = i0; i < e; i++) {
-                cand[found] = key[i];
-                found += (key[i] - lo < width) & (found < KVQ_POLAR_FEW);
-            }
+        uint32_t mask = 0;
+        for (i = i0; i < e; i++) mask |= (uint32_t)(key[i] - lo < width) << (i - i0);
+        while (mask != 0 && found < KVQ_POLAR_FEW) {
+            cand[found++] = key[i0 + __builtin_ctz(mask)];
+            mask &= mask - 1u;
+        }
     }
     return found;
 }

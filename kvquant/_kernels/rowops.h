@@ -295,6 +295,35 @@ static void kvq_rotate_row_safe(const float *x, const float *signs, int64_t n, f
         out[i] = (out[i] * inv_sqrt_n) * KVQ_UNSCALE;
 }
 
+/* Byte order: the packers below move groups of 8 codes through a uint64 read and written with
+ * memcpy, which is the packed layout only on a little-endian host (elsewhere the bit cursor runs). */
+#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define KVQ_LITTLE_ENDIAN 1
+#else
+#define KVQ_LITTLE_ENDIAN 0
+#endif
+
+/* Eight codes of `bits` bits (1..7), one per byte of v (byte k = code k, little endian), into
+ * their 8 * bits packed bits, LSB first: pairs of bytes, then pairs of 16-bit lanes, then the two
+ * halves are joined by shifting each upper part down over the gap. Codes must be below 2^bits. */
+KVQ_INLINE uint64_t kvq_squeeze8(uint64_t v, int bits)
+{
+    v = (v & 0x00FF00FF00FF00FFull) | ((v & 0xFF00FF00FF00FF00ull) >> (8 - bits));
+    v = (v & 0x0000FFFF0000FFFFull) | ((v & 0xFFFF0000FFFF0000ull) >> (16 - 2 * bits));
+    return (v & 0x00000000FFFFFFFFull) | ((v & 0xFFFFFFFF00000000ull) >> (32 - 4 * bits));
+}
+
+/* The inverse of kvq_squeeze8: 8 * bits packed bits (higher bits of v ignored) to one code per
+ * byte. */
+KVQ_INLINE uint64_t kvq_spread8(uint64_t v, int bits)
+{
+    const uint64_t m4 = (1ull << (4 * bits)) - 1u, m2 = (1ull << (2 * bits)) - 1u;
+    const uint64_t m1 = (1ull << bits) - 1u;
+    v = (v & m4) | (((v >> (4 * bits)) & m4) << 32);
+    v = (v & (m2 * 0x0000000100000001ull)) | (((v >> (2 * bits)) & (m2 * 0x0000000100000001ull)) << 16);
+    return (v & (m1 * 0x0001000100010001ull)) | (((v >> bits) & (m1 * 0x0001000100010001ull)) << 8);
+}
+
 /* Codes of `bits` bits, LSB first through a bit cursor (element i at bits [i*bits, (i+1)*bits));
  * byte-aligned widths get straight-line loops. */
 KVQ_CLONES
@@ -317,19 +346,27 @@ static void kvq_pack_codes(const uint8_t *code, int64_t n, int bits, uint8_t *ou
                                (code[4 * i + 3] << 6));
         return;
     }
+#if KVQ_LITTLE_ENDIAN
     if (n % 8 == 0) {
-        /* other widths: 8 codes fill `bits` whole bytes, written little endian */
+        /* other widths: 8 codes fill `bits` whole bytes, written little endian; a group is
+         * stored as 8 bytes (the next groups overwrite the spare ones) while those stay inside
+         * the row, the last ones as their own bytes */
+        const int64_t n_bytes = n / 8 * bits;
         int64_t g;
-        int k;
-        for (g = 0; g < n / 8; g++) {
-            uint64_t acc = 0;
-            for (k = 0; k < 8; k++)
-                acc |= (uint64_t)code[8 * g + k] << (k * bits);
-            for (k = 0; k < bits; k++)
-                out[g * bits + k] = (uint8_t)(acc >> (8 * k));
+        uint64_t v;
+        for (g = 0; g * bits + 8 <= n_bytes; g++) {
+            memcpy(&v, code + 8 * g, 8);
+            v = kvq_squeeze8(v, bits);
+            memcpy(out + g * bits, &v, 8);
+        }
+        for (; g < n / 8; g++) {
+            memcpy(&v, code + 8 * g, 8);
+            v = kvq_squeeze8(v, bits);
+            memcpy(out + g * bits, &v, (size_t)bits);
         }
         return;
     }
+#endif
     {
         uint64_t acc = 0;
         int filled = 0;
@@ -463,14 +500,128 @@ KVQ_INLINE int kvq_code_lookup(const float *table, float v)
     return code;
 }
 
-/* code[i] = number of boundaries strictly below y[i]; `table` (kvq_code_table_build of the same
- * boundaries) is read when there are more than 31. */
+/* ---- nearest level by a search tree in vector registers (16 to 255 boundaries) ---------------
+ * With the boundaries padded by +inf (which no value exceeds) to 2^k - 1 (k = 5..8), the code
+ * #{boundaries < v} is found level by level. After levels 1 .. L-1 every lane holds the index p of
+ * its group of S consecutive codes (p S <= code < (p + 1) S); level L cuts the group into f_L
+ * parts of S / f_L codes and counts the cuts bnd[p S + q S / f_L - 1], q = 1 .. f_L - 1, below v.
+ * Boundaries ascend, so the cuts below v are the first ones and p f_L + count is the lane's index
+ * at the next level; after the last level S = 1 and the index is the code. The cuts of one q for
+ * every p form a table of P = f_1 ... f_{L-1} entries, read with a lane permutation (16 entries in
+ * one register, 32 in two); P = 1 is a broadcast. Exact compares only, so the codes are those of
+ * the count and of the bucket table (NaN compares false everywhere: code 0).
+ * The permutations need GCC's __builtin_shuffle and run under AVX-512 (vpermps / vpermt2ps); the
+ * plan is only built where both are there, and the other paths run elsewhere. */
+#define KVQ_CODE_PLAN_LEVELS 4
+#define KVQ_CODE_PLAN_TABLES 16
+typedef struct {
+    int n_levels;
+    int factor[KVQ_CODE_PLAN_LEVELS];    /* f_L */
+    int entries[KVQ_CODE_PLAN_LEVELS];   /* P of the level's tables: 1, <= 16 or <= 32 */
+    float tab[KVQ_CODE_PLAN_TABLES][32]; /* the cut tables, level by level, q by q */
+} kvq_code_plan;
+
+#if KVQ_VEC && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KVQ_CODE_PLAN 1
+#else
+#define KVQ_CODE_PLAN 0
+#endif
+
+/* Fills the plan of n_bnd ascending boundaries; 0 when it cannot run here (fewer than 16 or more
+ * than 255 boundaries, no AVX-512, or a compiler without the permutations): use the other paths.
+ * Level factors (fastest measured for each k; every table within 32 entries): k = 5: 4 4 2,
+ * k = 6: 4 4 4, k = 7: 2 4 4 4, k = 8: 4 4 2 8. */
+static int kvq_code_plan_build(const float *bnd, int64_t n_bnd, kvq_code_plan *p)
+{
+    static const int factors[4][KVQ_CODE_PLAN_LEVELS] = {
+        {4, 4, 2, 0}, {4, 4, 4, 0}, {2, 4, 4, 4}, {4, 4, 2, 8}};
+    int64_t n_codes = 32, S;
+    int k = 5, L, q, e, t = 0, P = 1;
+    memset(p, 0, sizeof *p);
+#if KVQ_CODE_PLAN
+    if (n_bnd < 16 || n_bnd > 255 || !__builtin_cpu_supports("avx512f"))
+        return 0;
+#else
+    (void)factors, (void)n_codes, (void)S, (void)k, (void)L, (void)q, (void)e, (void)t, (void)P;
+    (void)bnd;
+    return 0;
+#endif
+    while (n_codes - 1 < n_bnd) {
+        n_codes *= 2;
+        k++;
+    }
+    S = n_codes;
+    for (L = 0; L < KVQ_CODE_PLAN_LEVELS && factors[k - 5][L]; L++) {
+        const int f = factors[k - 5][L];
+        p->factor[L] = f;
+        p->entries[L] = P;
+        for (q = 1; q < f; q++, t++)
+            for (e = 0; e < 32; e++) {
+                const int64_t j = (int64_t)e * S + q * (S / f) - 1;
+                p->tab[t][e] = e < P && j < n_bnd ? bnd[j] : INFINITY;
+            }
+        P *= f;
+        S /= f;
+    }
+    p->n_levels = L;
+    return 1;
+}
+
+#if KVQ_CODE_PLAN
+/* The codes of y[0 .. n) by the plan, n a multiple of 16. */
+__attribute__((target("avx512f"))) static void kvq_nearest_codes_plan(const float *y, int64_t n,
+                                                                     const kvq_code_plan *p,
+                                                                     uint8_t *code)
+{
+    typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
+    int64_t i;
+    int L, q;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const kvq_v16f v = kvq_load16(y + i);
+        const float *t = &p->tab[0][0];
+        kvq_v16i idx = {0};
+        kvq_v16u8 c8;
+        for (L = 0; L < p->n_levels; L++) {
+            const int f = p->factor[L], P = p->entries[L];
+            kvq_v16i c = idx * f;
+            if (P == 1)
+                for (q = 1; q < f; q++, t += 32)
+                    c -= v > t[0];                                /* true is -1 */
+            else if (P <= 16)
+                for (q = 1; q < f; q++, t += 32)
+                    c -= v > __builtin_shuffle(kvq_load16(t), idx);
+            else
+                for (q = 1; q < f; q++, t += 32)
+                    c -= v > __builtin_shuffle(kvq_load16(t), kvq_load16(t + 16), idx);
+            idx = c;
+        }
+        c8 = __builtin_convertvector(idx, kvq_v16u8);
+        memcpy(code + i, &c8, 16);
+    }
+}
+#endif
+
+/* code[i] = number of boundaries strictly below y[i]: by `plan` (when not NULL: one built by
+ * kvq_code_plan_build for these boundaries) sixteen at a time, otherwise (and for the last
+ * n % 16) by counted compares up to 31 boundaries and `table` (kvq_code_table_build of the same
+ * boundaries) above. */
 KVQ_CLONES
 static void kvq_nearest_codes(const float *y, int64_t n, const float *bnd, int n_bnd,
-                              const float *table, uint8_t *code)
+                              const float *table, const kvq_code_plan *plan, uint8_t *code)
 {
     int64_t i;
     int k;
+#if KVQ_CODE_PLAN
+    if (plan != NULL && n >= 16) {
+        const int64_t m = n - n % 16;
+        kvq_nearest_codes_plan(y, m, plan, code);
+        y += m;
+        code += m;
+        n -= m;
+    }
+#else
+    (void)plan;
+#endif
     if (n_bnd <= 31) {
 #if KVQ_VEC
         typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
@@ -549,19 +700,26 @@ static void kvq_unpack_codes(const uint8_t *packed, int64_t n, int bits, uint8_t
         }
         return;
     }
+#if KVQ_LITTLE_ENDIAN
     if (n % 8 == 0) {
-        const uint64_t mask = (1u << bits) - 1u;
+        /* 8 bytes read per group while they stay inside the row, then only a group's own */
+        const int64_t n_bytes = n / 8 * bits;
         int64_t g;
-        int k;
-        for (g = 0; g < n / 8; g++) {
-            uint64_t acc = 0;
-            for (k = 0; k < bits; k++)
-                acc |= (uint64_t)packed[g * bits + k] << (8 * k);
-            for (k = 0; k < 8; k++)
-                code[8 * g + k] = (uint8_t)((acc >> (k * bits)) & mask);
+        uint64_t v;
+        for (g = 0; g * bits + 8 <= n_bytes; g++) {
+            memcpy(&v, packed + g * bits, 8);
+            v = kvq_spread8(v, bits);
+            memcpy(code + 8 * g, &v, 8);
+        }
+        for (; g < n / 8; g++) {
+            v = 0;
+            memcpy(&v, packed + g * bits, (size_t)bits);
+            v = kvq_spread8(v, bits);
+            memcpy(code + 8 * g, &v, 8);
         }
         return;
     }
+#endif
     {
         uint64_t acc = 0;
         uint32_t mask = (1u << bits) - 1u;

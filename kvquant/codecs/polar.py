@@ -486,10 +486,10 @@ class PolarCodec(Codec):
         codes = np.empty((n, self.code_bytes), np.uint8)
         side = np.empty(n, np.float32)
         status = np.empty(n, np.uint8)
-        _, _, log_cos2, log_sin2, gains = self._tables
+        _, boundaries, log_cos2, log_sin2, gains = self._tables
         _polar.encode_rows(X, self.rotation.signs, self.mode, self._level_bits,
-                           self._level_totals, self._code_tables, log_cos2, log_sin2, gains,
-                           codes, side, status, n_threads)
+                           self._level_totals, self._code_tables, boundaries, log_cos2, log_sin2,
+                           gains, codes, side, status, n_threads)
         return codes, side.reshape(n, 1), status
 
     def _decode(self, codes, side, n_threads):
