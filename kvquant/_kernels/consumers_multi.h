@@ -45,9 +45,9 @@ KVQ_MQ_BY_QUERY(ggml, portable, kvq_ggml_dot_portable, kvq_ggml_axpy_portable)
 static inline int kvq_mq_foldable(const float* x, int64_t n)
 {
     int64_t i;
-    for (i = 0; i < n; i++)
-        if (!(fabsf(x[i]) < 128.0f)) return 0;
-    return 1;
+    int ok = 1;
+    for (i = 0; i < n; i++) ok &= fabsf(x[i]) < 128.0f;   /* no early exit: it vectorizes */
+    return ok;
 }
 
 /* Layouts the vector multi-query kernels take (the others go query by query). */
@@ -95,6 +95,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_SET1(c) _mm512_set1_ps(c)
 #define MV_TREE1(a) kvq_tree16_avx512(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_SUMS16(a, dst, scale) kvq_sums16_avx512(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx512(side, ns, sq, dst)
 #define MV_E4M3(c, how) kvq_e4m3_16(c, how)
 #define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx512(c, len)
 #define MV_TQ_CONSTS kvq_tq_consts
@@ -122,6 +124,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_SET1(c) _mm512_set1_ps(c)
 #define MV_TREE1(a) kvq_tree16_avx512(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_SUMS16(a, dst, scale) kvq_sums16_avx512(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx512(side, ns, sq, dst)
 #define MV_TQ_CONSTS kvq_tq_consts_vbmi
 #define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_vbmi(K, table, b)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_vbmi(g, K, b, wide)
@@ -146,6 +150,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_SET1(c) kvq_v2_set1(c)
 #define MV_TREE1(a) kvq_tree16_avx2(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx2(a, b, c, d))
+#define MV_SUMS16(a, dst, scale) kvq_sums16_avx2(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx2(side, ns, sq, dst)
 #define MV_E4M3(c, how) kvq_e4m3_16_avx2(c, how)
 #define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx2(c, len)
 #define MV_TQ_CONSTS kvq_tq_consts_avx2

@@ -207,6 +207,24 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init(kvq_tq_consts
     K->sh = _mm512_loadu_si512((const void*)sh);
 }
 
+/* dst[k] = kvq_tq_step(side[k ns], sqrtf_n) for k = 0..15: the same compares and (correctly
+ * rounded) division, sixteen at a time. */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_steps16_avx512(const float* side, int64_t ns,
+                                                                    float sqrtf_n, float* dst)
+{
+    __m512 r;
+    __mmask16 ok;
+    int k;
+    if (ns != 1) {
+        for (k = 0; k < 16; k++) dst[k] = kvq_tq_step(side[k * ns], sqrtf_n);
+        return;
+    }
+    r = _mm512_loadu_ps(side);
+    ok = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_GT_OQ)
+         & _mm512_cmp_ps_mask(r, _mm512_set1_ps(3.4e38f), _CMP_LE_OQ);
+    _mm512_storeu_ps(dst, _mm512_maskz_div_ps(ok, r, _mm512_set1_ps(sqrtf_n)));
+}
+
 /* Levels of the 16 codes of one group (2b bytes at g). `wide` says that 16 bytes may be read. */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
                                                              const kvq_tq_consts* K,
@@ -313,6 +331,23 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_tq_lev8_avx2(__m256i x, cons
         return _mm256_blendv_ps(_mm256_permutevar8x32_ps(K->t0, x), _mm256_permutevar8x32_ps(K->t1, x),
                                 _mm256_castsi256_ps(_mm256_slli_epi32(x, 28)));
     return _mm256_i32gather_ps(K->table, _mm256_and_si256(x, _mm256_set1_epi32(0xFF)), 4);
+}
+
+/* kvq_tq_steps16_avx512 on AVX2. */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_tq_steps16_avx2(const float* side, int64_t ns,
+                                                                float sqrtf_n, float* dst)
+{
+    int k;
+    if (ns != 1) {
+        for (k = 0; k < 16; k++) dst[k] = kvq_tq_step(side[k * ns], sqrtf_n);
+        return;
+    }
+    for (k = 0; k < 16; k += 8) {
+        const __m256 r = _mm256_loadu_ps(side + k);
+        const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                        _mm256_cmp_ps(r, _mm256_set1_ps(3.4e38f), _CMP_LE_OQ));
+        _mm256_storeu_ps(dst + k, _mm256_and_ps(ok, _mm256_div_ps(r, _mm256_set1_ps(sqrtf_n))));
+    }
 }
 
 /* Levels of the 16 codes of one group (2b bytes at g); `wide`: 16 bytes may be read. */
