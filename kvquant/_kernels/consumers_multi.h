@@ -107,6 +107,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 /* queries per pass and rows per pass for M queries: R * M <= 8 accumulators (of 32 registers) */
 #define KVQ_MQ_PASS 8
 #define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 #define KVQ_MQ_VBMI_TQ 1   /* 6- to 8-bit tq with VBMI keeps its own kernels */
 #include "consumers_multi_body.h"
@@ -131,6 +132,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_vbmi(g, K, b, wide)
 #define KVQ_MQ_PASS 8
 #define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 #define KVQ_MQ_VBMI_TQ 1
 #define KVQ_MQ_TQ_ONLY 1
@@ -161,7 +163,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_FP16(b) kvq_fp16_value_avx2(b)
 /* 16 registers of 8 lanes: R * M <= 4 accumulators (8 registers) */
 #define KVQ_MQ_PASS 4
-#define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+#define KVQ_MQ_ROWS(M) ((M) <= 2 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 2
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4)
 #define KVQ_MQ_VBMI_TQ 0
 #include "consumers_multi_body.h"

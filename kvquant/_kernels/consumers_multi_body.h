@@ -399,13 +399,13 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* 
 #define KVQ_MQ_PREP(t) fold_ = KVQ_MQ(kv8_ctx_block)(Wj, ldw, t, mm, side, cfb_, cfrb_)
         if (p->group != p->dim) {   /* group scales: the coefficients change along the row */
             const int M_ = 0;
-            KVQ_MQ_CTX_LOOP(4, KVQ_MQ_CALL, KVQ_MQ_PREP, 0);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 0);
         } else if (mm == 1) {
             const int M_ = 1;
-            KVQ_MQ_CTX_LOOP(4, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         } else {
             const int M_ = 0;
-            KVQ_MQ_CTX_LOOP(4, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         }
 #undef KVQ_MQ_PREP
 #undef KVQ_MQ_CALL
@@ -499,17 +499,18 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_rows)(const kvq_param
     MV a, v[4];
     int64_t i, off;
     int r, j;
-    for (r = 0; r < R; r++) {
-        const float st = cfb ? 0.0f : kvq_tq_step(side[(t + r) * ns], p->sqrtf_n);
-        for (j = 0; j < m; j++)
-            cf[r * m + j] = cfb ? cfb[KVQ_MQ_BLOCK * j + r] : W[j * ldw + t + r] * st;
+    for (r = 0; !cfb && r < R; r++) {
+        const float st = kvq_tq_step(side[(t + r) * ns], p->sqrtf_n);
+        for (j = 0; j < m; j++) cf[r * m + j] = W[j * ldw + t + r] * st;
     }
     for (i = 0, off = 0; i < n; i += 16, off += gb) {
         kvq_prefetch(c + KVQ_PREFETCH_BYTES + R * off);
         for (r = 0; r < R; r++) v[r] = MV_TQ_LEV16(c + r * cb + off, K, b, wide);
         for (j = 0; j < m; j++) {
             a = MV_LOAD(acc + j * n + i);
-            for (r = 0; r < R; r++) a = MV_ADD(a, MV_MUL(MV_SET1(cf[r * m + j]), v[r]));
+            for (r = 0; r < R; r++)
+                a = MV_ADD(a, MV_MUL(MV_SET1(cfb ? cfb[KVQ_MQ_BLOCK * j + r] : cf[r * m + j]),
+                                     v[r]));
             MV_STORE(acc + j * n + i, a);
         }
     }
@@ -546,10 +547,10 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_bits)(const kvq_param
                                                      MV_LOAD(step_)))
         if (mm == 1) {
             const int M_ = 1;
-            KVQ_MQ_CTX_LOOP(4, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         } else {
             const int M_ = 0;
-            KVQ_MQ_CTX_LOOP(4, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         }
 #undef KVQ_MQ_PREP
 #undef KVQ_MQ_CALL
@@ -730,5 +731,6 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #undef MV_FP16
 #undef KVQ_MQ_PASS
 #undef KVQ_MQ_ROWS
+#undef KVQ_MQ_CTX_ROWS
 #undef KVQ_MQ_EACH_M
 #undef KVQ_MQ_VBMI_TQ

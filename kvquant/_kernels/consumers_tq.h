@@ -297,7 +297,7 @@ KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const ui
 typedef struct {
     __m256 t0, t1;                 /* levels 0-7 and 8-15 */
     __m256i ctl_lo, ctl_hi;        /* unpacking of lanes 0-7 and 8-15 (as kvq_tq_consts) */
-    __m256i sh_lo, sh_hi;
+    __m256i sh_lo, sh_hi;          /* 2 and 4 bits: shifts inside a broadcast dword instead */
     const float* table;            /* 5 to 8 bits: the gather table */
 } kvq_tq_consts_avx2;
 
@@ -318,6 +318,8 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_avx2(kvq_tq_con
     }
     K->ctl_lo = _mm256_loadu_si256((const __m256i*)ctl);
     K->ctl_hi = _mm256_loadu_si256((const __m256i*)(ctl + 32));
+    if (b == 2 || b == 4)   /* code i of lanes 0-7 (8-15) at bit b*i of one dword of the group */
+        for (i = 0; i < 16; i++) sh[i] = b == 4 ? 4 * (i & 7) : 2 * i;
     K->sh_lo = _mm256_loadu_si256((const __m256i*)sh);
     K->sh_hi = _mm256_loadu_si256((const __m256i*)(sh + 8));
 }
@@ -361,6 +363,16 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_tq_lev16_avx2(const uint8
     if (b == 8) {
         r.lo = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)g)), 4);
         r.hi = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(g + 8))), 4);
+        return r;
+    }
+    if (b == 2 || b == 4) {
+        /* the 8 codes of a register lie in one dword (b = 4: dwords 0 and 1; b = 2: dword 0):
+         * broadcast it and shift each lane's code down, no byte shuffle (nor a read past the
+         * group) */
+        const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(g));
+        const __m256i x1 = b == 4 ? _mm256_broadcastd_epi32(_mm_loadu_si32(g + 4)) : x0;
+        r.lo = kvq_tq_lev8_avx2(_mm256_srlv_epi32(x0, K->sh_lo), K, b);
+        r.hi = kvq_tq_lev8_avx2(_mm256_srlv_epi32(x1, K->sh_hi), K, b);
         return r;
     }
     if (wide) {
