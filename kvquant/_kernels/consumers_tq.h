@@ -197,11 +197,12 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init(kvq_tq_consts
     K->t2 = _mm512_loadu_ps(table256 + 32);
     K->t3 = _mm512_loadu_ps(table256 + 48);
     K->table = table256;
-    /* lane i takes the 4 bytes from byte (b*i)/8 of the group and shifts by (b*i)%8 */
+    /* lane i takes the 4 bytes from byte (b*i)/8 of the group and shifts by (b*i)%8; 2 and 4
+     * bits: lane i holds a dword of the group and shifts by (b*i)%32 (kvq_tq_lev16) */
     for (i = 0; i < 16; i++) {
         const int o = (b * i) >> 3;
         for (k = 0; k < 4; k++) ctl[4 * i + k] = (uint8_t)(o + k < 16 ? o + k : 0x80);
-        sh[i] = (b * i) & 7;
+        sh[i] = b == 2 || b == 4 ? (b * i) & 31 : (b * i) & 7;
     }
     K->ctl = _mm512_loadu_si512((const void*)ctl);
     K->sh = _mm512_loadu_si512((const void*)sh);
@@ -240,6 +241,18 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
     if (b == 8)
         return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)g)),
                                    K->table, 4);
+    if (b == 2 || b == 4) {
+        /* the codes of lanes 0-7 and 8-15 lie in dwords 0 and 1 (b = 4) or all in dword 0: a
+         * broadcast and a shift per lane, no byte shuffle (nor a read past the group) */
+        uint32_t w;
+        memcpy(&w, g, 4);
+        x = _mm512_set1_epi32((int)w);
+        if (b == 4) {
+            memcpy(&w, g + 4, 4);
+            x = _mm512_mask_set1_epi32(x, (__mmask16)0xFF00, (int)w);
+        }
+        return _mm512_permutexvar_ps(_mm512_srlv_epi32(x, K->sh), K->t0);
+    }
     if (wide)
         x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
     else
