@@ -161,7 +161,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_avx2(g, K, b, wide)
 #define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values_avx2(blk, q4, lo, hi)
 #define MV_FP16(b) kvq_fp16_value_avx2(b)
-/* 16 registers of 8 lanes: R * M <= 4 accumulators (8 registers) */
+/* 16 registers of 8 lanes: R * M <= 4 accumulators (8 registers), and two rows per pass even for
+ * one query (four rows' accumulators and values spill: measured slower) */
 #define KVQ_MQ_PASS 4
 #define KVQ_MQ_ROWS(M) ((M) <= 2 ? 2 : 1)
 #define KVQ_MQ_CTX_ROWS 2
