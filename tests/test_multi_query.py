@@ -82,6 +82,38 @@ def test_eight_queries_agree_with_the_numpy_reference(spec, rng, simd_path):
         assert np.max(np.abs(c - ref_c)) < 1e-5 * (np.abs(ref_c).max() + 1), path
 
 
+# side values a file could hold but encode never writes: each must read as the portable path
+# reads it (a tq radius outside (0, 3.4e38] makes the row inert), wherever it sits in a block of
+# sixteen rows (the vector kernels scale and weight rows sixteen at a time)
+FORGED_SIDES = np.array([np.nan, -1.0, -0.0, np.inf, 3.4e38, 0.0, 1e-40, 7.0], np.float32)
+FORGED_SIDES[5] = np.nextafter(FORGED_SIDES[4], np.float32(np.inf))   # just past the limit
+
+
+@pytest.mark.parametrize("spec", ["tq4", "tq3", "kv8", "q4_0"])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 47, 130])
+def test_block_edges_and_forged_sides_give_the_portable_bits(spec, T, rng, simd_path):
+    dim = 64
+    codec = get_codec(spec, dim)
+    enc = codec.encode(gaussian_rows(rng, T, dim))
+    if not spec.startswith("q"):
+        rows = [t for t in (0, 5, 14, 15, 16, 17, 31, 46, 129) if t < T]
+        for k, t in enumerate(rows):
+            enc.side[t, 0] = FORGED_SIDES[k % len(FORGED_SIDES)]
+    Q = gaussian_rows(rng, 3, dim)
+    W = rng.random((3, T)).astype(np.float32)
+    simd_path("portable")
+    ref = [(codec.scores(enc, Q[:m]), codec.context(enc, W[:m])) for m in (1, 3)]
+    if spec.startswith("tq"):   # inert rows read as zeros, live rows as the numpy reference
+        want = reference.tq_scores(enc.codes, enc.side, codec.levels64, codec.bits, Q)
+        fits = np.abs(want) < 1e30   # a radius near 3.4e38 overflows float32 scores (as it must)
+        assert np.allclose(ref[1][0][fits], want[fits], rtol=1e-5, atol=1e-5)
+    for path in PATHS[1:]:
+        simd_path(path)
+        for (s, c), m in zip(ref, (1, 3)):
+            assert np.array_equal(as_bits(codec.scores(enc, Q[:m])), as_bits(s)), (path, m)
+            assert np.array_equal(as_bits(codec.context(enc, W[:m])), as_bits(c)), (path, m)
+
+
 @pytest.mark.parametrize("magnitude", [1e-3, 1e3])
 def test_kv8_batches_beyond_the_raw_decode_range(magnitude, rng, simd_path):
     """Queries and weights above 2^7 (kv8's raw decode does not apply) and tiny ones."""

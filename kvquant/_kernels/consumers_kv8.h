@@ -201,14 +201,21 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE int kvq_e4m3_special_avx512(const uin
 /* ---- AVX2: the same decoders, 8 lanes at a time ---- */
 KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE int kvq_e4m3_special_avx2(const uint8_t* c, int64_t len)
 {
-    __m128i hit = _mm_setzero_si128();
-    int64_t i;
-    for (i = 0; i < len; i += 16) {
+    /* t = (c + 1) & 0x7F is 0..127, so t <= 8 is the signed compare 9 > t */
+    __m256i hit = _mm256_setzero_si256();
+    __m128i hit16 = _mm_setzero_si128();
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        const __m256i t = _mm256_and_si256(_mm256_add_epi8(
+            _mm256_loadu_si256((const __m256i*)(c + i)), _mm256_set1_epi8(1)), _mm256_set1_epi8(0x7F));
+        hit = _mm256_or_si256(hit, _mm256_cmpgt_epi8(_mm256_set1_epi8(9), t));
+    }
+    if (i < len) {   /* 16 codes left (len is a multiple of 16) */
         const __m128i t = _mm_and_si128(_mm_add_epi8(_mm_loadu_si128((const __m128i*)(c + i)),
                                                      _mm_set1_epi8(1)), _mm_set1_epi8(0x7F));
-        hit = _mm_or_si128(hit, _mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(8)), t));
+        hit16 = _mm_cmpgt_epi8(_mm_set1_epi8(9), t);
     }
-    return _mm_movemask_epi8(hit) != 0;
+    return !_mm256_testz_si256(hit, hit) || !_mm_testz_si128(hit16, hit16);
 }
 
 /* 8 codes sign-extended to 32 bits, decoded as `how` says (KVQ_E4M3_*, as kvq_e4m3_16). */
@@ -233,10 +240,10 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_e4m3_8_avx2(__m256i x, const
 
 KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_e4m3_16_avx2(const uint8_t* c, const int how)
 {
-    const __m128i b = _mm_loadu_si128((const __m128i*)c);
+    /* two 8-byte loads that the sign extensions take as memory operands (no byte shuffle) */
     kvq_v16x2 r;
-    r.lo = kvq_e4m3_8_avx2(_mm256_cvtepi8_epi32(b), how);
-    r.hi = kvq_e4m3_8_avx2(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)), how);
+    r.lo = kvq_e4m3_8_avx2(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)c)), how);
+    r.hi = kvq_e4m3_8_avx2(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8))), how);
     return r;
 }
 

@@ -45,9 +45,9 @@ KVQ_MQ_BY_QUERY(ggml, portable, kvq_ggml_dot_portable, kvq_ggml_axpy_portable)
 static inline int kvq_mq_foldable(const float* x, int64_t n)
 {
     int64_t i;
-    for (i = 0; i < n; i++)
-        if (!(fabsf(x[i]) < 128.0f)) return 0;
-    return 1;
+    int ok = 1;
+    for (i = 0; i < n; i++) ok &= fabsf(x[i]) < 128.0f;   /* no early exit: it vectorizes */
+    return ok;
 }
 
 /* Layouts the vector multi-query kernels take (the others go query by query). */
@@ -95,6 +95,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_SET1(c) _mm512_set1_ps(c)
 #define MV_TREE1(a) kvq_tree16_avx512(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_SUMS16(a, dst, scale) kvq_sums16_avx512(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx512(side, ns, sq, dst)
 #define MV_E4M3(c, how) kvq_e4m3_16(c, how)
 #define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx512(c, len)
 #define MV_TQ_CONSTS kvq_tq_consts
@@ -105,6 +107,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 /* queries per pass and rows per pass for M queries: R * M <= 8 accumulators (of 32 registers) */
 #define KVQ_MQ_PASS 8
 #define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 #define KVQ_MQ_VBMI_TQ 1   /* 6- to 8-bit tq with VBMI keeps its own kernels */
 #include "consumers_multi_body.h"
@@ -122,11 +125,14 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_SET1(c) _mm512_set1_ps(c)
 #define MV_TREE1(a) kvq_tree16_avx512(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
+#define MV_SUMS16(a, dst, scale) kvq_sums16_avx512(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx512(side, ns, sq, dst)
 #define MV_TQ_CONSTS kvq_tq_consts_vbmi
 #define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_vbmi(K, table, b)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_vbmi(g, K, b, wide)
 #define KVQ_MQ_PASS 8
 #define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 #define KVQ_MQ_VBMI_TQ 1
 #define KVQ_MQ_TQ_ONLY 1
@@ -146,6 +152,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_SET1(c) kvq_v2_set1(c)
 #define MV_TREE1(a) kvq_tree16_avx2(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx2(a, b, c, d))
+#define MV_SUMS16(a, dst, scale) kvq_sums16_avx2(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx2(side, ns, sq, dst)
 #define MV_E4M3(c, how) kvq_e4m3_16_avx2(c, how)
 #define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx2(c, len)
 #define MV_TQ_CONSTS kvq_tq_consts_avx2
@@ -153,9 +161,11 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_avx2(g, K, b, wide)
 #define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values_avx2(blk, q4, lo, hi)
 #define MV_FP16(b) kvq_fp16_value_avx2(b)
-/* 16 registers of 8 lanes: R * M <= 4 accumulators (8 registers) */
+/* 16 registers of 8 lanes: R * M <= 4 accumulators (8 registers), and two rows per pass even for
+ * one query (four rows' accumulators and values spill: measured slower) */
 #define KVQ_MQ_PASS 4
-#define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+#define KVQ_MQ_ROWS(M) ((M) <= 2 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 2
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4)
 #define KVQ_MQ_VBMI_TQ 0
 #include "consumers_multi_body.h"

@@ -24,6 +24,36 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(mq_store)(const MV* acc, floa
     }
 }
 
+/* The score kernels take rows in blocks of KVQ_MQ_BLOCK: each pass of R rows parks its lane sums
+ * in blk (query j, row k of the block at blk[KVQ_MQ_BLOCK j + k]) and the block's sums are reduced
+ * sixteen rows at a time (MV_SUMS16: the same adds as one row's tree, fewer shuffles), then scaled
+ * by a vector multiply. Rows after the last whole block go through mq_store. */
+#define KVQ_MQ_BLOCK 16
+
+/* acc of R rows x M queries (a pass at row k of the block) into blk, or straight to out. */
+KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(mq_put)(const MV* acc, MV* blk, int k,
+                                                         float* out, int64_t ldo,
+                                                         const float* scale, const int R,
+                                                         const int M)
+{
+    int r, j;
+    if (!blk) {
+        KVQ_MQ(mq_store)(acc, out, ldo, scale, R, M);
+        return;
+    }
+    for (j = 0; j < M; j++)
+        for (r = 0; r < R; r++) blk[KVQ_MQ_BLOCK * j + k + r] = acc[r * M + j];
+}
+
+/* A block's sums of M queries to out[j ldo + k], times scale[k] when scale is not NULL. */
+KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(mq_sums)(const MV* blk, float* out,
+                                                          int64_t ldo, const float* scale,
+                                                          const int M)
+{
+    int j;
+    for (j = 0; j < M; j++) MV_SUMS16(blk + KVQ_MQ_BLOCK * j, out + j * ldo, scale);
+}
+
 /* Runs ROWS(R, t) over rows [r0, r1): R at a time, then one at a time. */
 #define KVQ_MQ_ROW_LOOP(R, CALL)                                                              \
     do {                                                                                      \
@@ -32,13 +62,44 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(mq_store)(const MV* acc, floa
         for (; t < r1; t++) CALL(1, t);                                                       \
     } while (0)
 
+/* The context kernels' row loop: when `blocks`, whole blocks of KVQ_MQ_BLOCK rows with their
+ * coefficients computed sixteen at a time by PREP(t0), passes CALL(R, t, k) at row k of the
+ * block; the rest (every row when not `blocks`) CALL(R, t, -1), coefficients computed per pass. */
+#define KVQ_MQ_CTX_LOOP(R, CALL, PREP, blocks)                                                \
+    do {                                                                                      \
+        int64_t t = r0, t0;                                                                   \
+        int k_;                                                                               \
+        for (; (blocks) && t + KVQ_MQ_BLOCK <= r1; t += KVQ_MQ_BLOCK) {                       \
+            t0 = t;                                                                           \
+            PREP(t0);                                                                         \
+            for (k_ = 0; k_ < KVQ_MQ_BLOCK; k_ += (R)) CALL(R, t0 + k_, k_);                 \
+        }                                                                                     \
+        for (; t + (R) <= r1; t += (R)) CALL(R, t, -1);                                      \
+        for (; t < r1; t++) CALL(1, t, -1);                                                   \
+    } while (0)
+
+/* The score kernels' row loop: whole blocks through blk (CALL(R, t, blk, k) for the passes,
+ * then FINISH(t0) with the block's first row), then the rest as KVQ_MQ_ROW_LOOP (blk NULL). */
+#define KVQ_MQ_BLOCK_LOOP(R, CALL, FINISH)                                                    \
+    do {                                                                                      \
+        int64_t t = r0, t0;                                                                   \
+        int k_;                                                                               \
+        for (; t + KVQ_MQ_BLOCK <= r1; t += KVQ_MQ_BLOCK) {                                   \
+            t0 = t;                                                                           \
+            for (k_ = 0; k_ < KVQ_MQ_BLOCK; k_ += (R)) CALL(R, t0 + k_, blk_, k_);           \
+            FINISH(t0);                                                                       \
+        }                                                                                     \
+        for (; t + (R) <= r1; t += (R)) CALL(R, t, (MV*)NULL, 0);                            \
+        for (; t < r1; t++) CALL(1, t, (MV*)NULL, 0);                                         \
+    } while (0)
+
 #ifndef KVQ_MQ_TQ_ONLY
 /* ---- f32 --------------------------------------------------------------------------------- */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(f32_dot_rows)(const kvq_params* p,
                                                                const uint8_t* codes, int64_t t,
                                                                const float* Q, float* out,
-                                                               int64_t ldo, const int R,
-                                                               const int M)
+                                                               int64_t ldo, MV* blk, int k,
+                                                               const int R, const int M)
 {
     const int64_t n = p->dim, stride = p->code_bytes / 4;
     const float* x = (const float*)codes + t * stride;
@@ -54,13 +115,14 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(f32_dot_rows)(const kvq_param
                 acc[r * M + j] = MV_ADD(acc[r * M + j], MV_MUL(qv, MV_LOAD(x + r * stride + i)));
         }
     }
-    KVQ_MQ(mq_store)(acc, out + t, ldo, NULL, R, M);
+    KVQ_MQ(mq_put)(acc, blk, k, out + t, ldo, NULL, R, M);
 }
 
 KVQ_MQ_TARGET static void KVQ_MQ(f32_dotm)(const kvq_params* p, const uint8_t* codes,
                                           const float* side, int64_t r0, int64_t r1,
                                           const float* Q, int m, float* out, int64_t ldo)
 {
+    MV blk_[KVQ_MQ_PASS * KVQ_MQ_BLOCK];
     int j0, mm;
     if (p->dim % 16) {
         KVQ_MQ_FALLBACK(f32_dotm)(p, codes, side, r0, r1, Q, m, out, ldo);
@@ -71,10 +133,13 @@ KVQ_MQ_TARGET static void KVQ_MQ(f32_dotm)(const kvq_params* p, const uint8_t* c
         float* oj = out + j0 * ldo;
         mm = m - j0 < KVQ_MQ_PASS ? m - j0 : KVQ_MQ_PASS;
         switch (mm) {
-#define KVQ_MQ_CALL(R, t) KVQ_MQ(f32_dot_rows)(p, codes, t, Qj, oj, ldo, R, M_)
-#define KVQ_MQ_CASE(M) case M: { enum { M_ = M }; KVQ_MQ_ROW_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL); } break;
+#define KVQ_MQ_CALL(R, t, blk, k) KVQ_MQ(f32_dot_rows)(p, codes, t, Qj, oj, ldo, blk, k, R, M_)
+#define KVQ_MQ_FINISH(t) KVQ_MQ(mq_sums)(blk_, oj + (t), ldo, NULL, M_)
+#define KVQ_MQ_CASE(M) case M: { enum { M_ = M };                                             \
+            KVQ_MQ_BLOCK_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL, KVQ_MQ_FINISH); } break;
         KVQ_MQ_EACH_M(KVQ_MQ_CASE)
 #undef KVQ_MQ_CASE
+#undef KVQ_MQ_FINISH
 #undef KVQ_MQ_CALL
         }
     }
@@ -132,11 +197,12 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_rows)(const kvq_param
                                                                const uint8_t* codes,
                                                                const float* side, int64_t t,
                                                                const float* Q, const float* Qraw,
-                                                               float* out, int64_t ldo,
-                                                               const int R, const int M)
+                                                               float* out, int64_t ldo, MV* blk,
+                                                               int k, const int R, const int M,
+                                                               const int grouped)
 {
+    /* grouped: a constant, G != n (scales per group of G, a multiple of 16, inside the sums) */
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, G = p->group;
-    const int grouped = G != n;
     const int64_t steps_per_group = G / 16;
     const uint8_t* c = codes + t * cb;
     const float* s = side + t * ns;
@@ -182,21 +248,22 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_rows)(const kvq_param
     }
 #undef KVQ_MQ_KV8_STEP
     for (r = 0; r < R; r++) scale[r] = s[r * ns];
-    KVQ_MQ(mq_store)(acc, out + t, ldo, grouped ? NULL : scale, R, M);
+    KVQ_MQ(mq_put)(acc, blk, k, out + t, ldo, grouped ? NULL : scale, R, M);
 }
 
-KVQ_MQ_TARGET static void KVQ_MQ(kv8_dotm)(const kvq_params* p, const uint8_t* codes,
-                                          const float* side, int64_t r0, int64_t r1,
-                                          const float* Q, int m, float* out, int64_t ldo)
+KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_layout)(const kvq_params* p,
+                                                                  const uint8_t* codes,
+                                                                  const float* side, int64_t r0,
+                                                                  int64_t r1, const float* Q,
+                                                                  int m, float* out, int64_t ldo,
+                                                                  const int grouped)
 {
+    /* per-row scales (n_side is then 1) multiply a block's sums; group scales are inside them */
     const int64_t n = p->dim;
     float qraw[KVQ_MQ_FOLD_FLOATS];
+    MV blk_[KVQ_MQ_PASS * KVQ_MQ_BLOCK];
     int j0, mm;
     int64_t i;
-    if (!kvq_mq_kv8_layout_ok(p)) {
-        KVQ_MQ_FALLBACK(kv8_dotm)(p, codes, side, r0, r1, Q, m, out, ldo);
-        return;
-    }
     for (j0 = 0; j0 < m; j0 += mm) {
         const float* Qj = Q + j0 * n;
         const float* Qr = NULL;
@@ -207,22 +274,43 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_dotm)(const kvq_params* p, const uint8_t* c
             Qr = qraw;
         }
         switch (mm) {
-#define KVQ_MQ_CALL(R, t) KVQ_MQ(kv8_dot_rows)(p, codes, side, t, Qj, Qr, oj, ldo, R, M_)
-#define KVQ_MQ_CASE(M) case M: { enum { M_ = M }; KVQ_MQ_ROW_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL); } break;
+#define KVQ_MQ_CALL(R, t, blk, k)                                                            \
+            KVQ_MQ(kv8_dot_rows)(p, codes, side, t, Qj, Qr, oj, ldo, blk, k, R, M_, grouped)
+#define KVQ_MQ_FINISH(t) KVQ_MQ(mq_sums)(blk_, oj + (t), ldo, grouped ? NULL : side + (t), M_)
+#define KVQ_MQ_CASE(M) case M: { enum { M_ = M };                                             \
+            KVQ_MQ_BLOCK_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL, KVQ_MQ_FINISH); } break;
         KVQ_MQ_EACH_M(KVQ_MQ_CASE)
 #undef KVQ_MQ_CASE
+#undef KVQ_MQ_FINISH
 #undef KVQ_MQ_CALL
         }
     }
+}
+
+KVQ_MQ_TARGET static void KVQ_MQ(kv8_dotm)(const kvq_params* p, const uint8_t* codes,
+                                          const float* side, int64_t r0, int64_t r1,
+                                          const float* Q, int m, float* out, int64_t ldo)
+{
+    if (!kvq_mq_kv8_layout_ok(p))
+        KVQ_MQ_FALLBACK(kv8_dotm)(p, codes, side, r0, r1, Q, m, out, ldo);
+    else if (p->group == p->dim)
+        KVQ_MQ(kv8_dot_layout)(p, codes, side, r0, r1, Q, m, out, ldo, 0);
+    else
+        KVQ_MQ(kv8_dot_layout)(p, codes, side, r0, r1, Q, m, out, ldo, 1);
 }
 
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_axpy_rows)(const kvq_params* p,
                                                                 const uint8_t* codes,
                                                                 const float* side, int64_t t,
                                                                 const float* W, int64_t ldw,
-                                                                int m_, float* acc, const int R,
-                                                                const int M)
+                                                                int m_, float* acc,
+                                                                const float* cfb,
+                                                                const float* cfrb, int foldb,
+                                                                const int R, const int M)
 {
+    /* cfb, cfrb: the coefficients of a block of per-row scales (kv8_ctx_block) for query j and
+     * row r at [KVQ_MQ_BLOCK j + r], and foldb whether they all allow the raw decode; NULL: the
+     * coefficients are computed here */
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, G = p->group;
     const int64_t steps_per_group = G / 16;
     const int m = M ? M : m_;   /* M: a compile-time query count (0: m_ at run time) */
@@ -232,16 +320,23 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_axpy_rows)(const kvq_para
     MV a, v[4];
     int64_t i0, i, g, left;
     int r, j, special, fold = 1;
-    /* the raw decode when every coefficient of these rows is below 2^7 */
-    for (g = 0; g < ns && fold; g++) fold = kvq_mq_kv8_coefs(W, ldw, t, m, s, ns, g, R, cf, cfr);
-    kvq_mq_kv8_coefs(W, ldw, t, m, s, ns, 0, R, cf, cfr);
+    if (cfb) {
+        fold = foldb;
+    } else {
+        /* the raw decode when every coefficient of these rows is below 2^7 */
+        for (g = 0; g < ns && fold; g++)
+            fold = kvq_mq_kv8_coefs(W, ldw, t, m, s, ns, g, R, cf, cfr);
+        kvq_mq_kv8_coefs(W, ldw, t, m, s, ns, 0, R, cf, cfr);
+    }
     g = 0;
     left = steps_per_group;
-#define KVQ_MQ_KV8_STEP(HOW, CF)                                                             \
+#define KVQ_MQ_KV8_STEP(HOW, CF, CFB)                                                        \
     for (r = 0; r < R; r++) v[r] = MV_E4M3(c + r * cb + i, HOW);                             \
     for (j = 0; j < m; j++) {                                                                \
         a = MV_LOAD(acc + j * n + i);                                                        \
-        for (r = 0; r < R; r++) a = MV_ADD(a, MV_MUL(MV_SET1(CF[r * m + j]), v[r]));         \
+        for (r = 0; r < R; r++)                                                              \
+            a = MV_ADD(a, MV_MUL(MV_SET1(cfb ? CFB[KVQ_MQ_BLOCK * j + r] : CF[r * m + j]),   \
+                                 v[r]));                                                     \
         MV_STORE(acc + j * n + i, a);                                                        \
     }                                                                                        \
     if (--left == 0 && ++g < ns) {                                                           \
@@ -256,20 +351,40 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_axpy_rows)(const kvq_para
             special |= MV_E4M3_SPECIAL(c + r * cb + i0, i1 - i0);
         }
         if (special)
-            for (i = i0; i < i1; i += 16) { KVQ_MQ_KV8_STEP(KVQ_E4M3_ANY, cf) }
+            for (i = i0; i < i1; i += 16) { KVQ_MQ_KV8_STEP(KVQ_E4M3_ANY, cf, cfb) }
         else if (fold)
-            for (i = i0; i < i1; i += 16) { KVQ_MQ_KV8_STEP(KVQ_E4M3_RAW, cfr) }
+            for (i = i0; i < i1; i += 16) { KVQ_MQ_KV8_STEP(KVQ_E4M3_RAW, cfr, cfrb) }
         else
-            for (i = i0; i < i1; i += 16) { KVQ_MQ_KV8_STEP(KVQ_E4M3_PLAIN, cf) }
+            for (i = i0; i < i1; i += 16) { KVQ_MQ_KV8_STEP(KVQ_E4M3_PLAIN, cf, cfb) }
     }
 #undef KVQ_MQ_KV8_STEP
+}
+
+/* The coefficients w_jt s_t of rows [t, t + KVQ_MQ_BLOCK) and m queries (per-row scales, one
+ * per row) into cf[KVQ_MQ_BLOCK j + r], cfr = cf 2^120 (exact); returns whether every |cf| < 2^7
+ * (the raw decode applies). The products of kvq_mq_kv8_coefs, sixteen at a time. */
+KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE int KVQ_MQ(kv8_ctx_block)(const float* W, int64_t ldw,
+                                                               int64_t t, int m,
+                                                               const float* side, float* cf,
+                                                               float* cfr)
+{
+    const MV s = MV_LOAD(side + t);
+    int j, r, fold = 1;
+    for (j = 0; j < m; j++) {
+        const MV c = MV_MUL(MV_LOAD(W + j * ldw + t), s);
+        MV_STORE(cf + KVQ_MQ_BLOCK * j, c);
+        MV_STORE(cfr + KVQ_MQ_BLOCK * j, MV_MUL(c, MV_SET1(0x1p120f)));
+    }
+    for (r = 0; r < KVQ_MQ_BLOCK * m; r++) fold &= fabsf(cf[r]) < 128.0f;
+    return fold;
 }
 
 KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* codes,
                                            const float* side, int64_t r0, int64_t r1,
                                            const float* W, int64_t ldw, int m, float* acc)
 {
-    int j0, mm;
+    float cfb_[KVQ_MQ_MAX * KVQ_MQ_BLOCK], cfrb_[KVQ_MQ_MAX * KVQ_MQ_BLOCK];
+    int j0, mm, fold_ = 0;
     if (!kvq_mq_kv8_layout_ok(p)) {
         KVQ_MQ_FALLBACK(kv8_axpym)(p, codes, side, r0, r1, W, ldw, m, acc);
         return;
@@ -278,14 +393,21 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* 
         const float* Wj = W + j0 * ldw;
         float* aj = acc + j0 * p->dim;
         mm = m - j0 < KVQ_MQ_MAX ? m - j0 : KVQ_MQ_MAX;
-#define KVQ_MQ_CALL(R, t) KVQ_MQ(kv8_axpy_rows)(p, codes, side, t, Wj, ldw, mm, aj, R, M_)
-        if (mm == 1) {
+#define KVQ_MQ_CALL(R, t, k)                                                                 \
+        KVQ_MQ(kv8_axpy_rows)(p, codes, side, t, Wj, ldw, mm, aj, (k) < 0 ? NULL : cfb_ + (k), \
+                              cfrb_ + ((k) < 0 ? 0 : (k)), fold_, R, M_)
+#define KVQ_MQ_PREP(t) fold_ = KVQ_MQ(kv8_ctx_block)(Wj, ldw, t, mm, side, cfb_, cfrb_)
+        if (p->group != p->dim) {   /* group scales: the coefficients change along the row */
+            const int M_ = 0;
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 0);
+        } else if (mm == 1) {
             const int M_ = 1;
-            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         } else {
             const int M_ = 0;
-            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         }
+#undef KVQ_MQ_PREP
 #undef KVQ_MQ_CALL
     }
 }
@@ -298,9 +420,9 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_rows)(const kvq_params
                                                               const float* side, int64_t t,
                                                               const MV_TQ_CONSTS* K,
                                                               const float* Q, float* out,
-                                                              int64_t ldo, const int R,
-                                                              const int M, const int b,
-                                                              const int wide)
+                                                              int64_t ldo, MV* blk, int k,
+                                                              const int R, const int M,
+                                                              const int b, const int wide)
 {
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, gb = 2 * b;
     const uint8_t* c = codes + t * cb;
@@ -317,8 +439,9 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_rows)(const kvq_params
             for (r = 0; r < R; r++) acc[r * M + j] = MV_ADD(acc[r * M + j], MV_MUL(qv, v[r]));
         }
     }
-    for (r = 0; r < R; r++) step[r] = kvq_tq_step(side[(t + r) * ns], p->sqrtf_n);
-    KVQ_MQ(mq_store)(acc, out + t, ldo, step, R, M);
+    if (!blk)
+        for (r = 0; r < R; r++) step[r] = kvq_tq_step(side[(t + r) * ns], p->sqrtf_n);
+    KVQ_MQ(mq_put)(acc, blk, k, out + t, ldo, step, R, M);
 }
 
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_bits)(const kvq_params* p,
@@ -330,6 +453,8 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_bits)(const kvq_params
     /* rows before wide_end may read 16 bytes from any of their groups */
     const int64_t wide_end = p->n_rows - (16 + p->code_bytes - 1) / p->code_bytes;
     MV_TQ_CONSTS K;
+    MV blk_[KVQ_MQ_PASS * KVQ_MQ_BLOCK];
+    float step_[KVQ_MQ_BLOCK];
     int j0, mm;
     MV_TQ_INIT(&K, p->table, b);
     for (j0 = 0; j0 < m; j0 += mm) {
@@ -337,14 +462,19 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_bits)(const kvq_params
         float* oj = out + j0 * ldo;
         mm = m - j0 < KVQ_MQ_PASS ? m - j0 : KVQ_MQ_PASS;
         switch (mm) {
-#define KVQ_MQ_CALL(R, t)                                                                    \
+#define KVQ_MQ_CALL(R, t, blk, k)                                                            \
             if ((t) + (R) <= wide_end)                                                       \
-                KVQ_MQ(tq_dot_rows)(p, codes, side, t, &K, Qj, oj, ldo, R, M_, b, 1);        \
+                KVQ_MQ(tq_dot_rows)(p, codes, side, t, &K, Qj, oj, ldo, blk, k, R, M_, b, 1); \
             else                                                                             \
-                KVQ_MQ(tq_dot_rows)(p, codes, side, t, &K, Qj, oj, ldo, R, M_, b, 0)
-#define KVQ_MQ_CASE(M) case M: { enum { M_ = M }; KVQ_MQ_ROW_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL); } break;
+                KVQ_MQ(tq_dot_rows)(p, codes, side, t, &K, Qj, oj, ldo, blk, k, R, M_, b, 0)
+#define KVQ_MQ_FINISH(t)                                                                     \
+            MV_TQ_STEPS16(side + (t) * p->n_side, p->n_side, p->sqrtf_n, step_);             \
+            KVQ_MQ(mq_sums)(blk_, oj + (t), ldo, step_, M_)
+#define KVQ_MQ_CASE(M) case M: { enum { M_ = M };                                             \
+            KVQ_MQ_BLOCK_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL, KVQ_MQ_FINISH); } break;
         KVQ_MQ_EACH_M(KVQ_MQ_CASE)
 #undef KVQ_MQ_CASE
+#undef KVQ_MQ_FINISH
 #undef KVQ_MQ_CALL
         }
     }
@@ -355,10 +485,13 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_rows)(const kvq_param
                                                                const float* side, int64_t t,
                                                                const MV_TQ_CONSTS* K,
                                                                const float* W, int64_t ldw,
-                                                               int m_, float* acc, const int R,
+                                                               int m_, float* acc,
+                                                               const float* cfb, const int R,
                                                                const int M, const int b,
                                                                const int wide)
 {
+    /* cfb: the coefficients w_jt step_t of a block (query j, row r at [KVQ_MQ_BLOCK j + r]);
+     * NULL: computed here */
     const int64_t n = p->dim, cb = p->code_bytes, ns = p->n_side, gb = 2 * b;
     const int m = M ? M : m_;   /* M: a compile-time query count (0: m_ at run time) */
     const uint8_t* c = codes + t * cb;
@@ -366,7 +499,7 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_rows)(const kvq_param
     MV a, v[4];
     int64_t i, off;
     int r, j;
-    for (r = 0; r < R; r++) {
+    for (r = 0; !cfb && r < R; r++) {
         const float st = kvq_tq_step(side[(t + r) * ns], p->sqrtf_n);
         for (j = 0; j < m; j++) cf[r * m + j] = W[j * ldw + t + r] * st;
     }
@@ -375,7 +508,9 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_rows)(const kvq_param
         for (r = 0; r < R; r++) v[r] = MV_TQ_LEV16(c + r * cb + off, K, b, wide);
         for (j = 0; j < m; j++) {
             a = MV_LOAD(acc + j * n + i);
-            for (r = 0; r < R; r++) a = MV_ADD(a, MV_MUL(MV_SET1(cf[r * m + j]), v[r]));
+            for (r = 0; r < R; r++)
+                a = MV_ADD(a, MV_MUL(MV_SET1(cfb ? cfb[KVQ_MQ_BLOCK * j + r] : cf[r * m + j]),
+                                     v[r]));
             MV_STORE(acc + j * n + i, a);
         }
     }
@@ -390,24 +525,34 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_bits)(const kvq_param
 {
     const int64_t wide_end = p->n_rows - (16 + p->code_bytes - 1) / p->code_bytes;
     MV_TQ_CONSTS K;
-    int j0, mm;
+    float cfb_[KVQ_MQ_MAX * KVQ_MQ_BLOCK], step_[KVQ_MQ_BLOCK];
+    int j0, mm, j;
     MV_TQ_INIT(&K, p->table, b);
     for (j0 = 0; j0 < m; j0 += mm) {
         const float* Wj = W + j0 * ldw;
         float* aj = acc + j0 * p->dim;
         mm = m - j0 < KVQ_MQ_MAX ? m - j0 : KVQ_MQ_MAX;
-#define KVQ_MQ_CALL(R, t)                                                                    \
+#define KVQ_MQ_CALL(R, t, k)                                                                 \
         if ((t) + (R) <= wide_end)                                                           \
-            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj, R, M_, b, 1);       \
+            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj,                     \
+                                 (k) < 0 ? NULL : cfb_ + (k), R, M_, b, 1);                  \
         else                                                                                 \
-            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj, R, M_, b, 0)
+            KVQ_MQ(tq_axpy_rows)(p, codes, side, t, &K, Wj, ldw, mm, aj,                     \
+                                 (k) < 0 ? NULL : cfb_ + (k), R, M_, b, 0)
+        /* the products w_jt * step_t of the per-row code, sixteen at a time */
+#define KVQ_MQ_PREP(t)                                                                       \
+        MV_TQ_STEPS16(side + (t) * p->n_side, p->n_side, p->sqrtf_n, step_);                 \
+        for (j = 0; j < mm; j++)                                                             \
+            MV_STORE(cfb_ + KVQ_MQ_BLOCK * j, MV_MUL(MV_LOAD(Wj + j * ldw + (t)),            \
+                                                     MV_LOAD(step_)))
         if (mm == 1) {
             const int M_ = 1;
-            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         } else {
             const int M_ = 0;
-            KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+            KVQ_MQ_CTX_LOOP(KVQ_MQ_CTX_ROWS, KVQ_MQ_CALL, KVQ_MQ_PREP, 1);
         }
+#undef KVQ_MQ_PREP
 #undef KVQ_MQ_CALL
     }
 }
@@ -439,8 +584,9 @@ KVQ_MQ_TARGET static void KVQ_MQ(tq_axpym)(const kvq_params* p, const uint8_t* c
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(ggml_dot_rows)(const kvq_params* p,
                                                                 const uint8_t* codes, int64_t t,
                                                                 const float* Q, float* out,
-                                                                int64_t ldo, const int R,
-                                                                const int M, const int q4)
+                                                                int64_t ldo, MV* blk, int k,
+                                                                const int R, const int M,
+                                                                const int q4)
 {
     const int64_t nb = p->dim / KVQ_GGML_BLOCK, cb = p->code_bytes, n = p->dim;
     const int64_t bb = q4 ? 18 : 34;
@@ -467,7 +613,7 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(ggml_dot_rows)(const kvq_para
             }
         }
     }
-    KVQ_MQ(mq_store)(acc, out + t, ldo, NULL, R, M);
+    KVQ_MQ(mq_put)(acc, blk, k, out + t, ldo, NULL, R, M);
 }
 
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(ggml_dot_q)(const kvq_params* p,
@@ -476,16 +622,20 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(ggml_dot_q)(const kvq_params*
                                                              float* out, int64_t ldo,
                                                              const int q4)
 {
+    MV blk_[KVQ_MQ_PASS * KVQ_MQ_BLOCK];
     int j0, mm;
     for (j0 = 0; j0 < m; j0 += mm) {
         const float* Qj = Q + j0 * p->dim;
         float* oj = out + j0 * ldo;
         mm = m - j0 < KVQ_MQ_PASS ? m - j0 : KVQ_MQ_PASS;
         switch (mm) {
-#define KVQ_MQ_CALL(R, t) KVQ_MQ(ggml_dot_rows)(p, codes, t, Qj, oj, ldo, R, M_, q4)
-#define KVQ_MQ_CASE(M) case M: { enum { M_ = M }; KVQ_MQ_ROW_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL); } break;
+#define KVQ_MQ_CALL(R, t, blk, k) KVQ_MQ(ggml_dot_rows)(p, codes, t, Qj, oj, ldo, blk, k, R, M_, q4)
+#define KVQ_MQ_FINISH(t) KVQ_MQ(mq_sums)(blk_, oj + (t), ldo, NULL, M_)
+#define KVQ_MQ_CASE(M) case M: { enum { M_ = M };                                             \
+            KVQ_MQ_BLOCK_LOOP(KVQ_MQ_ROWS(M), KVQ_MQ_CALL, KVQ_MQ_FINISH); } break;
         KVQ_MQ_EACH_M(KVQ_MQ_CASE)
 #undef KVQ_MQ_CASE
+#undef KVQ_MQ_FINISH
 #undef KVQ_MQ_CALL
         }
     }
@@ -555,6 +705,9 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #endif /* KVQ_MQ_TQ_ONLY */
 
 #undef KVQ_MQ_ROW_LOOP
+#undef KVQ_MQ_BLOCK_LOOP
+#undef KVQ_MQ_CTX_LOOP
+#undef KVQ_MQ_BLOCK
 #undef KVQ_MQ
 #undef KVQ_MQ_TARGET
 #undef KVQ_MQ_FALLBACK
@@ -567,6 +720,8 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #undef MV_SET1
 #undef MV_TREE1
 #undef MV_TREE4
+#undef MV_SUMS16
+#undef MV_TQ_STEPS16
 #undef MV_E4M3
 #undef MV_E4M3_SPECIAL
 #undef MV_TQ_CONSTS
@@ -576,5 +731,6 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #undef MV_FP16
 #undef KVQ_MQ_PASS
 #undef KVQ_MQ_ROWS
+#undef KVQ_MQ_CTX_ROWS
 #undef KVQ_MQ_EACH_M
 #undef KVQ_MQ_VBMI_TQ

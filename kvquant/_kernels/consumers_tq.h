@@ -197,14 +197,33 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init(kvq_tq_consts
     K->t2 = _mm512_loadu_ps(table256 + 32);
     K->t3 = _mm512_loadu_ps(table256 + 48);
     K->table = table256;
-    /* lane i takes the 4 bytes from byte (b*i)/8 of the group and shifts by (b*i)%8 */
+    /* lane i takes the 4 bytes from byte (b*i)/8 of the group and shifts by (b*i)%8; 2 and 4
+     * bits: lane i holds a dword of the group and shifts by (b*i)%32 (kvq_tq_lev16) */
     for (i = 0; i < 16; i++) {
         const int o = (b * i) >> 3;
         for (k = 0; k < 4; k++) ctl[4 * i + k] = (uint8_t)(o + k < 16 ? o + k : 0x80);
-        sh[i] = (b * i) & 7;
+        sh[i] = b == 2 || b == 4 ? (b * i) & 31 : (b * i) & 7;
     }
     K->ctl = _mm512_loadu_si512((const void*)ctl);
     K->sh = _mm512_loadu_si512((const void*)sh);
+}
+
+/* dst[k] = kvq_tq_step(side[k ns], sqrtf_n) for k = 0..15: the same compares and (correctly
+ * rounded) division, sixteen at a time. */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_steps16_avx512(const float* side, int64_t ns,
+                                                                    float sqrtf_n, float* dst)
+{
+    __m512 r;
+    __mmask16 ok;
+    int k;
+    if (ns != 1) {
+        for (k = 0; k < 16; k++) dst[k] = kvq_tq_step(side[k * ns], sqrtf_n);
+        return;
+    }
+    r = _mm512_loadu_ps(side);
+    ok = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_GT_OQ)
+         & _mm512_cmp_ps_mask(r, _mm512_set1_ps(3.4e38f), _CMP_LE_OQ);
+    _mm512_storeu_ps(dst, _mm512_maskz_div_ps(ok, r, _mm512_set1_ps(sqrtf_n)));
 }
 
 /* Levels of the 16 codes of one group (2b bytes at g). `wide` says that 16 bytes may be read. */
@@ -222,6 +241,18 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
     if (b == 8)
         return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)g)),
                                    K->table, 4);
+    if (b == 2 || b == 4) {
+        /* the codes of lanes 0-7 and 8-15 lie in dwords 0 and 1 (b = 4) or all in dword 0: a
+         * broadcast and a shift per lane, no byte shuffle (nor a read past the group) */
+        uint32_t w;
+        memcpy(&w, g, 4);
+        x = _mm512_set1_epi32((int)w);
+        if (b == 4) {
+            memcpy(&w, g + 4, 4);
+            x = _mm512_mask_set1_epi32(x, (__mmask16)0xFF00, (int)w);
+        }
+        return _mm512_permutexvar_ps(_mm512_srlv_epi32(x, K->sh), K->t0);
+    }
     if (wide)
         x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
     else
@@ -279,7 +310,7 @@ KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const ui
 typedef struct {
     __m256 t0, t1;                 /* levels 0-7 and 8-15 */
     __m256i ctl_lo, ctl_hi;        /* unpacking of lanes 0-7 and 8-15 (as kvq_tq_consts) */
-    __m256i sh_lo, sh_hi;
+    __m256i sh_lo, sh_hi;          /* 2 and 4 bits: shifts inside a broadcast dword instead */
     const float* table;            /* 5 to 8 bits: the gather table */
 } kvq_tq_consts_avx2;
 
@@ -300,6 +331,8 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_avx2(kvq_tq_con
     }
     K->ctl_lo = _mm256_loadu_si256((const __m256i*)ctl);
     K->ctl_hi = _mm256_loadu_si256((const __m256i*)(ctl + 32));
+    if (b == 2 || b == 4)   /* code i of lanes 0-7 (8-15) at bit b*i of one dword of the group */
+        for (i = 0; i < 16; i++) sh[i] = b == 4 ? 4 * (i & 7) : 2 * i;
     K->sh_lo = _mm256_loadu_si256((const __m256i*)sh);
     K->sh_hi = _mm256_loadu_si256((const __m256i*)(sh + 8));
 }
@@ -315,6 +348,23 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_tq_lev8_avx2(__m256i x, cons
     return _mm256_i32gather_ps(K->table, _mm256_and_si256(x, _mm256_set1_epi32(0xFF)), 4);
 }
 
+/* kvq_tq_steps16_avx512 on AVX2. */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_tq_steps16_avx2(const float* side, int64_t ns,
+                                                                float sqrtf_n, float* dst)
+{
+    int k;
+    if (ns != 1) {
+        for (k = 0; k < 16; k++) dst[k] = kvq_tq_step(side[k * ns], sqrtf_n);
+        return;
+    }
+    for (k = 0; k < 16; k += 8) {
+        const __m256 r = _mm256_loadu_ps(side + k);
+        const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                        _mm256_cmp_ps(r, _mm256_set1_ps(3.4e38f), _CMP_LE_OQ));
+        _mm256_storeu_ps(dst + k, _mm256_and_ps(ok, _mm256_div_ps(r, _mm256_set1_ps(sqrtf_n))));
+    }
+}
+
 /* Levels of the 16 codes of one group (2b bytes at g); `wide`: 16 bytes may be read. */
 KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_tq_lev16_avx2(const uint8_t* g,
                                                                    const kvq_tq_consts_avx2* K,
@@ -326,6 +376,16 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE kvq_v16x2 kvq_tq_lev16_avx2(const uint8
     if (b == 8) {
         r.lo = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)g)), 4);
         r.hi = _mm256_i32gather_ps(K->table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(g + 8))), 4);
+        return r;
+    }
+    if (b == 2 || b == 4) {
+        /* the 8 codes of a register lie in one dword (b = 4: dwords 0 and 1; b = 2: dword 0):
+         * broadcast it and shift each lane's code down, no byte shuffle (nor a read past the
+         * group) */
+        const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(g));
+        const __m256i x1 = b == 4 ? _mm256_broadcastd_epi32(_mm_loadu_si32(g + 4)) : x0;
+        r.lo = kvq_tq_lev8_avx2(_mm256_srlv_epi32(x0, K->sh_lo), K, b);
+        r.hi = kvq_tq_lev8_avx2(_mm256_srlv_epi32(x1, K->sh_hi), K, b);
         return r;
     }
     if (wide) {

@@ -169,6 +169,41 @@ KVQ_TARGET_AVX512 static inline __m128 kvq_tree16x4_avx512(__m512 a, __m512 b, _
                                                                          0, 0, 0, 0, 0, 0, 0, 0), s1));
 }
 
+/* kvq_tree16 of sixteen vectors a[0..15] at once: the sums in row order (row k in element k).
+ * Every row goes through the same pairwise adds as kvq_tree16, in a transposed layout: after the
+ * first two levels a vector holds four rows (one per 128-bit lane), after the last it holds
+ * sixteen, so a row costs two shuffles instead of four (the cost that dominates narrow rows). */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tree16x16_avx512(const __m512* a)
+{
+    __m512 w[4], z0, z1, s;
+    int k;
+    for (k = 0; k < 4; k++) {
+        /* j + j+8, then j + j+4: 128-bit lane i of w[k] holds row 4k + i */
+        const __m512 a0 = a[4 * k], a1 = a[4 * k + 1], a2 = a[4 * k + 2], a3 = a[4 * k + 3];
+        const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                        _mm512_shuffle_f32x4(a0, a1, 0xEE));
+        const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                        _mm512_shuffle_f32x4(a2, a3, 0xEE));
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    }
+    /* j + j+2 inside each 128-bit lane: lane i holds rows i and 4 + i (z0), 8 + i and 12 + i (z1) */
+    z0 = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+    z1 = _mm512_add_ps(_mm512_shuffle_ps(w[2], w[3], 0x44), _mm512_shuffle_ps(w[2], w[3], 0xEE));
+    /* j + j+1: element 4i + k holds row 4k + i; the permute puts the rows in order */
+    s = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
+                                                   11, 15), s);
+}
+
+/* dst[k] = kvq_tree16(a[k]) (times scale[k] when scale is not NULL), k = 0..15. */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_sums16_avx512(const __m512* a, float* dst,
+                                                                const float* scale)
+{
+    __m512 s = kvq_tree16x16_avx512(a);
+    if (scale) s = _mm512_mul_ps(s, _mm512_loadu_ps(scale));
+    _mm512_storeu_ps(dst, s);
+}
+
 /* ---- AVX2: 16 lanes as two 8-lane registers (lanes 0-7, 8-15) ---------------------------- */
 typedef struct { __m256 lo, hi; } kvq_v16x2;
 
@@ -238,6 +273,39 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m128 kvq_tree16x4_avx2(kvq_v16x2 a, k
     /* j + j+1: [a c a c | b d b d] */
     const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(s2, s2, 0x88), _mm256_shuffle_ps(s2, s2, 0xDD));
     return _mm_unpacklo_ps(_mm256_castps256_ps128(s1), _mm256_extractf128_ps(s1, 1));
+}
+
+/* kvq_tree16 of eight vectors a[0..7] at once (row k in element k), the same pairwise adds in a
+ * transposed layout (as kvq_tree16x16_avx512). */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE __m256 kvq_tree16x8_avx2(const kvq_v16x2* a)
+{
+    __m256 v[4], z0, z1, s;
+    int k;
+    for (k = 0; k < 4; k++) {
+        /* j + j+8 (the two registers), then j + j+4: 128-bit half h of v[k] holds row 2k + h */
+        const __m256 x = _mm256_add_ps(a[2 * k].lo, a[2 * k].hi);
+        const __m256 y = _mm256_add_ps(a[2 * k + 1].lo, a[2 * k + 1].hi);
+        v[k] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    /* j + j+2: half h holds rows h, 2 + h (z0) and 4 + h, 6 + h (z1), two elements each */
+    z0 = _mm256_add_ps(_mm256_shuffle_ps(v[0], v[1], 0x44), _mm256_shuffle_ps(v[0], v[1], 0xEE));
+    z1 = _mm256_add_ps(_mm256_shuffle_ps(v[2], v[3], 0x44), _mm256_shuffle_ps(v[2], v[3], 0xEE));
+    /* j + j+1: element 4h + k holds row 2k + h; the permute puts the rows in order */
+    s = _mm256_add_ps(_mm256_shuffle_ps(z0, z1, 0x88), _mm256_shuffle_ps(z0, z1, 0xDD));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* dst[k] = kvq_tree16(a[k]) (times scale[k] when scale is not NULL), k = 0..15. */
+KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_sums16_avx2(const kvq_v16x2* a, float* dst,
+                                                            const float* scale)
+{
+    __m256 s0 = kvq_tree16x8_avx2(a), s1 = kvq_tree16x8_avx2(a + 8);
+    if (scale) {
+        s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(scale));
+        s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(scale + 8));
+    }
+    _mm256_storeu_ps(dst, s0);
+    _mm256_storeu_ps(dst + 8, s1);
 }
 
 /* Rows stream from memory faster than the hardware prefetchers fetch them on this kind of
