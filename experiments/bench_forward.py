@@ -15,7 +15,7 @@ by a prefill). Methods, all in the same process and the same forward:
   head ``S = X @ Q.T``, softmax, ``W @ X`` (BLAS) for the 3 query heads that share it; run as
   numpy runs unaided (BLAS at its default thread count);
 - ``kv8``, ``tq4``, ``q4_0+rot``: the decoder's own :class:`~kvquant.cache.QuantizedKVCache`,
-  read by the codecs' consumers on ``cache_threads()`` threads, under one *remedy*.
+  read by the codecs' consumers with ``CACHE_THREADS`` threads, under one *remedy*.
 
 The time spent inside ``cache.attend`` (every layer) is summed per step: the attention time;
 the step time is the whole forward. Beside the wall clock, the CPU time of the whole process
@@ -47,29 +47,21 @@ import numpy as np
 SMOLLM2_SHAPE = dict(n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv=3, head_dim=64,
                      vocab=49152, rope_base=100000.0, context=65536)
 DEFAULT_CODECS = ("kv8", "tq4", "q4_0+rot")
-# name: (environment, attention threads (None: the decoder's own choice), BLAS threads for the
-# whole step, BLAS threads around each attention); None: left as the libraries start. Every
-# remedy but "default" keeps libgomp's own wait policy (KVQUANT_KEEP_OMP_WAIT_POLICY) unless it
-# sets one.
-_LIBGOMP_DEFAULT = {"KVQUANT_KEEP_OMP_WAIT_POLICY": "1"}
+# name: (environment, attention threads, BLAS threads for the whole step, BLAS threads around
+# each attention); None: left as the libraries start.
 REMEDIES = {
-    "default": ({}, None, None, None),
-    "cache1": (_LIBGOMP_DEFAULT, 1, None, None),
-    "cache2": (_LIBGOMP_DEFAULT, 2, None, None),
-    "cache2+blas1-attend": (_LIBGOMP_DEFAULT, 2, None, 1),
-    "cache2+blas1": (_LIBGOMP_DEFAULT, 2, 1, None),
-    "cache2+openblas-timeout": ({**_LIBGOMP_DEFAULT, "OPENBLAS_THREAD_TIMEOUT": "4"}, 2, None,
-                                None),
+    "cache1": ({}, 1, None, None),
+    "cache2": ({}, 2, None, None),
+    "cache2+blas1-attend": ({}, 2, None, 1),
+    "cache2+blas1": ({}, 2, 1, None),
+    "cache2+openblas-timeout": ({"OPENBLAS_THREAD_TIMEOUT": "4"}, 2, None, None),
     "cache2+omp-passive": ({"OMP_WAIT_POLICY": "passive"}, 2, None, None),
     "cache2+both-passive": ({"OPENBLAS_THREAD_TIMEOUT": "4", "OMP_WAIT_POLICY": "passive"}, 2,
                             None, None),
 }
 REMEDY_NOTES = {
-    "default": "as the decoders run by default: kvquant sets OMP_WAIT_POLICY=passive before its "
-               "kernels load, attention on OpenMP's default thread count",
-    "cache1": "attention on 1 thread, libgomp's default wait policy (the decoders' setting "
-              "before kvquant chose the policy)",
-    "cache2": "attention on 2 threads, libgomp's default wait policy, nothing else",
+    "cache1": "attention on 1 thread (the decoders' CACHE_THREADS = 1 before this benchmark)",
+    "cache2": "attention on 2 threads, nothing else",
     "cache2+blas1-attend": "2 threads; BLAS held to 1 thread around each attention "
                            "(threadpoolctl)",
     "cache2+blas1": "2 threads; BLAS held to 1 thread for the whole step (the decode "
@@ -285,14 +277,9 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
     shape = {"n_layers": cfg.n_layers, "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
              "n_heads": cfg.n_heads, "n_kv": cfg.n_kv_heads, "head_dim": cfg.head_dim,
              "vocab": cfg.vocab_size}
-    from kvquant import _openmp_env
-    from kvquant._threads import resolve_n_threads
-    gguf_decoder.CACHE_THREADS = cache_threads
-    resolved_threads = resolve_n_threads(gguf_decoder.cache_threads())
-    gguf_decoder.CACHE_THREADS = previous
     return {"remedy": remedy, "note": REMEDY_NOTES[remedy], "environment": env,
-            "wait_policy": _openmp_env.describe(), "file": os.path.basename(path),
-            "shape": shape, "cache_threads": resolved_threads, "blas_step_threads": blas_step,
+            "file": os.path.basename(path), "shape": shape,
+            "cache_threads": cache_threads, "blas_step_threads": blas_step,
             "blas_attend_threads": blas_attend, "tokens": tokens, "steps": steps,
             "warmup": warmup, "rounds": rounds, "codecs": list(codecs), "methods": methods,
             "blas": blas, "load_average": list(os.getloadavg())}
@@ -303,8 +290,7 @@ def run_remedies(path, remedies, codecs=DEFAULT_CODECS, tokens=32768, steps=5, w
     """Each remedy in a fresh process with its environment; returns their results in order."""
     results = []
     for remedy in remedies:
-        from kvquant import _openmp_env
-        env = {**_openmp_env.environ_as_started(), **REMEDIES[remedy][0]}
+        env = {**os.environ, **REMEDIES[remedy][0]}
         cmd = [sys.executable, "-m", "kvquant_experiments.bench_forward", "--worker",
                "--file", path, "--remedies", remedy, "--codecs", ",".join(codecs),
                "--tokens", str(tokens), "--steps", str(steps), "--warmup", str(warmup),

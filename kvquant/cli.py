@@ -136,8 +136,6 @@ def cmd_info(args):
     print(f"kvquant {kvquant.__version__}")
     print(f"openmp: {'on' if _build_info.openmp_enabled() else 'off'} "
           f"(default threads {_build_info.openmp_max_threads()})")
-    from kvquant import _openmp_env
-    print(f"openmp wait policy: {_openmp_env.describe()}")
     return 0
 
 

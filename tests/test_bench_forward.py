@@ -64,8 +64,7 @@ def test_timing_wrapper_passes_results_through(rng):
     assert timed.stream(0, "k") is raw.stream(0, "k")
 
 
-def test_a_remedy_times_every_method_and_restores_the_decoder(tiny_file, monkeypatch):
-    monkeypatch.setenv("KVQUANT_KEEP_OMP_WAIT_POLICY", "1")   # as run_remedies starts it
+def test_a_remedy_times_every_method_and_restores_the_decoder(tiny_file):
     before = gguf_decoder.CACHE_THREADS
     res = bench_forward.run_remedy(tiny_file, "cache2+blas1-attend", codecs=("kv8", "tq4"),
                                    tokens=200, steps=1, warmup=1, rounds=1)

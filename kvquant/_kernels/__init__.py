@@ -2,11 +2,6 @@
 
 The kernels never validate their inputs; the Python layer in ``kvquant.codecs`` does.
 """
-from kvquant import _openmp_env
-
-# Before the first OpenMP-linked extension loads: libgomp reads its wait policy only then.
-_openmp_env.apply()
-
 try:
     from kvquant._kernels import _build_info  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only on a broken build

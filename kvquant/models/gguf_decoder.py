@@ -27,7 +27,6 @@ from dataclasses import asdict
 
 import numpy as np
 
-from kvquant import _openmp_env
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
@@ -39,23 +38,12 @@ __all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_ad
            "rope_halves"]
 
 PREFILL_MODES = ("block", "consumer")
-# Threads for the cache's kernels; None: chosen by cache_threads(). Each call is small (one layer
-# and KV head) and alternates with the BLAS projections; when libgomp's idle workers spin they
-# take the core the projections need, and 2 attention threads were slower than 1.
-# experiments/bench_forward.py measures that and its remedies.
-CACHE_THREADS = None
+# Threads for the cache's kernels. Each call is small (one layer and KV head) and alternates with
+# the BLAS projections: with 2, the consumers' OpenMP workers and OpenBLAS's busy-wait on the core
+# the other needs. experiments/bench_forward.py measures that and its remedies.
+CACHE_THREADS = 1
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512
-
-
-def cache_threads():
-    """Threads for the cache's kernels in a forward: ``CACHE_THREADS`` when set; else OpenMP's
-    default (all cores, or ``OMP_NUM_THREADS``) when its idle workers sleep at once (kvquant sets
-    ``OMP_WAIT_POLICY=passive`` before its kernels load, see ``kvquant._openmp_env``), and 1 when
-    they spin."""
-    if CACHE_THREADS is not None:
-        return CACHE_THREADS
-    return None if _openmp_env.workers_sleep() else 1
 
 
 def _angles(positions, d, base, factors=None):
@@ -114,10 +102,10 @@ def _append(cache, layer, k, v, pre_rope, row=None):
     read, as KVQuant does); ``row`` picks a sequence's row of a batch."""
     if getattr(cache, "keys_before_rope", False):
         raw, rope_keys = pre_rope
-        cache.append(layer, n_threads=cache_threads(), k=k, v=v, rope_keys=rope_keys,
+        cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v, rope_keys=rope_keys,
                      k_before_rope=raw if row is None else raw[row:row + 1])
     else:
-        cache.append(layer, n_threads=cache_threads(), k=k, v=v)
+        cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v)
 
 
 def new_kv_cache(cfg, pair_spec="f32"):
@@ -316,11 +304,11 @@ class GGUFDecoder:
             _append(cache, li, k, v, pre_rope)
             if tokens.size == 1:
                 return cache.attend(li, q[0], scale=self.config.attn_scale,
-                                    n_threads=cache_threads(), **_window(window))[None]
+                                    n_threads=CACHE_THREADS, **_window(window))[None]
             # a llama.cpp attention cache computes a batch its own way, whatever self.prefill
             if self.prefill == "block" or isinstance(cache, GGMLAttentionCache):
                 return cache.attend_prefill(li, q, scale=self.config.attn_scale,
-                                            n_threads=cache_threads(), **_window(window))
+                                            n_threads=CACHE_THREADS, **_window(window))
             return self._consumer_prefill(cache, li, q, pos, window)
 
         return self._final_norm(self._layers(tokens, pos, attend))
@@ -368,7 +356,7 @@ class GGUFDecoder:
             for b, cache in enumerate(caches):
                 _append(cache, li, k[b:b + 1], v[b:b + 1], pre_rope, b)
                 out[b] = cache.attend(li, q[b], scale=self.config.attn_scale,
-                                      n_threads=cache_threads(), **_window(window))
+                                      n_threads=CACHE_THREADS, **_window(window))
             return out
 
         return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
@@ -450,9 +438,9 @@ class GGUFDecoder:
         out = np.empty((S, cfg.n_heads, hd), np.float32)
         for g in range(cfg.n_kv_heads):
             Q = q[:, g * group:(g + 1) * group].reshape(S * group, hd)
-            scores = cache.scores(layer, "k", Q, head=g, n_threads=cache_threads())
+            scores = cache.scores(layer, "k", Q, head=g, n_threads=CACHE_THREADS)
             scores *= np.float32(cfg.attn_scale)
             weights = masked_softmax(scores, hidden)
             out[:, g * group:(g + 1) * group] = cache.context(
-                layer, "v", weights, head=g, n_threads=cache_threads()).reshape(S, group, hd)
+                layer, "v", weights, head=g, n_threads=CACHE_THREADS).reshape(S, group, hd)
         return out
