@@ -456,22 +456,25 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
     return out
 
 
+def _protocol(result):
+    """What makes two runs' KLDs comparable: model, text and its chunks, positions, prompts,
+    the positions scored."""
+    t, m = result["meta"]["text"], result["meta"]
+    return {"model": m.get("model_name", MODEL), "text": t.get("name", t["source"]),
+            "positions": t["positions"], "chunk_tokens": t["chunk_tokens"],
+            "chunk_starts": t.get("chunk_starts"), "prompts": m["protocol"]["prompts"],
+            "score": t.get("score", "all")}
+
+
 def merge_tune_runs(results, names=None):
     """One result holding the rows of several runs on the same tune text (a grid run, then
     runs of more configurations), for :func:`choose`. The runs must share the model, the text
     and its chunks, the positions and the prompts, or their KLDs are not comparable: a
     ``ValueError`` names what differs. A configuration in several runs keeps its first row."""
     names = names or [f"result {i}" for i in range(1, len(results) + 1)]
-
-    def key(r):
-        t, m = r["meta"]["text"], r["meta"]
-        return {"model": m.get("model_name", MODEL), "text": t.get("name", t["source"]),
-                "positions": t["positions"], "chunk_tokens": t["chunk_tokens"],
-                "chunk_starts": t.get("chunk_starts"), "prompts": m["protocol"]["prompts"],
-                "score": t.get("score", "all")}
-    first = key(results[0])
+    first = _protocol(results[0])
     for name, r in zip(names[1:], results[1:]):
-        differ = {k: (first[k], v) for k, v in key(r).items() if first[k] != v}
+        differ = {k: (first[k], v) for k, v in _protocol(r).items() if first[k] != v}
         if differ:
             raise ValueError(f"{name} is not a run on the same tune text as {names[0]}: "
                              + "; ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
@@ -595,10 +598,10 @@ def run_command(result, choices_path="data/results/frontier-choices.json"):
 
 
 def _run_key(result):
-    """Runs of the picks that measure the same cell: model, text, chunk, positions, prompts."""
-    t = result["meta"]["text"]
-    return (_model_tag(result), t["chunk_tokens"], t.get("name", t["source"]), t["positions"],
-            result["meta"]["protocol"]["prompts"], t.get("score", "all"))
+    """Runs of the picks that measure the same cell (:func:`_protocol`), in column order."""
+    p = _protocol(result)
+    return (_model_tag(result), p["chunk_tokens"], p["text"], p["positions"], p["prompts"],
+            p["score"])
 
 
 def _merged_cells(runs):
