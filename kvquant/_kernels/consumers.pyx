@@ -329,6 +329,17 @@ cdef void _rotate_rows(const float[:, ::1] X, const float[::1] signs, float[:, :
         kvq_rotate_row_safe(&X[r, 0], &signs[0], n, inv_sqrt_n, &out[r, 0])
 
 
+cdef const float[:, ::1] _queries_in_code_basis(const float[:, ::1] Q, bint rotate,
+                                                const float[::1] signs, int n_threads):
+    """The queries in the basis the codes were stored in: rotated once (+rot), else as given."""
+    if not rotate:
+        return Q
+    cdef float[:, ::1] Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
+    with nogil:
+        _rotate_rows(Q, signs, Qrot, n_threads)
+    return Qrot
+
+
 cdef void _unrotate_rows_inplace(float[:, ::1] Y, const float[::1] signs,
                                  int n_threads) noexcept nogil:
     """D (H y) / sqrt(n) per row, the same float operations as kvquant._kernels.rotation, safe
@@ -524,13 +535,7 @@ def scores_ggml(const uint8_t[:, ::1] codes,   # IN  (T, (n/32) * block bytes)
     _ggml_params(&p, codes, bits, Q.shape[1])
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
-    cdef const float[:, ::1] Qb = Q
-    cdef float[:, ::1] Qrot
-    if rotate:
-        Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
-        with nogil:
-            _rotate_rows(Q, signs, Qrot, n_threads)
-        Qb = Qrot
+    cdef const float[:, ::1] Qb = _queries_in_code_basis(Q, rotate, signs, n_threads)
     with nogil:
         _run_scores_m(fn, &p, &codes[0, 0], NULL, Qb, out, n_threads)
 
@@ -685,13 +690,7 @@ def scores_ggml_more(const uint8_t[:, ::1] codes,   # IN  (T, (n/32) * block byt
     _ggml_more_params(&p, codes, kind, Q.shape[1])
     if p.n_rows == 0 or Q.shape[0] == 0:
         return
-    cdef const float[:, ::1] Qb = Q
-    cdef float[:, ::1] Qrot
-    if rotate:
-        Qrot = np.empty((Q.shape[0], Q.shape[1]), np.float32)
-        with nogil:
-            _rotate_rows(Q, signs, Qrot, n_threads)
-        Qb = Qrot
+    cdef const float[:, ::1] Qb = _queries_in_code_basis(Q, rotate, signs, n_threads)
     with nogil:
         _run_scores(fn, &p, &codes[0, 0], NULL, Qb, out, n_threads)
 
