@@ -330,7 +330,9 @@ class QuantizedKVCache:
         ----------
         Q : array-like of shape (n_q, n_heads, d_keys)
         sliding_window : int or None
-            Each query sees its last ``sliding_window`` rows only (its own included).
+            Each query sees its last ``sliding_window`` rows only (its own included); a block
+            of queries multiplies only the rows its windows cover, so a windowed prefill costs
+            O(n_q * sliding_window), not O(n_q * T).
 
         Returns
         -------
@@ -351,26 +353,30 @@ class QuantizedKVCache:
                 for b0 in range(0, n_q, block):
                     b1 = min(b0 + block, n_q)
                     visible = first + b1                           # rows the block's last query sees
+                    # rows before the block's first window are invisible to all its queries
+                    start = (0 if sliding_window is None
+                             else min(max(first + b0 - sliding_window + 1, 0), visible))
                     Qb = Qh[b0:b1].reshape(-1, Q.shape[2])
-                    S = np.matmul(Qb, K[:visible].T)
+                    S = np.matmul(Qb, K[start:visible].T)
                     S *= scale
-                    S = S.reshape(b1 - b0, group, visible)
+                    S = S.reshape(b1 - b0, group, visible - start)
                     pos = first + np.arange(b0, b1)
                     if sk.recent:
-                        lo, band = _window_band(sk, pos, visible)
+                        lo, band = _window_band(sk, pos, visible, start)
                         Sx = np.matmul(Qb, sk.recent_rows(lo, visible).T)
                         Sx *= scale
                         Sx = Sx.reshape(b1 - b0, group, visible - lo)
-                        np.copyto(S[:, :, lo:], Sx, where=band[:, None, :])
-                    future = np.arange(visible)[None, :] > pos[:, None]
+                        np.copyto(S[:, :, lo - start:], Sx, where=band[:, None, :])
+                    rows = np.arange(start, visible)[None, :]
+                    future = rows > pos[:, None]
                     if sliding_window is not None:
-                        future |= np.arange(visible)[None, :] <= pos[:, None] - sliding_window
+                        future |= rows <= pos[:, None] - sliding_window
                     np.copyto(S, np.float32(-np.inf), where=future[:, None, :])
                     P = softmax(S)
-                    ctx = P @ V[:visible]
+                    ctx = P @ V[start:visible]
                     if sv.recent:
-                        lo, band = _window_band(sv, pos, visible)
-                        ctx += (P[:, :, lo:] * band[:, None, :]) @ (
+                        lo, band = _window_band(sv, pos, visible, start)
+                        ctx += (P[:, :, lo - start:] * band[:, None, :]) @ (
                             sv.recent_rows(lo, visible) - V[lo:visible])
                     out[b0:b1, h * group:(h + 1) * group] = ctx
         return out
@@ -420,12 +426,13 @@ class QuantizedKVCache:
         return sum(store.fixed_bytes for store in self._all_stores())
 
 
-def _window_band(stream, pos, visible):
-    """For queries at positions ``pos`` reading rows < visible: the first row any of them reads
-    from a float32 copy, and the (n_q, visible - lo) mask of the rows each one does."""
+def _window_band(stream, pos, visible, first_row=0):
+    """For queries at positions ``pos`` reading rows ``first_row`` .. visible - 1: the first row
+    any of them reads from a float32 copy, and the (n_q, visible - lo) mask of the rows each one
+    does."""
     starts = stream.window_starts(pos + 1)
     # a query within the sinks has an empty band (its start is its length): not below the copies
-    lo = min(visible, max(int(starts.min()), stream.recent_start))
+    lo = min(visible, max(int(starts.min()), stream.recent_start, first_row))
     rows = np.arange(lo, visible)[None, :]
     return lo, (rows >= starts[:, None]) & (rows <= pos[:, None])
 
