@@ -258,13 +258,14 @@ class QuantizedKVCache:
             store.truncate(min(length, store.n_rows))
 
     # -- building blocks ---------------------------------------------------------------------
-    def scores(self, layer, name, q, head=0, n_threads=None, length=None):
-        """``q . x^_t`` over one stream's rows: (m, T) for q of shape (m, dim)."""
-        return self.stream(layer, name, head).scores(q, n_threads, length)
+    def scores(self, layer, name, q, head=0, n_threads=None, length=None, start=0):
+        """``q . x^_t`` over one stream's rows start <= t < length: (m, length - start) for q of
+        shape (m, dim)."""
+        return self.stream(layer, name, head).scores(q, n_threads, length, start)
 
-    def context(self, layer, name, w, head=0, n_threads=None):
-        """``sum_t w_t x^_t`` over one stream's first len(w) rows."""
-        return self.stream(layer, name, head).context(w, n_threads)
+    def context(self, layer, name, w, head=0, n_threads=None, start=0):
+        """``sum_t w_t x^_t`` over one stream's rows start .. start + len(w) - 1."""
+        return self.stream(layer, name, head).context(w, n_threads, start)
 
     # -- attention ---------------------------------------------------------------------------
     def _heads(self, layer, keys, values, n_heads):
@@ -305,14 +306,15 @@ class QuantizedKVCache:
         scale = np.float32(1.0 / np.sqrt(self.dims[keys]) if scale is None else scale)
         n_threads = resolve_n_threads(n_threads)
         out = np.empty((q.shape[0], self.dims[values]), np.float32)
+        n = len(self.stream(layer, keys, 0)) if length is None else length
+        # a window reads its rows only: a decode step costs O(sliding_window), not O(T)
+        start = 0 if sliding_window is None else max(n - sliding_window, 0)
         for h in range(self.n_kv_heads):
             rows = slice(h * group, (h + 1) * group)
-            s = self.stream(layer, keys, h).scores(q[rows], n_threads, length)
+            s = self.stream(layer, keys, h).scores(q[rows], n_threads, length, start)
             s *= scale
-            if sliding_window is not None:
-                s[:, :max(s.shape[1] - sliding_window, 0)] = -np.inf
             w = softmax(s)
-            out[rows] = self.stream(layer, values, h).context(w, n_threads)
+            out[rows] = self.stream(layer, values, h).context(w, n_threads, start)
         return out
 
     def attend_prefill(self, layer, Q, scale=None, keys="k", values="v", n_threads=None,

@@ -100,6 +100,32 @@ def test_slots_are_independent_streams(spec, rng):
 
 
 @pytest.mark.parametrize("spec", SPECS)
+def test_a_read_from_a_later_row_is_the_tail_of_a_read_from_row_0(spec, rng):
+    """scores/context from row ``start`` (a sliding window): for every start, through sinks,
+    coded rows and the recent window, the scores are those of a read from row 0 from that row
+    on, and the context is that of weights with zeros before it."""
+    s = StreamSpec.parse(spec)
+    store = StreamStore(s.codec(D), s.options, slots=2)
+    store.append(_rows(rng, 9, 2), n_threads=1)
+    store.append(_rows(rng, 3, 2), n_threads=1)
+    n = store.n_rows
+    q = rng.standard_normal((2, D)).astype(np.float32)
+    full = store.scores(q, 1, n_threads=1)
+    for start in range(n + 1):
+        tail = store.scores(q, 1, n_threads=1, start=start)
+        assert tail.shape == (2, n - start)
+        np.testing.assert_allclose(tail, full[:, start:], rtol=1e-6, atol=1e-6)
+        w = rng.random((2, n - start)).astype(np.float32)
+        padded = np.concatenate([np.zeros((2, start), np.float32), w], axis=1)
+        np.testing.assert_allclose(store.context(w, 1, n_threads=1, start=start),
+                                   store.context(padded, 1, n_threads=1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="start 13 is outside 0..12"):
+        store.scores(q, 0, start=n + 1)
+    with pytest.raises(ValueError, match="outside 0..12"):
+        store.context(np.ones(2, np.float32), 0, start=n - 1)
+
+
+@pytest.mark.parametrize("spec", SPECS)
 def test_prepare_changes_nothing_and_store_keeps_it(spec, rng):
     s = StreamSpec.parse(spec)
     store = StreamStore(s.codec(D), s.options, slots=2)

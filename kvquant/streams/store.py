@@ -488,8 +488,8 @@ class StreamStore:
                              f"[{self._recent_start}, {self.n_rows}))")
         return self._recent_rows[slot, start - self._recent_start:stop - self._recent_start]
 
-    def scores(self, q, slot=0, n_threads=None, length=None):
-        """``q . x^_t`` over one slot's rows t < length.
+    def scores(self, q, slot=0, n_threads=None, length=None, start=0):
+        """``q . x^_t`` over one slot's rows start <= t < length.
 
         Parameters
         ----------
@@ -497,52 +497,80 @@ class StreamStore:
         slot : int
         length : int or None
             Rows read (default all).
+        start : int
+            First row read (a sliding window reads its last rows only); each row's score is
+            the same as in a read from row 0.
 
         Returns
         -------
-        ndarray of shape (length,) or (m, length), dtype float32
+        ndarray of shape (length - start,) or (m, length - start), dtype float32
         """
         n = self._length(length)
+        start = self._start(start, n)
         if self.plain:
-            return self.codec.scores_checked(*self._coded(slot, n), q, n_threads)
+            codes, side = self._coded(slot, n)
+            return self.codec.scores_checked(codes[start:], side[start:], q, n_threads)
         e, ws = min(n, self._n_exact), self.window_start(n)
+        a, b, r = self._parts(start, e, ws)
         q32 = np.asarray(q, dtype=np.float32)
         q_coded = q32 if self.channel_scales is None else q32 * self.channel_scales[slot]
-        coded = self.codec.scores_checked(*self._coded(slot, ws), q_coded, n_threads)
+        codes, side = self._coded(slot, b)
+        coded = self.codec.scores_checked(codes[a - e:], side[a - e:], q_coded, n_threads)
         if self.offsets is not None and coded.shape[-1]:
             coded += (q32 @ self.offsets[slot])[..., None]
-        parts = ([q32 @ self._exact[slot, :e].T] if e else []) + [coded]
-        if ws < n:
-            parts.append(q32 @ self.recent_rows(ws, n, slot).T)
+        parts = ([q32 @ self._exact[slot, start:e].T] if start < e else []) + [coded]
+        if r < n:
+            parts.append(q32 @ self.recent_rows(r, n, slot).T)
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
-    def context(self, w, slot=0, n_threads=None):
-        """``sum_t w_t x^_t`` over one slot's first ``T`` rows.
+    def context(self, w, slot=0, n_threads=None, start=0):
+        """``sum_t w_t x^_t`` over one slot's rows start <= t < start + T.
 
         Parameters
         ----------
         w : array-like of shape (T,) or (m, T)
+            Weights of rows ``start`` .. ``start + T - 1``.
         slot : int
+        start : int
+            First row read.
 
         Returns
         -------
         ndarray of shape (dim,) or (m, dim), dtype float32
         """
-        n = self._length(np.shape(w)[-1])
+        n = self._length(start + np.shape(w)[-1])
+        start = self._start(start, n)
         if self.plain:
-            return self.codec.context_checked(*self._coded(slot, n), w, n_threads)
+            codes, side = self._coded(slot, n)
+            return self.codec.context_checked(codes[start:], side[start:], w, n_threads)
         e, ws = min(n, self._n_exact), self.window_start(n)
+        a, b, r = self._parts(start, e, ws)
         w32 = np.asarray(w, dtype=np.float32)
-        out = self.codec.context_checked(*self._coded(slot, ws), w32[..., e:ws], n_threads)
+        codes, side = self._coded(slot, b)
+        coded_w = w32[..., a - start:b - start]
+        out = self.codec.context_checked(codes[a - e:], side[a - e:], coded_w, n_threads)
         if self.channel_scales is not None:
             out *= self.channel_scales[slot]
-        if self.offsets is not None and ws > e:
-            out += w32[..., e:ws].sum(axis=-1, dtype=np.float32)[..., None] * self.offsets[slot]
-        if e:
-            out += w32[..., :e] @ self._exact[slot, :e]
-        if ws < n:
-            out += w32[..., ws:n] @ self.recent_rows(ws, n, slot)
+        if self.offsets is not None and b > a:
+            out += coded_w.sum(axis=-1, dtype=np.float32)[..., None] * self.offsets[slot]
+        if start < e:
+            out += w32[..., :e - start] @ self._exact[slot, start:e]
+        if r < n:
+            out += w32[..., r - start:n - start] @ self.recent_rows(r, n, slot)
         return out
+
+    def _start(self, start, n):
+        if not 0 <= start <= n:
+            raise ValueError(f"start {start} is outside 0..{n} (the rows read)")
+        return int(start)
+
+    @staticmethod
+    def _parts(start, e, ws):
+        """Rows a .. b - 1 read from codes and r .. from float32 copies, for a read from row
+        ``start`` of a store with ``e`` exact (sink) rows and its window from row ``ws``."""
+        a = max(start, e)
+        b = max(ws, a)
+        return a, b, max(ws, start)
 
     def decode(self, slot=0, start=0, stop=None, n_threads=None, window=True):
         """Rows [start, stop) of one slot as float32 (stop - start, dim), as a read of all rows
@@ -804,13 +832,13 @@ class RowStream:
         """The float32 copies of rows [start, stop), (stop - start, dim)."""
         return self.store.recent_rows(start, stop, self.slot)
 
-    def scores(self, q, n_threads=None, length=None):
-        """``q . x^_t`` for the stored rows t < length; q of shape (dim,) or (m, dim)."""
-        return self.store.scores(q, self.slot, n_threads, length)
+    def scores(self, q, n_threads=None, length=None, start=0):
+        """``q . x^_t`` for the stored rows start <= t < length; q of shape (dim,) or (m, dim)."""
+        return self.store.scores(q, self.slot, n_threads, length, start)
 
-    def context(self, w, n_threads=None):
-        """``sum_t w_t x^_t`` over the first ``len(w)`` rows; w of shape (T,) or (m, T)."""
-        return self.store.context(w, self.slot, n_threads)
+    def context(self, w, n_threads=None, start=0):
+        """``sum_t w_t x^_t`` over rows start .. start + len(w) - 1; w of shape (T,) or (m, T)."""
+        return self.store.context(w, self.slot, n_threads, start)
 
     def decode(self, start=0, stop=None, n_threads=None, window=True):
         """Rows [start, stop) as float32 (a block for the prefill path), as a read of all rows
