@@ -21,13 +21,20 @@
 
 /* One-query kernels applied query by query: the fallback of the vector multi-query kernels (and
  * the portable path's multi-query kernels in a build without vector extensions). */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_MAYBE_UNUSED __attribute__((unused))   /* a fallback some builds never take */
+#else
+#define KVQ_MAYBE_UNUSED
+#endif
 #define KVQ_MQ_BY_QUERY(FAM, PATH, DOT, AXPY)                                                   \
+KVQ_MAYBE_UNUSED                                                                                \
 static void kvq_##FAM##_dotm_##PATH(const kvq_params* p, const uint8_t* codes, const float* side,          \
                         int64_t r0, int64_t r1, const float* Q, int m, float* out, int64_t ldo) \
 {                                                                                               \
     int j;                                                                                      \
     for (j = 0; j < m; j++) DOT(p, codes, side, r0, r1, Q + j * p->dim, out + j * ldo);         \
 }                                                                                               \
+KVQ_MAYBE_UNUSED                                                                                \
 static void kvq_##FAM##_axpym_##PATH(const kvq_params* p, const uint8_t* codes, const float* side,         \
                          int64_t r0, int64_t r1, const float* W, int64_t ldw, int m, float* acc) \
 {                                                                                               \

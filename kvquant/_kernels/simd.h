@@ -4,7 +4,8 @@
  * on x86-64 with GCC/Clang, AVX2 and AVX-512 versions compiled for their targets only through a
  * per-function attribute (the rest of the build keeps baseline flags); the driver picks one at
  * run time from the CPU's features. The multi-query kernels (consumers_multi.h) read each row
- * once for the m queries of a KV head.
+ * once for the m queries of a KV head; their portable version is written over GCC/Clang vector
+ * extensions (below: no intrinsics, any ISA), the scalar kernels remaining for other compilers.
  *
  * All paths produce the same bits. What makes that possible is a reduction order fixed by
  * definition, not by the compiler:
