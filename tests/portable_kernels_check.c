@@ -4,7 +4,9 @@
  * (kvq_*_dotm_portable) must give the bits of the scalar kernels applied query by query
  * (kvq_*_dotm_portableq) for every family, width and query count. With -DKVQ_NO_VECTOR_EXT too,
  * the portable kernels are the scalar ones (the plain-C build) and the check shows that build
- * compiles and runs. Prints one line per mismatch, then OK or FAIL (exit status 0 or 1). */
+ * compiles and runs (x86 builds need SSSE3 for the vector kernels: simd.h). Prints whether the
+ * vector kernels were compiled (vectors=1) and one line per mismatch, then OK or FAIL (exit
+ * status 0 or 1). */
 #include <stdio.h>
 #include <stdlib.h>
 #include "consumers_multi.h"
@@ -74,6 +76,7 @@ int main(void)
     float* side = malloc(sizeof(float) * T * 128);   /* up to n / 4 scales per row */
     float* x = malloc(sizeof(float) * T * 512);
     kvq_e4m3_init();
+    printf("vectors=%d\n", KVQ_PORTABLE_VECTORS);
     for (di = 0; di < (int)(sizeof dims / sizeof dims[0]); di++) {
         const int64_t n = dims[di];
         kvq_params p;

@@ -1,11 +1,12 @@
 """The portable path (compiler vector extensions, no intrinsics) against independent references:
 every fp8 e4m3 code through each path's decoders against ml_dtypes, scores and contexts in the
 reduction order of kvquant/_kernels/simd.h computed step by step in numpy float32 (bit for bit),
-and the kernels' headers built on their own without intrinsics (-DKVQ_NO_SIMD) and without vector
-extensions (-DKVQ_NO_VECTOR_EXT), where the vector kernels must give the bits of the families'
-scalar one-query kernels.
+and the kernels' headers built on their own without intrinsics (-DKVQ_NO_SIMD), without vector
+extensions (-DKVQ_NO_VECTOR_EXT) and for x86's baseline ISA, where the vector kernels must give the
+bits of the families' scalar one-query kernels.
 """
 import os
+import platform
 import shutil
 import subprocess
 
@@ -161,12 +162,22 @@ def _compiler():
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-@pytest.mark.parametrize("flags", [["-DKVQ_NO_SIMD"], ["-DKVQ_NO_SIMD", "-DKVQ_NO_VECTOR_EXT"]],
-                         ids=["vector-extensions", "plain-c"])
-def test_the_portable_kernels_build_alone_and_match_the_scalar_kernels(flags, tmp_path):
+# x86 builds compile the vector kernels only with SSSE3 (simd.h); any CPU with AVX2 has it
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+VECTOR_FLAGS = ["-mssse3"] if X86 else []
+
+
+@pytest.mark.parametrize("flags,vectors", [
+    (["-DKVQ_NO_SIMD", *VECTOR_FLAGS], 1),
+    (["-DKVQ_NO_SIMD", "-DKVQ_NO_VECTOR_EXT", *VECTOR_FLAGS], 0),
+    (["-DKVQ_NO_SIMD"], 0 if X86 else 1),
+], ids=["vector-extensions", "plain-c", "baseline-isa"])
+def test_the_portable_kernels_build_alone_and_match_the_scalar_kernels(flags, vectors, tmp_path):
     cc = _compiler()
     if cc is None:
         pytest.skip("no C compiler on PATH")
+    if X86 and vectors and consumers.cpu_simd() == "portable":
+        pytest.skip("this x86 CPU may lack SSSE3 (no AVX2)")
     exe = tmp_path / "check"
     # -O0 keeps the compile short; the rounding is the same at any level (-ffp-contract=off)
     build = subprocess.run([cc, "-O0", "-ffp-contract=off", "-fno-fast-math", *flags,
@@ -174,4 +185,6 @@ def test_the_portable_kernels_build_alone_and_match_the_scalar_kernels(flags, tm
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout[-3000:]
+    lines = run.stdout.split()
+    assert lines[0] == f"vectors={vectors}", lines[0]
+    assert run.returncode == 0 and lines[-1] == "OK", run.stdout[-3000:]

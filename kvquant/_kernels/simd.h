@@ -341,8 +341,12 @@ static inline __mmask16 kvq_mask16(int64_t rem)
  * No intrinsics: the same source on every ISA. The 16 lanes of simd.h's order are four of them,
  * a struct the compiler keeps in registers (a single 64-byte vector type is not: without AVX-512
  * GCC keeps such variables in memory). A compiler without the extensions, or -DKVQ_NO_VECTOR_EXT,
- * keeps the scalar kernels of each family (which define the bits) query by query. */
-#if !defined(KVQ_NO_VECTOR_EXT) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9))
+ * keeps the scalar kernels of each family (which define the bits) query by query; so does an x86
+ * build for the baseline ISA (SSE2), where the byte shuffles have no instruction and the
+ * compiler's emulation is slower than the scalar kernels (measured: 0.07-0.28x numpy against
+ * 0.4-0.8x): the vector kernels need SSSE3 there (-march=x86-64-v2 or later, KVQUANT_MARCH). */
+#if !defined(KVQ_NO_VECTOR_EXT) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)) \
+    && (!(defined(__x86_64__) || defined(__i386__)) || defined(__SSSE3__))
 #define KVQ_PORTABLE_VECTORS 1
 typedef float kvq_pv4 __attribute__((vector_size(16)));    /* 4 float lanes */
 typedef int32_t kvq_pv4i __attribute__((vector_size(16))); /* 4 int32 lanes (compare results) */
