@@ -111,6 +111,33 @@ static void kvq_ggml_axpy_portable(const kvq_params* p, const uint8_t* codes, co
         kvq_ggml_axpy_portable_q(p, codes, r0, r1, w, acc, 0);
 }
 
+#if KVQ_PORTABLE_VECTORS
+/* The 32 values of a block as two 16-lane vectors (elements 0..15, 16..31): the portable path's
+ * decoder (simd.h's vector extensions, any ISA). Each byte goes to the top of a 32-bit lane and
+ * an arithmetic shift brings the value down with its sign: q8_0's int8 directly, q4_0's nibble n
+ * as n ^ 8 read as a signed nibble, which is n - 8. The values are small integers, exact in float. */
+KVQ_INLINE void kvq_ggml_values_portable(const uint8_t* blk, const int q4, kvq_pv* lo, kvq_pv* hi)
+{
+    kvq_pvb x, y;
+    int k;
+    memcpy(&x, blk + 2, 16);
+    if (q4) {
+        x ^= 0x88;
+        for (k = 0; k < 4; k++) {
+            const kvq_pv4u u = kvq_pvb_top4(x, k);
+            lo->q[k] = __builtin_convertvector((kvq_pv4i)(u << 4) >> 28, kvq_pv4);
+            hi->q[k] = __builtin_convertvector((kvq_pv4i)u >> 28, kvq_pv4);
+        }
+    } else {
+        memcpy(&y, blk + 18, 16);
+        for (k = 0; k < 4; k++) {
+            lo->q[k] = __builtin_convertvector((kvq_pv4i)kvq_pvb_top4(x, k) >> 24, kvq_pv4);
+            hi->q[k] = __builtin_convertvector((kvq_pv4i)kvq_pvb_top4(y, k) >> 24, kvq_pv4);
+        }
+    }
+}
+#endif
+
 #if KVQ_HAVE_X86_SIMD
 /* The 32 values of a block as two vectors (elements 0..15, 16..31). */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_ggml_values(const uint8_t* blk, const int q4,

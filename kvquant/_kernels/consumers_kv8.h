@@ -90,6 +90,59 @@ static void kvq_kv8_axpy_portable(const kvq_params* p, const uint8_t* codes, con
     }
 }
 
+/* How the vector decoders take a run of codes (a block of 64 checked for special codes first). */
+#define KVQ_E4M3_ANY 0
+#define KVQ_E4M3_PLAIN 1
+#define KVQ_E4M3_RAW 2   /* plain, the 2^120 folded into the other factor */
+
+#if KVQ_PORTABLE_VECTORS
+/* ---- the portable path's vector decoders (simd.h's vector extensions, any ISA) ----
+ * The same integer moves as the AVX-512 decoders below, lane-wise on 16 lanes. */
+
+/* Any special code (subnormal, zero, NaN: (c + 1) & 0x7F <= 8) among the first len codes at c
+ * (len a multiple of 16). */
+KVQ_INLINE int kvq_e4m3_special_portable(const uint8_t* c, int64_t len)
+{
+    kvq_pvb b, hit = {0};
+    uint64_t h[2];
+    int64_t i;
+    for (i = 0; i < len; i += 16) {
+        memcpy(&b, c + i, 16);
+        hit |= (kvq_pvb)(((b + 1) & 0x7F) <= 8);
+    }
+    memcpy(h, &hit, 16);
+    return (h[0] | h[1]) != 0;
+}
+
+/* 16 codes decoded as `how` says (KVQ_E4M3_*): each code moved to the top byte of its lane
+ * (u = c << 24 plus bits below that the masks drop), so the arithmetic shift u >> 4 puts the sign in bit 31 and the low 7 bits at
+ * bits 20-26 (the rebias-free float bits of the AVX-512 decoder). */
+KVQ_INLINE kvq_pv kvq_e4m3_16_portable(const uint8_t* c, const int how)
+{
+    kvq_pvb b;
+    kvq_pv out;
+    int k;
+    memcpy(&b, c, 16);
+    for (k = 0; k < 4; k++) {
+        const kvq_pv4u u = kvq_pvb_top4(b, k);   /* only bits 24-31 are used */
+        kvq_pv4u v = (kvq_pv4u)((kvq_pv4i)u >> 4) & 0x87F00000u;
+        if (how != KVQ_E4M3_RAW)
+            v += 120u << 23;   /* rebias the exponent 7 -> 127 */
+        if (how == KVQ_E4M3_ANY) {
+            /* subnormals (and zero): M * 2**-9 with the sign; NaN codes: +0 */
+            const kvq_pv4u sub = (kvq_pv4u)((u & 0x78000000u) == 0u);
+            const kvq_pv4u nan = (kvq_pv4u)((u & 0x7F000000u) == 0x7F000000u);
+            const kvq_pv4 vs = __builtin_convertvector((kvq_pv4i)((u >> 24) & 7u), kvq_pv4)
+                               * 0x1p-9f;
+            v = (((kvq_pv4u)vs | (u & 0x80000000u)) & sub) | (v & ~sub);
+            v &= ~nan;
+        }
+        out.q[k] = (kvq_pv4)v;
+    }
+    return out;
+}
+#endif
+
 #if KVQ_HAVE_X86_SIMD
 /* 64 codes at c hold one whose value needs more than the exponent rebias: a subnormal (exponent 0,
  * zero included) or a NaN code. (c + 1) & 0x7F <= 8 exactly for magnitudes 0..7 and 0x7F. Rare in
@@ -154,10 +207,6 @@ KVQ_TARGET_AVX512 static inline __m512 kvq_e4m3_raw16(__m512i x)
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x, 20),
                                                 _mm512_set1_epi32((int)0x87F00000u)));
 }
-
-#define KVQ_E4M3_ANY 0
-#define KVQ_E4M3_PLAIN 1
-#define KVQ_E4M3_RAW 2   /* plain, the 2^120 folded into the other factor */
 
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_e4m3_16(const uint8_t* c, const int how)
 {

@@ -4,9 +4,11 @@
  * order simd.h defines, so its result has the bits of a one-query call.
  *
  * The kernels are written once, in consumers_multi_body.h, over a 16-lane vector type and the
- * families' decoders, and compiled here for AVX-512 and for AVX2. The portable path, and layouts
- * without a vector path (widths that are not a multiple of 16, kv8 groups that do not split into
- * steps of 16, 6- to 8-bit tq with VBMI), run the one-query kernels query by query.
+ * families' decoders, and compiled here for AVX-512, for AVX2 and, with simd.h's compiler vector
+ * extensions instead of intrinsics, for the portable path (any ISA). Layouts without a vector
+ * path (widths that are not a multiple of 16, kv8 groups that do not split into steps of 16, 6- to
+ * 8-bit tq with VBMI), and the portable path of a compiler without vector extensions, run the
+ * one-query kernels query by query.
  */
 #ifndef KVQ_CONSUMERS_MULTI_H
 #define KVQ_CONSUMERS_MULTI_H
@@ -17,15 +19,22 @@
 #include "consumers_tq.h"
 #include "consumers_ggml.h"
 
-/* One-query kernels applied query by query: the multi-query kernels of the portable path, and
- * the fallback of the vector ones. */
+/* One-query kernels applied query by query: the fallback of the vector multi-query kernels (and
+ * the portable path's multi-query kernels in a build without vector extensions). */
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_MAYBE_UNUSED __attribute__((unused))   /* a fallback some builds never take */
+#else
+#define KVQ_MAYBE_UNUSED
+#endif
 #define KVQ_MQ_BY_QUERY(FAM, PATH, DOT, AXPY)                                                   \
+KVQ_MAYBE_UNUSED                                                                                \
 static void kvq_##FAM##_dotm_##PATH(const kvq_params* p, const uint8_t* codes, const float* side,          \
                         int64_t r0, int64_t r1, const float* Q, int m, float* out, int64_t ldo) \
 {                                                                                               \
     int j;                                                                                      \
     for (j = 0; j < m; j++) DOT(p, codes, side, r0, r1, Q + j * p->dim, out + j * ldo);         \
 }                                                                                               \
+KVQ_MAYBE_UNUSED                                                                                \
 static void kvq_##FAM##_axpym_##PATH(const kvq_params* p, const uint8_t* codes, const float* side,         \
                          int64_t r0, int64_t r1, const float* W, int64_t ldw, int m, float* acc) \
 {                                                                                               \
@@ -33,10 +42,10 @@ static void kvq_##FAM##_axpym_##PATH(const kvq_params* p, const uint8_t* codes, 
     for (j = 0; j < m; j++) AXPY(p, codes, side, r0, r1, W + j * ldw, acc + j * p->dim);        \
 }
 
-KVQ_MQ_BY_QUERY(f32, portable, kvq_f32_dot_portable, kvq_f32_axpy_portable)
-KVQ_MQ_BY_QUERY(kv8, portable, kvq_kv8_dot_portable, kvq_kv8_axpy_portable)
-KVQ_MQ_BY_QUERY(tq, portable, kvq_tq_dot_portable, kvq_tq_axpy_portable)
-KVQ_MQ_BY_QUERY(ggml, portable, kvq_ggml_dot_portable, kvq_ggml_axpy_portable)
+KVQ_MQ_BY_QUERY(f32, portableq, kvq_f32_dot_portable, kvq_f32_axpy_portable)
+KVQ_MQ_BY_QUERY(kv8, portableq, kvq_kv8_dot_portable, kvq_kv8_axpy_portable)
+KVQ_MQ_BY_QUERY(tq, portableq, kvq_tq_dot_portable, kvq_tq_axpy_portable)
+KVQ_MQ_BY_QUERY(ggml, portableq, kvq_ggml_dot_portable, kvq_ggml_axpy_portable)
 
 /* Queries whose scaled copy (q 2^120, kv8's raw decode) fits the kernels' stack buffer. */
 #define KVQ_MQ_FOLD_FLOATS 8192
@@ -76,6 +85,48 @@ static inline int kvq_mq_kv8_coefs(const float* W, int64_t ldw, int64_t t, int m
         }
     return fold;
 }
+
+#if KVQ_PORTABLE_VECTORS
+/* ---- portable: simd.h's 16-lane vector type, no intrinsics (any ISA the compiler targets) ---- */
+#define KVQ_MQ(name) kvq_##name##_portable
+#define KVQ_MQ_TARGET
+#define KVQ_MQ_FALLBACK(name) kvq_##name##_portableq
+#define MV kvq_pv
+#define MV_ZERO() kvq_pv_zero()
+#define MV_LOAD(x) kvq_pv_load(x)
+#define MV_STORE(x, v) kvq_pv_store(x, v)
+#define MV_ADD(a, b) kvq_pv_add(a, b)
+#define MV_MUL(a, b) kvq_pv_mul(a, b)
+#define MV_SET1(c) kvq_pv_set1(c)
+#define MV_TREE1(a) kvq_pv_tree16(a)
+#define MV_TREE4(a, b, c, d, out) kvq_pv_tree16x4(a, b, c, d, out)
+#define MV_SUMS16(a, dst, scale) kvq_pv_sums16(a, dst, scale)
+#define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_portable(side, ns, sq, dst)
+#define MV_E4M3(c, how) kvq_e4m3_16_portable(c, how)
+#define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_portable(c, len)
+#define MV_TQ_CONSTS kvq_tq_consts_portable
+#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_portable(K, table, b)
+#define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_portable(g, K, b, wide)
+#define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values_portable(blk, q4, lo, hi)
+#define MV_FP16(b) kvq_fp16_value(b)
+/* sized for 16 128-bit registers (x86-64 SSE; NEON has 32): a 16-lane vector is four of them */
+#define KVQ_MQ_PASS 4
+#define KVQ_MQ_ROWS(M) ((M) <= 2 ? 2 : 1)
+#define KVQ_MQ_CTX_ROWS 2
+#define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4)
+#define KVQ_MQ_VBMI_TQ 0
+#define KVQ_MQ_AXPY_ROWS 2
+#include "consumers_multi_body.h"
+#else
+#define kvq_f32_dotm_portable kvq_f32_dotm_portableq
+#define kvq_f32_axpym_portable kvq_f32_axpym_portableq
+#define kvq_kv8_dotm_portable kvq_kv8_dotm_portableq
+#define kvq_kv8_axpym_portable kvq_kv8_axpym_portableq
+#define kvq_tq_dotm_portable kvq_tq_dotm_portableq
+#define kvq_tq_axpym_portable kvq_tq_axpym_portableq
+#define kvq_ggml_dotm_portable kvq_ggml_dotm_portableq
+#define kvq_ggml_axpym_portable kvq_ggml_axpym_portableq
+#endif
 
 #if KVQ_HAVE_X86_SIMD
 KVQ_MQ_BY_QUERY(f32, avx512q, kvq_f32_dot_avx512, kvq_f32_axpy_avx512)
@@ -142,7 +193,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 /* ---- AVX2 (no FMA) ---- */
 #define KVQ_MQ(name) kvq_##name##_avx2
 #define KVQ_MQ_TARGET KVQ_TARGET_AVX2
-#define KVQ_MQ_FALLBACK(name) kvq_##name##_portable
+#define KVQ_MQ_FALLBACK(name) kvq_##name##_portableq
 #define MV kvq_v16x2
 #define MV_ZERO() kvq_v2_zero()
 #define MV_LOAD(x) kvq_v2_load(x)

@@ -54,6 +54,11 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(mq_sums)(const MV* blk, float
     for (j = 0; j < M; j++) MV_SUMS16(blk + KVQ_MQ_BLOCK * j, out + j * ldo, scale);
 }
 
+/* Rows per pass of the f32 and ggml context kernels (whose rows' values stay in registers). */
+#ifndef KVQ_MQ_AXPY_ROWS
+#define KVQ_MQ_AXPY_ROWS 4
+#endif
+
 /* Runs ROWS(R, t) over rows [r0, r1): R at a time, then one at a time. */
 #define KVQ_MQ_ROW_LOOP(R, CALL)                                                              \
     do {                                                                                      \
@@ -181,10 +186,10 @@ KVQ_MQ_TARGET static void KVQ_MQ(f32_axpym)(const kvq_params* p, const uint8_t* 
 #define KVQ_MQ_CALL(R, t) KVQ_MQ(f32_axpy_rows)(p, codes, t, W, ldw, m, acc, R, M_)
     if (m == 1) {
         const int M_ = 1;
-        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        KVQ_MQ_ROW_LOOP(KVQ_MQ_AXPY_ROWS, KVQ_MQ_CALL);
     } else {
         const int M_ = 0;
-        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        KVQ_MQ_ROW_LOOP(KVQ_MQ_AXPY_ROWS, KVQ_MQ_CALL);
     }
 #undef KVQ_MQ_CALL
 }
@@ -694,10 +699,10 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #define KVQ_MQ_CALL(R, t) KVQ_MQ(ggml_axpy_rows)(p, codes, t, W, ldw, m, acc, R, q4_)
     if (p->bits == 4) {
         const int q4_ = 1;
-        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        KVQ_MQ_ROW_LOOP(KVQ_MQ_AXPY_ROWS, KVQ_MQ_CALL);
     } else {
         const int q4_ = 0;
-        KVQ_MQ_ROW_LOOP(4, KVQ_MQ_CALL);
+        KVQ_MQ_ROW_LOOP(KVQ_MQ_AXPY_ROWS, KVQ_MQ_CALL);
     }
 #undef KVQ_MQ_CALL
 }
@@ -734,3 +739,4 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #undef KVQ_MQ_CTX_ROWS
 #undef KVQ_MQ_EACH_M
 #undef KVQ_MQ_VBMI_TQ
+#undef KVQ_MQ_AXPY_ROWS

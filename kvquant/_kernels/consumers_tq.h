@@ -116,6 +116,7 @@ KVQ_INLINE void kvq_tq_axpy_portable_b(const kvq_params* p, const uint8_t* codes
     }
 }
 
+/* BODY(..., b) with b the constant bit width */
 #define KVQ_TQ_PORTABLE_DISPATCH(BODY, ...)                  \
     switch (p->bits) {                                       \
     case 1: BODY(__VA_ARGS__, 1); break;                     \
@@ -127,6 +128,9 @@ KVQ_INLINE void kvq_tq_axpy_portable_b(const kvq_params* p, const uint8_t* codes
     case 7: BODY(__VA_ARGS__, 7); break;                     \
     default: BODY(__VA_ARGS__, 8); break;                    \
     }
+
+/* the same for the vector paths */
+#define KVQ_TQ_DISPATCH KVQ_TQ_PORTABLE_DISPATCH
 
 static void kvq_tq_dot_portable(const kvq_params* p, const uint8_t* codes, const float* side,
                                 int64_t r0, int64_t r1, const float* q, float* out)
@@ -178,6 +182,110 @@ static void kvq_tq_axpy_portable(const kvq_params* p, const uint8_t* codes, cons
         }
     }
 }
+
+#if KVQ_PORTABLE_VECTORS
+/* ---- the portable path's vector decoders (simd.h's vector extensions, any ISA) ----
+ * Up to 4 bits the 16 (periodic) levels are split into four byte planes and each plane is looked
+ * up by a byte shuffle with variable indices (GCC's __builtin_shuffle: one pshufb with SSSE3, one
+ * tbl on ARM); the four looked-up bytes of each lane are then interleaved back into floats.
+ * Clang has no variable shuffle builtin (and the interleave assumes little-endian): there, and
+ * for other widths, a table load per code. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__BYTE_ORDER__) \
+    && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define KVQ_TQ_BYTE_SHUFFLE 1
+#else
+#define KVQ_TQ_BYTE_SHUFFLE 0
+#endif
+
+typedef struct {
+    kvq_pvb plane[4];     /* byte k of levels 0..15 (periodic below 16 levels) */
+    const float* table;   /* 256 levels indexed by any byte whose low bits are the code */
+} kvq_tq_consts_portable;
+
+KVQ_INLINE void kvq_tq_consts_init_portable(kvq_tq_consts_portable* K, const float* table256,
+                                            int b)
+{
+    uint8_t bytes[4][16];
+    uint32_t u;
+    int e, k;
+    (void)b;
+    for (e = 0; e < 16; e++) {
+        memcpy(&u, &table256[e], 4);
+        for (k = 0; k < 4; k++) bytes[k][e] = (uint8_t)(u >> (8 * k));
+    }
+    for (k = 0; k < 4; k++) memcpy(&K->plane[k], bytes[k], 16);
+    K->table = table256;
+}
+
+/* dst[k] = kvq_tq_step(side[k ns], sqrtf_n) for k = 0..15 (the same compares and correctly
+ * rounded division, lane-wise). */
+KVQ_INLINE void kvq_tq_steps16_portable(const float* side, int64_t ns, float sqrtf_n, float* dst)
+{
+    const kvq_pv4 s = {sqrtf_n, sqrtf_n, sqrtf_n, sqrtf_n};
+    kvq_pv4 r;
+    int k;
+    if (ns != 1) {
+        for (k = 0; k < 16; k++) dst[k] = kvq_tq_step(side[k * ns], sqrtf_n);
+        return;
+    }
+    for (k = 0; k < 16; k += 4) {
+        memcpy(&r, side + k, 16);
+        r = (kvq_pv4)((kvq_pv4i)(r / s) & ((r > 0.0f) & (r <= 3.4e38f)));
+        memcpy(dst + k, &r, 16);
+    }
+}
+
+/* Levels of the 16 codes of one group (2b bytes at g, never read past). */
+KVQ_INLINE kvq_pv kvq_tq_lev16_portable(const uint8_t* g, const kvq_tq_consts_portable* K,
+                                        const int b, const int wide)
+{
+    float v[16];
+    int j;
+    (void)wide;
+#if KVQ_TQ_BYTE_SHUFFLE
+    if (b == 4) {
+        /* code 2k is the low nibble of byte k, code 2k + 1 its high nibble */
+        const kvq_pvb lo8 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+        const kvq_pvb hi8 = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        const kvq_pvh lo4 = {0, 8, 1, 9, 2, 10, 3, 11}, hi4 = {4, 12, 5, 13, 6, 14, 7, 15};
+        kvq_pvb x, idx, p0, p1, p2, p3;
+        kvq_pvh a0, a1, b0, b1;
+        kvq_pv r;
+        uint64_t g8;
+        memcpy(&g8, g, 8);
+        x = (kvq_pvb)(kvq_pvq){g8, 0};
+        idx = __builtin_shuffle(x & 15, x >> 4, lo8);
+        p0 = __builtin_shuffle(K->plane[0], idx);
+        p1 = __builtin_shuffle(K->plane[1], idx);
+        p2 = __builtin_shuffle(K->plane[2], idx);
+        p3 = __builtin_shuffle(K->plane[3], idx);
+        /* bytes 0,1 and 2,3 of lanes 0-7 (a0, b0) and 8-15 (a1, b1) as 16-bit pairs */
+        a0 = (kvq_pvh)__builtin_shuffle(p0, p1, lo8);
+        a1 = (kvq_pvh)__builtin_shuffle(p0, p1, hi8);
+        b0 = (kvq_pvh)__builtin_shuffle(p2, p3, lo8);
+        b1 = (kvq_pvh)__builtin_shuffle(p2, p3, hi8);
+        /* the two pairs of each lane side by side: lanes 0-3, 4-7, 8-11, 12-15 */
+        r.q[0] = (kvq_pv4)__builtin_shuffle(a0, b0, lo4);
+        r.q[1] = (kvq_pv4)__builtin_shuffle(a0, b0, hi4);
+        r.q[2] = (kvq_pv4)__builtin_shuffle(a1, b1, lo4);
+        r.q[3] = (kvq_pv4)__builtin_shuffle(a1, b1, hi4);
+        return r;
+    }
+#endif
+    if (b == 8) {
+        for (j = 0; j < 16; j++) v[j] = K->table[g[j]];
+    } else {
+        for (j = 0; j < 16; j++) {
+            const int bit = b * j, o = bit >> 3;
+            /* the code's bits lie in bytes o and o + 1 of the group (never past it); the table
+             * takes any byte whose low bits are the code */
+            const uint32_t u = (uint32_t)g[o] | (o + 1 < 2 * b ? (uint32_t)g[o + 1] << 8 : 0u);
+            v[j] = K->table[(u >> (bit & 7)) & 0xFFu];
+        }
+    }
+    return kvq_pv_load(v);
+}
+#endif
 
 #if KVQ_HAVE_X86_SIMD
 typedef struct {
@@ -654,17 +762,6 @@ KVQ_TARGET_AVX512VBMI static void kvq_tq_vbmi_axpy(const kvq_params* p, const ui
     else kvq_tq_vbmi_axpy_body(p, codes, side, r0, r1, w, acc, 6);
 }
 
-#define KVQ_TQ_DISPATCH(BODY, ...)                           \
-    switch (p->bits) {                                       \
-    case 1: BODY(__VA_ARGS__, 1); break;                     \
-    case 2: BODY(__VA_ARGS__, 2); break;                     \
-    case 3: BODY(__VA_ARGS__, 3); break;                     \
-    case 4: BODY(__VA_ARGS__, 4); break;                     \
-    case 5: BODY(__VA_ARGS__, 5); break;                     \
-    case 6: BODY(__VA_ARGS__, 6); break;                     \
-    case 7: BODY(__VA_ARGS__, 7); break;                     \
-    default: BODY(__VA_ARGS__, 8); break;                    \
-    }
 
 KVQ_TARGET_AVX512 static void kvq_tq_dot_avx512(const kvq_params* p, const uint8_t* codes,
                                                 const float* side, int64_t r0, int64_t r1,

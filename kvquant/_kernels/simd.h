@@ -4,7 +4,8 @@
  * on x86-64 with GCC/Clang, AVX2 and AVX-512 versions compiled for their targets only through a
  * per-function attribute (the rest of the build keeps baseline flags); the driver picks one at
  * run time from the CPU's features. The multi-query kernels (consumers_multi.h) read each row
- * once for the m queries of a KV head.
+ * once for the m queries of a KV head; their portable version is written over GCC/Clang vector
+ * extensions (below: no intrinsics, any ISA), the scalar kernels remaining for other compilers.
  *
  * All paths produce the same bits. What makes that possible is a reduction order fixed by
  * definition, not by the compiler:
@@ -43,9 +44,14 @@
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,avx512vbmi")))
 /* AVX2 and F16C, no FMA (every AVX2 CPU has F16C: Haswell, Zen 1 and later). */
 #define KVQ_TARGET_AVX2 __attribute__((target("avx2,f16c")))
-#define KVQ_ALWAYS_INLINE __attribute__((always_inline)) inline
 #else
 #define KVQ_HAVE_X86_SIMD 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVQ_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define KVQ_ALWAYS_INLINE inline
 #endif
 
 /* Inlined into its caller whatever the compiler's judgement: constant arguments (a bit width,
@@ -308,11 +314,6 @@ KVQ_TARGET_AVX2 static KVQ_ALWAYS_INLINE void kvq_sums16_avx2(const kvq_v16x2* a
     _mm256_storeu_ps(dst + 8, s1);
 }
 
-/* Rows stream from memory faster than the hardware prefetchers fetch them on this kind of
- * machine (measured: 2x on a busy 2-core VM), so the kernels ask for the line this many bytes
- * ahead of where they read, into L2. Prefetches never fault, past the end of the rows too. */
-#define KVQ_PREFETCH_BYTES 16384
-
 /* A macro: as an inline function GCC may judge it free of side effects and drop the calls. */
 #define kvq_prefetch(p) _mm_prefetch((const char*)(p), _MM_HINT_T2)
 
@@ -321,8 +322,163 @@ static inline __mmask16 kvq_mask16(int64_t rem)
 {
     return (__mmask16)((1u << rem) - 1u);
 }
+#elif defined(__GNUC__) || defined(__clang__)
+/* the same hint on any ISA (read, low temporal locality: as _MM_HINT_T2) */
+#define kvq_prefetch(p) __builtin_prefetch((const void*)(p), 0, 1)
 #else
 #define kvq_prefetch(p) ((void)(p))
+#endif
+
+/* Rows stream from memory faster than the hardware prefetchers fetch them on this kind of
+ * machine (measured: 2x on a busy 2-core VM), so the kernels ask for the line this many bytes
+ * ahead of where they read, into L2. Prefetches never fault, past the end of the rows too. */
+#define KVQ_PREFETCH_BYTES 16384
+
+/* ---- the portable path's 16 lanes --------------------------------------------------------------
+ * GCC and Clang vector extensions: 128-bit vectors (the width every SIMD ISA has: SSE2, NEON,
+ * AltiVec, WASM) whose operations are lane-wise IEEE single precision (a multiply and an add stay
+ * two roundings under -ffp-contract=off), lowered by the compiler to the target's instructions.
+ * No intrinsics: the same source on every ISA. The 16 lanes of simd.h's order are four of them,
+ * a struct the compiler keeps in registers (a single 64-byte vector type is not: without AVX-512
+ * GCC keeps such variables in memory). A compiler without the extensions, or -DKVQ_NO_VECTOR_EXT,
+ * keeps the scalar kernels of each family (which define the bits) query by query; so does an x86
+ * build for the baseline ISA (SSE2), where the byte shuffles have no instruction and the
+ * compiler's emulation is slower than the scalar kernels (measured: 0.07-0.28x numpy against
+ * 0.4-0.8x): the vector kernels need SSSE3 there (-march=x86-64-v2 or later, KVQUANT_MARCH). */
+#if !defined(KVQ_NO_VECTOR_EXT) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)) \
+    && (!(defined(__x86_64__) || defined(__i386__)) || defined(__SSSE3__))
+#define KVQ_PORTABLE_VECTORS 1
+typedef float kvq_pv4 __attribute__((vector_size(16)));    /* 4 float lanes */
+typedef int32_t kvq_pv4i __attribute__((vector_size(16))); /* 4 int32 lanes (compare results) */
+typedef uint32_t kvq_pv4u __attribute__((vector_size(16)));/* 4 uint32 lanes (bit moves) */
+typedef uint8_t kvq_pvb __attribute__((vector_size(16)));  /* 16 bytes */
+typedef uint16_t kvq_pvh __attribute__((vector_size(16))); /* 8 uint16 */
+typedef uint64_t kvq_pvq __attribute__((vector_size(16))); /* 2 uint64 */
+typedef struct { kvq_pv4 q[4]; } kvq_pv;                   /* 16 lanes: q[k] holds 4k .. 4k+3 */
+
+/* A shuffle of two vectors of type T by constant indices (0.. from a, then b). GCC before 12 has
+ * only __builtin_shuffle, which takes the indices as a vector of T. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define KVQ_SHUFFLE(T, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KVQ_SHUFFLE(T, a, b, ...) __builtin_shuffle(a, b, (T){__VA_ARGS__})
+#endif
+
+/* Bytes 4q .. 4q + 3 of x as four 32-bit lanes, each byte in bits 24-31 (the bits below are
+ * copies of it: the decoders shift or mask them away). The widening as a constant byte shuffle,
+ * one pshufb with SSSE3 or a tbl on ARM. */
+#define KVQ_PVB_TOP4(x, q)                                                                   \
+    ((kvq_pv4u)KVQ_SHUFFLE(kvq_pvb, x, x, 4 * (q), 4 * (q), 4 * (q), 4 * (q), 4 * (q) + 1,     \
+                           4 * (q) + 1, 4 * (q) + 1, 4 * (q) + 1, 4 * (q) + 2, 4 * (q) + 2,      \
+                           4 * (q) + 2, 4 * (q) + 2, 4 * (q) + 3, 4 * (q) + 3, 4 * (q) + 3,      \
+                           4 * (q) + 3))
+
+/* KVQ_PVB_TOP4 for a quarter k that is a constant after inlining (the shuffle takes literals). */
+KVQ_INLINE kvq_pv4u kvq_pvb_top4(kvq_pvb x, const int k)
+{
+    return k == 0 ? KVQ_PVB_TOP4(x, 0) : k == 1 ? KVQ_PVB_TOP4(x, 1)
+         : k == 2 ? KVQ_PVB_TOP4(x, 2) : KVQ_PVB_TOP4(x, 3);
+}
+
+KVQ_INLINE kvq_pv kvq_pv_zero(void)
+{
+    kvq_pv r;
+    int k;
+    for (k = 0; k < 4; k++) r.q[k] = (kvq_pv4){0.0f, 0.0f, 0.0f, 0.0f};
+    return r;
+}
+
+KVQ_INLINE kvq_pv kvq_pv_load(const float* x)
+{
+    kvq_pv r;
+    int k;
+    for (k = 0; k < 4; k++) memcpy(&r.q[k], x + 4 * k, 16);
+    return r;
+}
+
+KVQ_INLINE void kvq_pv_store(float* x, kvq_pv v)
+{
+    int k;
+    for (k = 0; k < 4; k++) memcpy(x + 4 * k, &v.q[k], 16);
+}
+
+KVQ_INLINE kvq_pv kvq_pv_add(kvq_pv a, kvq_pv b)
+{
+    int k;
+    for (k = 0; k < 4; k++) a.q[k] = a.q[k] + b.q[k];
+    return a;
+}
+
+KVQ_INLINE kvq_pv kvq_pv_mul(kvq_pv a, kvq_pv b)
+{
+    int k;
+    for (k = 0; k < 4; k++) a.q[k] = a.q[k] * b.q[k];
+    return a;
+}
+
+/* every lane c (a -0 stays -0: no `zero + c`) */
+KVQ_INLINE kvq_pv kvq_pv_set1(float c)
+{
+    kvq_pv r;
+    int k;
+    for (k = 0; k < 4; k++) r.q[k] = (kvq_pv4){c, c, c, c};
+    return r;
+}
+
+/* The first two levels of kvq_tree16 (j + j+8, then j + j+4): the four partial sums s4. */
+KVQ_INLINE kvq_pv4 kvq_pv_tree16_s4(kvq_pv v)
+{
+    return (v.q[0] + v.q[2]) + (v.q[1] + v.q[3]);
+}
+
+KVQ_INLINE float kvq_pv_tree16(kvq_pv v)
+{
+    const kvq_pv4 s4 = kvq_pv_tree16_s4(v);
+    const kvq_pv4 s2 = s4 + KVQ_SHUFFLE(kvq_pv4i, s4, s4, 2, 3, 2, 3);   /* j + j+2 */
+    return s2[0] + s2[1];                                               /* j + j+1 */
+}
+
+/* kvq_tree16 of four vectors at once (row k in element k): the same pairwise adds, the last two
+ * levels on the transposed partial sums (four rows per add). */
+KVQ_INLINE kvq_pv4 kvq_pv_tree16x4v(kvq_pv a, kvq_pv b, kvq_pv c, kvq_pv d)
+{
+    const kvq_pv4 sa = kvq_pv_tree16_s4(a), sb = kvq_pv_tree16_s4(b);
+    const kvq_pv4 sc = kvq_pv_tree16_s4(c), sd = kvq_pv_tree16_s4(d);
+    const kvq_pv4 ab01 = KVQ_SHUFFLE(kvq_pv4i, sa, sb, 0, 4, 1, 5);   /* a0 b0 a1 b1 */
+    const kvq_pv4 ab23 = KVQ_SHUFFLE(kvq_pv4i, sa, sb, 2, 6, 3, 7);
+    const kvq_pv4 cd01 = KVQ_SHUFFLE(kvq_pv4i, sc, sd, 0, 4, 1, 5);
+    const kvq_pv4 cd23 = KVQ_SHUFFLE(kvq_pv4i, sc, sd, 2, 6, 3, 7);
+    /* element k of lane j's column: s4[j] of row k */
+    const kvq_pv4 l0 = KVQ_SHUFFLE(kvq_pv4i, ab01, cd01, 0, 1, 4, 5);
+    const kvq_pv4 l1 = KVQ_SHUFFLE(kvq_pv4i, ab01, cd01, 2, 3, 6, 7);
+    const kvq_pv4 l2 = KVQ_SHUFFLE(kvq_pv4i, ab23, cd23, 0, 1, 4, 5);
+    const kvq_pv4 l3 = KVQ_SHUFFLE(kvq_pv4i, ab23, cd23, 2, 3, 6, 7);
+    return (l0 + l2) + (l1 + l3);   /* j + j+2, then j + j+1 */
+}
+
+/* out[k] = kvq_tree16(a[k]), k = 0..3 */
+KVQ_INLINE void kvq_pv_tree16x4(kvq_pv a, kvq_pv b, kvq_pv c, kvq_pv d, float* out)
+{
+    const kvq_pv4 s = kvq_pv_tree16x4v(a, b, c, d);
+    memcpy(out, &s, 16);
+}
+
+/* dst[k] = kvq_tree16(a[k]) (times scale[k] when scale is not NULL), k = 0..15. */
+KVQ_INLINE void kvq_pv_sums16(const kvq_pv* a, float* dst, const float* scale)
+{
+    kvq_pv4 s, f;
+    int k;
+    for (k = 0; k < 16; k += 4) {
+        s = kvq_pv_tree16x4v(a[k], a[k + 1], a[k + 2], a[k + 3]);
+        if (scale) {
+            memcpy(&f, scale + k, 16);
+            s = s * f;
+        }
+        memcpy(dst + k, &s, 16);
+    }
+}
+#else
+#define KVQ_PORTABLE_VECTORS 0
 #endif
 
 #endif /* KVQ_SIMD_H */
