@@ -17,8 +17,9 @@
 #define KVQ_POLAR_MAX_BITS 8      /* widest code of one angle (radius allocation) */
 
 /* Nonzero: the encoder's AVX-512 helpers (here and in polar_encode.h) stand aside and the
- * portable code runs, as on a CPU without AVX-512 (polar.pyx's set_portable, for the tests that
- * check both give the same bits; each module holds its own copy). */
+ * portable code runs, as on a CPU without AVX-512 (polar.pyx sets it on the paths below AVX-512
+ * and under its set_portable, for the tests that check both give the same bits; each module
+ * holds its own copy). */
 static int kvq_polar_portable = 0;
 #define KVQ_POLAR_TAB 256         /* entries per (level, width) row of the angle tables */
 
