@@ -220,6 +220,11 @@ def test_forward_level_radii_are_hypotf_and_brackets_hold_atan2f(rng):
     # narrow enough that an angle rarely needs libm: a relative 2^-15 plus float subnormals
     width = (hi - lo)[exact].astype(np.float64)
     assert np.all(width <= np.abs(ang[exact]) * 2.0**-14 + 1e-40)
+    # the approximation at the bracket's centre is within the bound of polar_encode.h (4e-7 of
+    # the angle, plus the ends' float rounding), far inside the 2^-16 pad
+    centre = (lo[exact].astype(np.float64) + hi[exact]) / 2
+    ang64 = np.arctan2(c[exact].astype(np.float64), a[exact].astype(np.float64))
+    assert np.all(np.abs(centre - ang64) <= np.abs(ang64) * 5e-7 + 1e-40)
 
 
 def test_forward_level_flags_non_finite_values():

@@ -16,12 +16,14 @@
  *
  * The approximation: t = min(|a|, |c|) / max(|a|, |c|) in [0, 1]; above tan(pi/8) it is mapped
  * to u = (t - 1) / (t + 1) and atan(t) = pi/4 + atan(u), so |u| <= tan(pi/8) = 0.4142 (one
- * division either way); atan(u) is
- * its Taylor series to u^25 (the rest is below u * 0.1716^13 / 27 < 5e-12 |u|); then the octant
- * and the signs. Each step keeps a relative error below 1e-10 of the angle (a subtraction only
- * happens where the angle is at least pi/8), libm's atan2f is within a few float ulps (a relative
- * 2^-21), and the interval is padded by a relative 2^-16 plus 2^-140 (float subnormals): it holds
- * atan2f(c, a) with a wide margin. Pairs with a zero or a non-finite element (where the signs of
+ * division either way); atan(u) is its Taylor series to u^13 (an alternating series of
+ * decreasing terms: the rest is below the first term left out, |u|^15 / 15 <= 0.1716^7 / 15 |u|
+ * < 3e-7 |u|); then the octant and the signs. Each step keeps a relative error below 4e-7 of
+ * the angle (|u| <= 1.06 atan|u|, and a subtraction only happens where the angle is at least
+ * pi/8), libm's atan2f is within a few float ulps (a relative 2^-21 < 5e-7), rounding the ends
+ * to float moves them by a relative 2^-24, and the interval is padded by a relative
+ * 2^-16 = 1.5e-5 plus 2^-140 (float subnormals): it holds atan2f(c, a) with a margin of more
+ * than ten times the sum. Pairs with a zero or a non-finite element (where the signs of
  * zeros decide between 0 and pi, and between pi and -pi) always go to libm.
  */
 #ifndef KVQ_POLAR_ENCODE_H
@@ -49,14 +51,8 @@ KVQ_INLINE double kvq_atan2_approx(double a, double c)
      * within a factor 3 of each other), so u has a single rounding */
     const double u = reduce ? (num - den) / (num + den) : num / den;
     const double u2 = u * u;
-    double p = 1.0 / 25.0;
+    double p = 1.0 / 13.0;
     double th;
-    p = p * u2 - 1.0 / 23.0;
-    p = p * u2 + 1.0 / 21.0;
-    p = p * u2 - 1.0 / 19.0;
-    p = p * u2 + 1.0 / 17.0;
-    p = p * u2 - 1.0 / 15.0;
-    p = p * u2 + 1.0 / 13.0;
     p = p * u2 - 1.0 / 11.0;
     p = p * u2 + 1.0 / 9.0;
     p = p * u2 - 1.0 / 7.0;
@@ -91,13 +87,7 @@ KVQ_INLINE kvq_v8d kvq_atan2_approx8(kvq_v8d a, kvq_v8d c)
     const kvq_v8l reduce = num > 0.41421356237309503 * den;
     const kvq_v8d u = kvq_sel8d(reduce, num - den, num) / kvq_sel8d(reduce, num + den, den);
     const kvq_v8d u2 = u * u;
-    kvq_v8d p = (kvq_v8d){0} + 1.0 / 25.0, th;
-    p = p * u2 - 1.0 / 23.0;
-    p = p * u2 + 1.0 / 21.0;
-    p = p * u2 - 1.0 / 19.0;
-    p = p * u2 + 1.0 / 17.0;
-    p = p * u2 - 1.0 / 15.0;
-    p = p * u2 + 1.0 / 13.0;
+    kvq_v8d p = (kvq_v8d){0} + 1.0 / 13.0, th;
     p = p * u2 - 1.0 / 11.0;
     p = p * u2 + 1.0 / 9.0;
     p = p * u2 - 1.0 / 7.0;
