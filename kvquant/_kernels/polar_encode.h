@@ -184,6 +184,7 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
     int64_t j = 0;
     int bad = 0;
 #if KVQ_VEC
+    kvq_v8i all_finite = (kvq_v8i){0} - 1;   /* lanes stay -1 while every value is finite */
     for (; j + 8 <= half; j += 8) {
         const kvq_v16f v = kvq_load16(x + 2 * j);
         const kvq_v8f af = __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14);
@@ -202,14 +203,19 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
         const kvq_v8f open = (kvq_v8f){0} + KVQ_ANGLE_OPEN;
         const kvq_v8d sq = ad * ad + cd * cd;
         kvq_v8f out_lo, out_hi;
-        int k;
         out_lo = (kvq_v8f)((exact & (kvq_v8i)th_lo) | (~exact & (kvq_v8i)(-open)));
         out_hi = (kvq_v8f)((exact & (kvq_v8i)th_hi) | (~exact & (kvq_v8i)open));
         memcpy(lo + j, &out_lo, sizeof out_lo);
         memcpy(hi + j, &out_hi, sizeof out_hi);
         memcpy(r2 + j, &sq, sizeof sq);
+        all_finite &= finite;
+    }
+    {
+        int32_t f[8];
+        int k;
+        memcpy(f, &all_finite, sizeof f);
         for (k = 0; k < 8; k++)
-            bad |= !finite[k];
+            bad |= !f[k];
     }
 #endif
     for (; j < half; j++)
@@ -241,7 +247,7 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
         float b_lo[16] = {0}, b_hi[16] = {0};
         int32_t q_lo[16], q_hi[16];
         uint8_t b_w[16] = {0};
-        int w_max = 0, n_cmp;
+        int w_max = 0, w_cmp = 0, n_cmp;
         kvq_v16u8 w8, c8;
         uint32_t mask;
         kvq_v16i wi, c_lo = {0}, c_hi = {0};
@@ -249,9 +255,12 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
         memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
         memcpy(b_hi, hi + j, (size_t)m * sizeof(float));
         memcpy(b_w, width + j, (size_t)m);
-        for (l = 0; l < m; l++)
-            w_max = b_w[l] > w_max ? b_w[l] : w_max;
-        n_cmp = w_max >= 5 ? KVQ_POLAR_COLS : (1 << w_max) - 1;
+        for (l = 0; l < m; l++) {
+            const int w = b_w[l];
+            w_max = w > w_max ? w : w_max;
+            w_cmp = w <= 5 && w > w_cmp ? w : w_cmp;   /* the widest lane the compares decide */
+        }
+        n_cmp = (1 << w_cmp) - 1;
         memcpy(&w8, b_w, 16);
         wi = __builtin_convertvector(w8, kvq_v16i);
         v_lo = kvq_load16(b_lo);
