@@ -220,11 +220,19 @@ def test_forward_level_radii_are_hypotf_and_brackets_hold_atan2f(rng):
     # narrow enough that an angle rarely needs libm: a relative 2^-15 plus float subnormals
     width = (hi - lo)[exact].astype(np.float64)
     assert np.all(width <= np.abs(ang[exact]) * 2.0**-14 + 1e-40)
-    # the approximation at the bracket's centre is within the bound of polar_encode.h (4e-7 of
-    # the angle, plus the ends' float rounding), far inside the 2^-16 pad
-    centre = (lo[exact].astype(np.float64) + hi[exact]) / 2
+    # the approximation at the bracket's centre is within the bounds of polar_encode.h, far
+    # inside the 2^-16 pad: 4e-7 of the angle in double (the portable path), 2e-6 in float (the
+    # AVX-512 path's blocks of 16 pairs); plus the ends' float rounding
     ang64 = np.arctan2(c[exact].astype(np.float64), a[exact].astype(np.float64))
-    assert np.all(np.abs(centre - ang64) <= np.abs(ang64) * 5e-7 + 1e-40)
+    for portable, bound in ((True, 5e-7), (False, 2e-6)):
+        try:
+            polar_kernels.set_portable(portable)
+            assert not polar_kernels.forward_level(P.reshape(-1), r, lo, hi)
+        finally:
+            polar_kernels.set_portable(False)
+        centre = (lo[exact].astype(np.float64) + hi[exact]) / 2
+        assert np.all(np.abs(centre - ang64) <= np.abs(ang64) * bound + 1e-40), portable
+        assert np.all((lo[exact] <= ang[exact]) & (ang[exact] <= hi[exact]))
 
 
 def test_forward_level_flags_non_finite_values():

@@ -173,6 +173,102 @@ KVQ_INLINE int kvq_polar_forward_pair(const float *x, int64_t j, double *r2, flo
     return !(fabsf(a) <= FLT_MAX) | !(fabsf(c) <= FLT_MAX);
 }
 
+#if KVQ_X86_PATHS
+/* ---- the AVX-512 forward level: the angles in float, 16 pairs a vector ---------------------
+ * The same steps as kvq_atan2_approx in float arithmetic (twice the lanes of the double path).
+ * Its error, to first order in the float unit roundoff e = 2^-24: u carries at most 3e (two
+ * roundings for the reduced ratio's terms, one for the division), u*u and the series' terms
+ * computed from it (coefficients rounded to float) add at most 12e to the term u * (u2 * p),
+ * which is at most 0.06 |u|, plus e for the last add; the series itself is 3e-7 |u| from atan(u)
+ * (|u| <= 0.4143, the float compare's rounding included); adding pi/4 (rounded), taking pi/2 -
+ * and pi - (each result at least as large as what it took) adds 2e each. Altogether below 2e-6
+ * of the angle, with the ends' rounding and libm's 2^-21 far inside the 2^-16 pad. Range: the
+ * pair's magnitudes are first scaled by a power of two (exact), 1/2 above 1e38 (num + den stays
+ * finite) and 2^64 below 1e-30 (the test of tan(pi/8) and the ratio see normal floats, as the
+ * bound assumes); a quotient that still underflows moves by at most 2^-150, inside the 2^-140
+ * absolute pad. Pairs with a zero or a non-finite element are handled as in the
+ * double path (libm decides them; a non-finite value redoes the level). */
+KVQ_INLINE kvq_v16f kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
+{
+    return (kvq_v16f)((m & (kvq_v16i)a) | (~m & (kvq_v16i)b));
+}
+
+KVQ_INLINE kvq_v16f kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
+{
+    const kvq_v16i abs_mask = (kvq_v16i){0} + 0x7fffffff;
+    const kvq_v16f ax = (kvq_v16f)((kvq_v16i)a & abs_mask), ac = (kvq_v16f)((kvq_v16i)c & abs_mask);
+    const kvq_v16i swap = ac > ax;
+    const kvq_v16f num = kvq_sel16f(swap, ax, ac), den = kvq_sel16f(swap, ac, ax);
+    /* scaled by a power of two (exact): big pairs halved, tiny ones made normal */
+    const kvq_v16f scale = kvq_sel16f(den > 1e38f, (kvq_v16f){0} + 0.5f,
+                                      kvq_sel16f(den < 1e-30f, (kvq_v16f){0} + 18446744073709551616.0f,
+                                                 (kvq_v16f){0} + 1.0f));
+    const kvq_v16f ns = num * scale, ds = den * scale;
+    const kvq_v16i reduce = ns > 0.41421356237309503f * ds;
+    const kvq_v16f u = kvq_sel16f(reduce, ns - ds, ns) / kvq_sel16f(reduce, ns + ds, ds);
+    const kvq_v16f u2 = u * u;
+    kvq_v16f p = (kvq_v16f){0} + (float)(1.0 / 13.0), th;
+    p = p * u2 - (float)(1.0 / 11.0);
+    p = p * u2 + (float)(1.0 / 9.0);
+    p = p * u2 - (float)(1.0 / 7.0);
+    p = p * u2 + (float)(1.0 / 5.0);
+    p = p * u2 - (float)(1.0 / 3.0);
+    th = u + u * (u2 * p);
+    th = kvq_sel16f(reduce, 0.78539816339744828f + th, th);
+    th = kvq_sel16f(swap, 1.5707963267948966f - th, th);
+    th = kvq_sel16f(a < 0.0f, 3.1415926535897931f - th, th);
+    return kvq_sel16f(c < 0.0f, -th, th);
+}
+
+/* The forward level's blocks of 16 pairs (see kvq_polar_forward_level); returns how many pairs
+ * it did and sets *bad when a value is not finite. */
+__attribute__((target("avx512f"))) static int64_t
+kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, double *r2,
+                           int *bad)
+{
+    typedef double kvq_v8d_ __attribute__((vector_size(64)));
+    typedef float kvq_v8f_ __attribute__((vector_size(32)));
+    int64_t j;
+    kvq_v16i all_finite = (kvq_v16i){0} - 1;
+    for (j = 0; j + 16 <= half; j += 16) {
+        const kvq_v16f v0 = kvq_load16(x + 2 * j), v1 = kvq_load16(x + 2 * j + 16);
+        const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
+                                                    20, 22, 24, 26, 28, 30);
+        const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
+                                                    21, 23, 25, 27, 29, 31);
+        const kvq_v16f th = kvq_atan2_approx16f(af, cf);
+        const kvq_v16f pad = (kvq_v16f)((kvq_v16i)th & ((kvq_v16i){0} + 0x7fffffff))
+                             * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
+        const kvq_v16i exact = (af != 0.0f) & (cf != 0.0f);
+        const kvq_v16f open = (kvq_v16f){0} + KVQ_ANGLE_OPEN;
+        const kvq_v16f out_lo = kvq_sel16f(exact, th - pad, -open);
+        const kvq_v16f out_hi = kvq_sel16f(exact, th + pad, open);
+        const kvq_v8f_ a0 = __builtin_shufflevector(af, af, 0, 1, 2, 3, 4, 5, 6, 7);
+        const kvq_v8f_ a1 = __builtin_shufflevector(af, af, 8, 9, 10, 11, 12, 13, 14, 15);
+        const kvq_v8f_ c0 = __builtin_shufflevector(cf, cf, 0, 1, 2, 3, 4, 5, 6, 7);
+        const kvq_v8f_ c1 = __builtin_shufflevector(cf, cf, 8, 9, 10, 11, 12, 13, 14, 15);
+        const kvq_v8d_ ad0 = __builtin_convertvector(a0, kvq_v8d_);
+        const kvq_v8d_ ad1 = __builtin_convertvector(a1, kvq_v8d_);
+        const kvq_v8d_ cd0 = __builtin_convertvector(c0, kvq_v8d_);
+        const kvq_v8d_ cd1 = __builtin_convertvector(c1, kvq_v8d_);
+        const kvq_v8d_ sq0 = ad0 * ad0 + cd0 * cd0, sq1 = ad1 * ad1 + cd1 * cd1;
+        all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX) & (cf >= -FLT_MAX);
+        kvq_store16(lo + j, out_lo);
+        kvq_store16(hi + j, out_hi);
+        memcpy(r2 + j, &sq0, sizeof sq0);
+        memcpy(r2 + j + 8, &sq1, sizeof sq1);
+    }
+    {
+        int32_t f[16];
+        int k;
+        memcpy(f, &all_finite, sizeof f);
+        for (k = 0; k < 16; k++)
+            *bad |= !f[k];
+    }
+    return j;
+}
+#endif
+
 /* One level of the forward transform: r[j] = hypotf(x[2j], x[2j+1]) and [lo[j], hi[j]] around
  * atan2f(x[2j+1], x[2j]) (lo = -4, hi = 4 for the pairs libm must decide: a zero element).
  * `r2` is scratch for `half` doubles. Returns 1 when a value is not finite: the caller redoes the
@@ -183,6 +279,10 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
 {
     int64_t j = 0;
     int bad = 0;
+#if KVQ_X86_PATHS
+    if (half >= 16 && !kvq_polar_portable && __builtin_cpu_supports("avx512f"))
+        j = kvq_polar_forward16_avx512(x, half, lo, hi, r2, &bad);
+#endif
 #if KVQ_VEC
     kvq_v8i all_finite = (kvq_v8i){0} - 1;   /* lanes stay -1 while every value is finite */
     for (; j + 8 <= half; j += 8) {
