@@ -344,27 +344,32 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
     int k, l;
     for (j = 0; j < cnt; j += 16) {
         const int m = cnt - j < 16 ? (int)(cnt - j) : 16;
-        float b_lo[16] = {0}, b_hi[16] = {0};
         int32_t q_lo[16], q_hi[16];
-        uint8_t b_w[16] = {0};
-        int w_max = 0, w_cmp = 0, n_cmp;
+        int w_max, w_cmp, n_cmp;
         kvq_v16u8 w8, c8;
         uint32_t mask;
         kvq_v16i wi, c_lo = {0}, c_hi = {0};
         kvq_v16f v_lo, v_hi;
-        memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
-        memcpy(b_hi, hi + j, (size_t)m * sizeof(float));
-        memcpy(b_w, width + j, (size_t)m);
-        for (l = 0; l < m; l++) {
-            const int w = b_w[l];
-            w_max = w > w_max ? w : w_max;
-            w_cmp = w <= 5 && w > w_cmp ? w : w_cmp;   /* the widest lane the compares decide */
+        if (m == 16) {
+            v_lo = kvq_load16(lo + j);
+            v_hi = kvq_load16(hi + j);
+            memcpy(&w8, width + j, 16);
+        } else {
+            /* the last block of a level: zero lanes past its end */
+            float b_lo[16] = {0}, b_hi[16] = {0};
+            uint8_t b_w[16] = {0};
+            memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
+            memcpy(b_hi, hi + j, (size_t)m * sizeof(float));
+            memcpy(b_w, width + j, (size_t)m);
+            v_lo = kvq_load16(b_lo);
+            v_hi = kvq_load16(b_hi);
+            memcpy(&w8, b_w, 16);
         }
-        n_cmp = (1 << w_cmp) - 1;
-        memcpy(&w8, b_w, 16);
         wi = __builtin_convertvector(w8, kvq_v16i);
-        v_lo = kvq_load16(b_lo);
-        v_hi = kvq_load16(b_hi);
+        /* the widest lane, and the widest the compares decide (up to 5 bits) */
+        w_max = _mm512_reduce_max_epi32((__m512i)wi);
+        w_cmp = _mm512_reduce_max_epi32((__m512i)(wi & (wi <= 5)));
+        n_cmp = (1 << w_cmp) - 1;
         for (k = 0; k < n_cmp; k++) {
             const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
             c_lo -= v_lo > bk;                                    /* true is -1 */
@@ -374,10 +379,10 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
             memcpy(q_lo, &c_lo, sizeof q_lo);
             memcpy(q_hi, &c_hi, sizeof q_hi);
             for (l = 0; l < m; l++)
-                if (b_w[l] > 5) {
-                    const float *t = tables + b_w[l] * stride;
-                    q_lo[l] = kvq_code_lookup(t, b_lo[l]);
-                    q_hi[l] = kvq_code_lookup(t, b_hi[l]);
+                if (width[j + l] > 5) {
+                    const float *t = tables + width[j + l] * stride;
+                    q_lo[l] = kvq_code_lookup(t, lo[j + l]);
+                    q_hi[l] = kvq_code_lookup(t, hi[j + l]);
                 }
             memcpy(&c_lo, q_lo, sizeof q_lo);
             memcpy(&c_hi, q_hi, sizeof q_hi);
