@@ -225,9 +225,15 @@ def test_forward_level_radii_are_hypotf_and_brackets_hold_atan2f(rng):
     # AVX-512 path's blocks of 16 pairs); plus the ends' float rounding
     ang64 = np.arctan2(c[exact].astype(np.float64), a[exact].astype(np.float64))
     for portable, bound in ((True, 5e-7), (False, 2e-6)):
+        polar_kernels.set_portable(portable)
         try:
-            polar_kernels.set_portable(portable)
             assert not polar_kernels.forward_level(P.reshape(-1), r, lo, hi)
+            # a level whose last block is short gives each pair the same radius and bracket
+            for m in (1, 7, 15, 16 * 20 + 11):
+                r_m, lo_m, hi_m = (np.empty(m, np.float32) for _ in range(3))
+                polar_kernels.forward_level(P[-m:].reshape(-1), r_m, lo_m, hi_m)
+                assert np.array_equal(lo_m, lo[-m:]) and np.array_equal(hi_m, hi[-m:]), m
+                assert np.array_equal(r_m.view(np.uint32), r[-m:].view(np.uint32)), m
         finally:
             polar_kernels.set_portable(False)
         centre = (lo[exact].astype(np.float64) + hi[exact]) / 2

@@ -220,8 +220,9 @@ KVQ_INLINE kvq_v16f kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
     return kvq_sel16f(c < 0.0f, -th, th);
 }
 
-/* The forward level's blocks of 16 pairs (see kvq_polar_forward_level); returns how many pairs
- * it did and sets *bad when a value is not finite. */
+/* The forward level (see kvq_polar_forward_level) 16 pairs at a time, a short last block from
+ * a copy padded with finite pairs (their results are dropped); returns half and sets *bad when
+ * a value is not finite. */
 __attribute__((target("avx512f"))) static int64_t
 kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, double *r2,
                            int *bad)
@@ -230,8 +231,24 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
     typedef float kvq_v8f_ __attribute__((vector_size(32)));
     int64_t j;
     kvq_v16i all_finite = (kvq_v16i){0} - 1;
-    for (j = 0; j + 16 <= half; j += 16) {
-        const kvq_v16f v0 = kvq_load16(x + 2 * j), v1 = kvq_load16(x + 2 * j + 16);
+    for (j = 0; j < half; j += 16) {
+        const int64_t m = half - j < 16 ? half - j : 16;
+        float in[32], t_lo[16], t_hi[16];
+        double t_r2[16];
+        const float *src = x + 2 * j;
+        float *d_lo = lo + j, *d_hi = hi + j;
+        double *d_r2 = r2 + j;
+        int i;
+        if (m < 16) {
+            for (i = 0; i < 32; i++)
+                in[i] = 1.0f;
+            memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+            src = in;
+            d_lo = t_lo;
+            d_hi = t_hi;
+            d_r2 = t_r2;
+        }
+        const kvq_v16f v0 = kvq_load16(src), v1 = kvq_load16(src + 16);
         const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
                                                     20, 22, 24, 26, 28, 30);
         const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
@@ -253,10 +270,15 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
         const kvq_v8d_ cd1 = __builtin_convertvector(c1, kvq_v8d_);
         const kvq_v8d_ sq0 = ad0 * ad0 + cd0 * cd0, sq1 = ad1 * ad1 + cd1 * cd1;
         all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX) & (cf >= -FLT_MAX);
-        kvq_store16(lo + j, out_lo);
-        kvq_store16(hi + j, out_hi);
-        memcpy(r2 + j, &sq0, sizeof sq0);
-        memcpy(r2 + j + 8, &sq1, sizeof sq1);
+        kvq_store16(d_lo, out_lo);
+        kvq_store16(d_hi, out_hi);
+        memcpy(d_r2, &sq0, sizeof sq0);
+        memcpy(d_r2 + 8, &sq1, sizeof sq1);
+        if (m < 16) {
+            memcpy(lo + j, t_lo, (size_t)m * sizeof(float));
+            memcpy(hi + j, t_hi, (size_t)m * sizeof(float));
+            memcpy(r2 + j, t_r2, (size_t)m * sizeof(double));
+        }
     }
     {
         int32_t f[16];
@@ -265,7 +287,7 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
         for (k = 0; k < 16; k++)
             *bad |= !f[k];
     }
-    return j;
+    return half;
 }
 #endif
 
@@ -280,7 +302,7 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
     int64_t j = 0;
     int bad = 0;
 #if KVQ_X86_PATHS
-    if (half >= 16 && !kvq_polar_portable && __builtin_cpu_supports("avx512f"))
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f"))
         j = kvq_polar_forward16_avx512(x, half, lo, hi, r2, &bad);
 #endif
 #if KVQ_VEC
