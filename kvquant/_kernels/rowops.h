@@ -92,32 +92,49 @@ KVQ_INLINE void kvq_store16(float *p, kvq_v16f v)
 #endif
 
 static int kvq_rowops_forced = -2;   /* -2: not read yet, -1: none */
+static int kvq_rowops_cpu = -1;      /* -1: not asked yet */
 
+/* The best path the CPU runs (asked once; a second thread asking too finds the same). */
 static int kvq_rowops_cpu_path(void)
 {
+    int cpu = kvq_rowops_cpu;
+    if (cpu < 0) {
+        cpu = 0;
 #if KVQ_X86_PATHS
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        return 2;
-    if (__builtin_cpu_supports("avx2"))
-        return 1;
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f"))
+            cpu = 2;
+        else if (__builtin_cpu_supports("avx2"))
+            cpu = 1;
 #endif
-    return 0;
+        kvq_rowops_cpu = cpu;
+    }
+    return cpu;
 }
 
 /* The path the vector kernels take now. */
 static int kvq_rowops_path(void)
 {
     const int cpu = kvq_rowops_cpu_path();
-    if (kvq_rowops_forced == -2) {
+    int forced = kvq_rowops_forced;
+    if (forced == -2) {
+        /* read once; one store, so a thread reading meanwhile finds -2 and reads it too.
+         * Case and surrounding blanks are ignored, as consumers.pyx does. */
         const char *e = getenv("KVQUANT_SIMD");
-        kvq_rowops_forced = -1;
-        if (e != NULL && strcmp(e, "portable") == 0)
-            kvq_rowops_forced = 0;
-        else if (e != NULL && strcmp(e, "avx2") == 0)
-            kvq_rowops_forced = 1;
+        char word[16];
+        int n = 0;
+        for (; e != NULL && *e != '\0' && n < 15; e++)
+            if (*e != ' ' && *e != '\t' && *e != '\n')
+                word[n++] = (char)(*e >= 'A' && *e <= 'Z' ? *e - 'A' + 'a' : *e);
+        word[n] = '\0';
+        forced = -1;
+        if (strcmp(word, "portable") == 0)
+            forced = 0;
+        else if (strcmp(word, "avx2") == 0)
+            forced = 1;
+        kvq_rowops_forced = forced;
     }
-    return kvq_rowops_forced >= 0 && kvq_rowops_forced < cpu ? kvq_rowops_forced : cpu;
+    return forced >= 0 && forced < cpu ? forced : cpu;
 }
 
 /* Force a path (0, 1, 2: used only where the CPU runs it) or, with -1, the best one. Returns the
