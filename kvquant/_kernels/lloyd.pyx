@@ -46,14 +46,15 @@ cdef extern from "rowops.h" nogil:
     int kvq_rowops_set_path(int path)
     void kvq_fwht(float* y, Py_ssize_t n)
 
-# the row kernels' path for each of the consumers' (rowops.h: 0 baseline, 1 AVX2, 2 AVX-512)
-_ROWOPS_PATHS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 2}
+# the row kernels' path (rowops.h: 0 baseline, 1 AVX2, 2 AVX-512) for each of the consumers'
+# (also read by polar.pyx)
+ROWOPS_PATHS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 2}
 _ROWOPS_NAMES = ("portable", "avx2", "avx512")
 
 
 cdef int _follow_simd() except -1:
     """Set the row kernels' path to the consumers' current one; returns the path that runs."""
-    return kvq_rowops_set_path(_ROWOPS_PATHS[consumers.get_simd()])
+    return kvq_rowops_set_path(ROWOPS_PATHS[consumers.get_simd()])
 
 
 def encoder_simd():

@@ -30,6 +30,7 @@ from libc.string cimport memset
 import numpy as np
 
 from kvquant._kernels import consumers
+from kvquant._kernels.lloyd import ROWOPS_PATHS
 from kvquant._kernels._common cimport (
     PRESCALE, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, kvq_unrotate_row_safe,
     live_radius)
@@ -140,8 +141,6 @@ cdef inline int angle_code(float ang, int mode, int level, int b, const float* t
 
 # -- encode ----------------------------------------------------------------------------------
 
-# the row kernels' path for each of the consumers' (rowops.h: 0 baseline, 1 AVX2, 2 AVX-512)
-_ROWOPS_PATHS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 2}
 _portable_forced = False
 
 
@@ -159,7 +158,7 @@ cdef int _follow_simd() except -1:
     KVQUANT_SIMD); the AVX-512 helpers run only on the AVX-512 path and without set_portable.
     Returns the path that runs."""
     global kvq_polar_portable
-    cdef int path = kvq_rowops_set_path(_ROWOPS_PATHS[consumers.get_simd()])
+    cdef int path = kvq_rowops_set_path(ROWOPS_PATHS[consumers.get_simd()])
     kvq_polar_portable = 1 if _portable_forced or path < 2 else 0
     return path
 
@@ -402,6 +401,7 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
     cdef float* copy
     if n_rows == 0:
         return
+    _follow_simd()
     polar_layout(&L, n, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab, log2_cos2,
                  log2_sin2, gains)
     with nogil, parallel(num_threads=n_threads):
