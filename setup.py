@@ -6,8 +6,9 @@ Flags: ``-O3``, never ``-ffast-math`` (NaN handling and rounding are part of the
 ``-ffp-contract=off`` (no silent FMA: the same rounding with or without -march=native).
 Set ``KVQUANT_NATIVE=1`` to add ``-march=native`` (faster on the build machine, not portable).
 Set ``KVQUANT_MARCH=<cpu>`` to add ``-march=<cpu>`` instead, e.g. ``KVQUANT_MARCH=x86-64-v2``
-(SSE4.2, no AVX) to measure the consumers' portable path as a CPU without AVX2 or AVX-512 runs it
-(run it with ``KVQUANT_SIMD=portable``: the AVX2 and AVX-512 kernels carry their own targets).
+(SSE4.2, no AVX) to measure the portable paths of the consumers and the encoders as a CPU without
+AVX2 or AVX-512 runs them (run it with ``KVQUANT_SIMD=portable``: the AVX2 and AVX-512 kernels
+carry their own targets).
 """
 import os
 import shutil

@@ -220,6 +220,25 @@ def test_forward_level_radii_are_hypotf_and_brackets_hold_atan2f(rng):
     # narrow enough that an angle rarely needs libm: a relative 2^-15 plus float subnormals
     width = (hi - lo)[exact].astype(np.float64)
     assert np.all(width <= np.abs(ang[exact]) * 2.0**-14 + 1e-40)
+    # the approximation at the bracket's centre is within the bounds of polar_encode.h, far
+    # inside the 2^-16 pad: 4e-7 of the angle in double (the portable path), 2e-6 in float (the
+    # AVX-512 path's blocks of 16 pairs); plus the ends' float rounding
+    ang64 = np.arctan2(c[exact].astype(np.float64), a[exact].astype(np.float64))
+    for portable, bound in ((True, 5e-7), (False, 2e-6)):
+        polar_kernels.set_portable(portable)
+        try:
+            assert not polar_kernels.forward_level(P.reshape(-1), r, lo, hi)
+            # a level whose last block is short gives each pair the same radius and bracket
+            for m in (1, 7, 15, 16 * 20 + 11):
+                r_m, lo_m, hi_m = (np.empty(m, np.float32) for _ in range(3))
+                polar_kernels.forward_level(P[-m:].reshape(-1), r_m, lo_m, hi_m)
+                assert np.array_equal(lo_m, lo[-m:]) and np.array_equal(hi_m, hi[-m:]), m
+                assert np.array_equal(r_m.view(np.uint32), r[-m:].view(np.uint32)), m
+        finally:
+            polar_kernels.set_portable(False)
+        centre = (lo[exact].astype(np.float64) + hi[exact]) / 2
+        assert np.all(np.abs(centre - ang64) <= np.abs(ang64) * bound + 1e-40), portable
+        assert np.all((lo[exact] <= ang[exact]) & (ang[exact] <= hi[exact]))
 
 
 def test_forward_level_flags_non_finite_values():

@@ -2,6 +2,8 @@
 # b-bit Lloyd-Max codebook (rowops.h: a search tree in vector registers from 5 to 8 bits where
 # AVX-512 is there, else counted compares up to 31 boundaries and a bucket table above), codes
 # bit-packed LSB first. docs/reference.md §1.2-1.3 and §2.
+# The vector path (AVX-512, AVX2 or the baseline's 4 lanes) follows the consumers' choice
+# (consumers.set_simd, KVQUANT_SIMD); every path gives the same bytes.
 # The float operations follow the engine's order so that its 4-bit codec is reproduced bit for bit:
 # the rotation's 1/sqrtf(n) and the scaling sqrtf(n)/norm are separate float multiplies, and the
 # decoder divides the radius by sqrtf(n).
@@ -18,6 +20,7 @@ from libc.string cimport memset
 
 import numpy as np
 
+from kvquant._kernels import consumers
 from kvquant._kernels._common cimport (
     PRESCALE, ROW_LIMIT, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, live_radius)
 
@@ -40,6 +43,24 @@ cdef extern from "rowops.h" nogil:
     void kvq_code_table_build(const float* bnd, Py_ssize_t n_bnd, float* table)
     void kvq_nearest_by_distance(const float* y, Py_ssize_t n, const float* levels, int n_levels,
                                  float* best_d, uint8_t* code)
+    int kvq_rowops_set_path(int path)
+    void kvq_fwht(float* y, Py_ssize_t n)
+
+# the row kernels' path (rowops.h: 0 baseline, 1 AVX2, 2 AVX-512) for each of the consumers'
+# (also read by polar.pyx)
+ROWOPS_PATHS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 2}
+_ROWOPS_NAMES = ("portable", "avx2", "avx512")
+
+
+cdef int _follow_simd() except -1:
+    """Set the row kernels' path to the consumers' current one; returns the path that runs."""
+    return kvq_rowops_set_path(ROWOPS_PATHS[consumers.get_simd()])
+
+
+def encoder_simd():
+    """The vector path the encoders of this module run now: ``"avx512"``, ``"avx2"`` or
+    ``"portable"`` (the consumers' choice, ``consumers.set_simd``, as far as rows need it)."""
+    return _ROWOPS_NAMES[_follow_simd()]
 
 
 def code_table(const float[::1] boundaries):   # IN (n_bnd,) ascending, finite
@@ -72,6 +93,7 @@ def nearest_codes(const float[::1] y,            # IN  (n,)
     cdef bint use_plan = False
     if y.shape[0] == 0:
         return False
+    _follow_simd()
     if search_tree:
         plan = <kvq_code_plan*>malloc(sizeof(kvq_code_plan))
         if plan == NULL:
@@ -81,6 +103,14 @@ def nearest_codes(const float[::1] y,            # IN  (n,)
                       plan if use_plan else NULL, &out[0])
     free(plan)
     return use_plan and y.shape[0] >= 16
+
+
+def fwht(float[::1] y):                         # IN/OUT (n,) n a power of two
+    """The unnormalized Walsh-Hadamard transform of the encoders, in place, on the path that
+    runs (exposed for tests of every path)."""
+    _follow_simd()
+    if y.shape[0] > 0:
+        kvq_fwht(&y[0], y.shape[0])
 
 
 def pack_codes(const uint8_t[::1] code,         # IN  (n,) codes < 2**bits
@@ -127,6 +157,7 @@ def encode_rows(const float[:, ::1] X,          # IN  (n_rows, n), n a power of 
     cdef uint8_t* c
     if n_rows == 0:
         return
+    _follow_simd()
     for i in range(n_levels):
         max_level = max(max_level, abs(levels[i]))
     # Below `safe` the rotation's partial sums (at most sqrt(n) x the norm) cannot overflow; below
@@ -211,6 +242,7 @@ def decode_rows(const uint8_t[:, ::1] codes,    # IN  (n_rows, ceil(n*bits/8))
     cdef float* copy
     if n_rows == 0:
         return
+    _follow_simd()
     with nogil, parallel(num_threads=n_threads):
         c = <uint8_t*>malloc(n * sizeof(uint8_t))
         copy = <float*>malloc(n * sizeof(float))

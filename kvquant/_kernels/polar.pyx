@@ -29,6 +29,8 @@ from libc.string cimport memset
 
 import numpy as np
 
+from kvquant._kernels import consumers
+from kvquant._kernels.lloyd import ROWOPS_PATHS
 from kvquant._kernels._common cimport (
     PRESCALE, ROW_RANGE, kvq_all_finite, kvq_rotate_scale_row_prescaled, kvq_unrotate_row_safe,
     live_radius)
@@ -38,6 +40,7 @@ cdef extern from "rowops.h" nogil:
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
     int kvq_code_lookup(const float* table, float v)
+    int kvq_rowops_set_path(int path)
 
 cdef extern from "polar_encode.h" nogil:
     int kvq_polar_portable
@@ -138,12 +141,26 @@ cdef inline int angle_code(float ang, int mode, int level, int b, const float* t
 
 # -- encode ----------------------------------------------------------------------------------
 
+_portable_forced = False
+
+
 def set_portable(bint portable):
     """True: this module's encoder skips its AVX-512 helpers (the vector Lloyd codes, the
     allocation's candidate scan) and runs the portable code, as on a CPU without AVX-512; False:
     the automatic choice. For tests: both must give the same bits."""
+    global _portable_forced
+    _portable_forced = bool(portable)
+    _follow_simd()
+
+
+cdef int _follow_simd() except -1:
+    """Set the row kernels' path to the consumers' current one (consumers.set_simd,
+    KVQUANT_SIMD); the AVX-512 helpers run only on the AVX-512 path and without set_portable.
+    Returns the path that runs."""
     global kvq_polar_portable
-    kvq_polar_portable = 1 if portable else 0
+    cdef int path = kvq_rowops_set_path(ROWOPS_PATHS[consumers.get_simd()])
+    kvq_polar_portable = 1 if _portable_forced or path < 2 else 0
+    return path
 
 
 def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 9, 256)
@@ -205,6 +222,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
     cdef uint8_t* row
     if n_rows == 0:
         return
+    _follow_simd()
     engine_grid(n_levels, grid_lo, grid_two_w)
     # the boundary columns of the vector code path (polar_encode.h), once per call
     cdef const float[:, :, ::1] cols
@@ -383,6 +401,7 @@ def decode_rows(const uint8_t[:, ::1] codes,           # IN  (n_rows, code_bytes
     cdef float* copy
     if n_rows == 0:
         return
+    _follow_simd()
     polar_layout(&L, n, mode, level_bits, level_totals, level_starts, cos_tab, sin_tab, log2_cos2,
                  log2_sin2, gains)
     with nogil, parallel(num_threads=n_threads):

@@ -16,12 +16,14 @@
  *
  * The approximation: t = min(|a|, |c|) / max(|a|, |c|) in [0, 1]; above tan(pi/8) it is mapped
  * to u = (t - 1) / (t + 1) and atan(t) = pi/4 + atan(u), so |u| <= tan(pi/8) = 0.4142 (one
- * division either way); atan(u) is
- * its Taylor series to u^25 (the rest is below u * 0.1716^13 / 27 < 5e-12 |u|); then the octant
- * and the signs. Each step keeps a relative error below 1e-10 of the angle (a subtraction only
- * happens where the angle is at least pi/8), libm's atan2f is within a few float ulps (a relative
- * 2^-21), and the interval is padded by a relative 2^-16 plus 2^-140 (float subnormals): it holds
- * atan2f(c, a) with a wide margin. Pairs with a zero or a non-finite element (where the signs of
+ * division either way); atan(u) is its Taylor series to u^13 (an alternating series of
+ * decreasing terms: the rest is below the first term left out, |u|^15 / 15 <= 0.1716^7 / 15 |u|
+ * < 3e-7 |u|); then the octant and the signs. Each step keeps a relative error below 4e-7 of
+ * the angle (|u| <= 1.06 atan|u|, and a subtraction only happens where the angle is at least
+ * pi/8), libm's atan2f is within a few float ulps (a relative 2^-21 < 5e-7), rounding the ends
+ * to float moves them by a relative 2^-24, and the interval is padded by a relative
+ * 2^-16 = 1.5e-5 plus 2^-140 (float subnormals): it holds atan2f(c, a) with a margin of more
+ * than ten times the sum. Pairs with a zero or a non-finite element (where the signs of
  * zeros decide between 0 and pi, and between pi and -pi) always go to libm.
  */
 #ifndef KVQ_POLAR_ENCODE_H
@@ -49,14 +51,8 @@ KVQ_INLINE double kvq_atan2_approx(double a, double c)
      * within a factor 3 of each other), so u has a single rounding */
     const double u = reduce ? (num - den) / (num + den) : num / den;
     const double u2 = u * u;
-    double p = 1.0 / 25.0;
+    double p = 1.0 / 13.0;
     double th;
-    p = p * u2 - 1.0 / 23.0;
-    p = p * u2 + 1.0 / 21.0;
-    p = p * u2 - 1.0 / 19.0;
-    p = p * u2 + 1.0 / 17.0;
-    p = p * u2 - 1.0 / 15.0;
-    p = p * u2 + 1.0 / 13.0;
     p = p * u2 - 1.0 / 11.0;
     p = p * u2 + 1.0 / 9.0;
     p = p * u2 - 1.0 / 7.0;
@@ -91,13 +87,7 @@ KVQ_INLINE kvq_v8d kvq_atan2_approx8(kvq_v8d a, kvq_v8d c)
     const kvq_v8l reduce = num > 0.41421356237309503 * den;
     const kvq_v8d u = kvq_sel8d(reduce, num - den, num) / kvq_sel8d(reduce, num + den, den);
     const kvq_v8d u2 = u * u;
-    kvq_v8d p = (kvq_v8d){0} + 1.0 / 25.0, th;
-    p = p * u2 - 1.0 / 23.0;
-    p = p * u2 + 1.0 / 21.0;
-    p = p * u2 - 1.0 / 19.0;
-    p = p * u2 + 1.0 / 17.0;
-    p = p * u2 - 1.0 / 15.0;
-    p = p * u2 + 1.0 / 13.0;
+    kvq_v8d p = (kvq_v8d){0} + 1.0 / 13.0, th;
     p = p * u2 - 1.0 / 11.0;
     p = p * u2 + 1.0 / 9.0;
     p = p * u2 - 1.0 / 7.0;
@@ -183,6 +173,124 @@ KVQ_INLINE int kvq_polar_forward_pair(const float *x, int64_t j, double *r2, flo
     return !(fabsf(a) <= FLT_MAX) | !(fabsf(c) <= FLT_MAX);
 }
 
+#if KVQ_X86_PATHS
+/* ---- the AVX-512 forward level: the angles in float, 16 pairs a vector ---------------------
+ * The same steps as kvq_atan2_approx in float arithmetic (twice the lanes of the double path).
+ * Its error, to first order in the float unit roundoff e = 2^-24: u carries at most 3e (two
+ * roundings for the reduced ratio's terms, one for the division), u*u and the series' terms
+ * computed from it (coefficients rounded to float) add at most 12e to the term u * (u2 * p),
+ * which is at most 0.06 |u|, plus e for the last add; the series itself is 3e-7 |u| from atan(u)
+ * (|u| <= 0.4143, the float compare's rounding included); adding pi/4 (rounded), taking pi/2 -
+ * and pi - (each result at least as large as what it took) adds 2e each. Altogether below 2e-6
+ * of the angle, with the ends' rounding and libm's 2^-21 far inside the 2^-16 pad. Range: the
+ * pair's magnitudes are first scaled by a power of two (exact), 1/2 above 1e38 (num + den stays
+ * finite) and 2^64 below 1e-30 (the test of tan(pi/8) and the ratio see normal floats, as the
+ * bound assumes); a quotient that still underflows moves by at most 2^-150, inside the 2^-140
+ * absolute pad. Pairs with a zero or a non-finite element are handled as in the
+ * double path (libm decides them; a non-finite value redoes the level). */
+KVQ_INLINE kvq_v16f kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
+{
+    return (kvq_v16f)((m & (kvq_v16i)a) | (~m & (kvq_v16i)b));
+}
+
+KVQ_INLINE kvq_v16f kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
+{
+    const kvq_v16i abs_mask = (kvq_v16i){0} + 0x7fffffff;
+    const kvq_v16f ax = (kvq_v16f)((kvq_v16i)a & abs_mask), ac = (kvq_v16f)((kvq_v16i)c & abs_mask);
+    const kvq_v16i swap = ac > ax;
+    const kvq_v16f num = kvq_sel16f(swap, ax, ac), den = kvq_sel16f(swap, ac, ax);
+    /* scaled by a power of two (exact): big pairs halved, tiny ones made normal */
+    const kvq_v16f scale = kvq_sel16f(den > 1e38f, (kvq_v16f){0} + 0.5f,
+                                      kvq_sel16f(den < 1e-30f, (kvq_v16f){0} + 18446744073709551616.0f,
+                                                 (kvq_v16f){0} + 1.0f));
+    const kvq_v16f ns = num * scale, ds = den * scale;
+    const kvq_v16i reduce = ns > 0.41421356237309503f * ds;
+    const kvq_v16f u = kvq_sel16f(reduce, ns - ds, ns) / kvq_sel16f(reduce, ns + ds, ds);
+    const kvq_v16f u2 = u * u;
+    kvq_v16f p = (kvq_v16f){0} + (float)(1.0 / 13.0), th;
+    p = p * u2 - (float)(1.0 / 11.0);
+    p = p * u2 + (float)(1.0 / 9.0);
+    p = p * u2 - (float)(1.0 / 7.0);
+    p = p * u2 + (float)(1.0 / 5.0);
+    p = p * u2 - (float)(1.0 / 3.0);
+    th = u + u * (u2 * p);
+    th = kvq_sel16f(reduce, 0.78539816339744828f + th, th);
+    th = kvq_sel16f(swap, 1.5707963267948966f - th, th);
+    th = kvq_sel16f(a < 0.0f, 3.1415926535897931f - th, th);
+    return kvq_sel16f(c < 0.0f, -th, th);
+}
+
+/* The forward level (see kvq_polar_forward_level) 16 pairs at a time, a short last block from
+ * a copy padded with finite pairs (their results are dropped); returns half and sets *bad when
+ * a value is not finite. */
+__attribute__((target("avx512f"))) static int64_t
+kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, double *r2,
+                           int *bad)
+{
+    typedef double kvq_v8d_ __attribute__((vector_size(64)));
+    typedef float kvq_v8f_ __attribute__((vector_size(32)));
+    int64_t j;
+    kvq_v16i all_finite = (kvq_v16i){0} - 1;
+    for (j = 0; j < half; j += 16) {
+        const int64_t m = half - j < 16 ? half - j : 16;
+        float in[32], t_lo[16], t_hi[16];
+        double t_r2[16];
+        const float *src = x + 2 * j;
+        float *d_lo = lo + j, *d_hi = hi + j;
+        double *d_r2 = r2 + j;
+        int i;
+        if (m < 16) {
+            for (i = 0; i < 32; i++)
+                in[i] = 1.0f;
+            memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+            src = in;
+            d_lo = t_lo;
+            d_hi = t_hi;
+            d_r2 = t_r2;
+        }
+        const kvq_v16f v0 = kvq_load16(src), v1 = kvq_load16(src + 16);
+        const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
+                                                    20, 22, 24, 26, 28, 30);
+        const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
+                                                    21, 23, 25, 27, 29, 31);
+        const kvq_v16f th = kvq_atan2_approx16f(af, cf);
+        const kvq_v16f pad = (kvq_v16f)((kvq_v16i)th & ((kvq_v16i){0} + 0x7fffffff))
+                             * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
+        const kvq_v16i exact = (af != 0.0f) & (cf != 0.0f);
+        const kvq_v16f open = (kvq_v16f){0} + KVQ_ANGLE_OPEN;
+        const kvq_v16f out_lo = kvq_sel16f(exact, th - pad, -open);
+        const kvq_v16f out_hi = kvq_sel16f(exact, th + pad, open);
+        const kvq_v8f_ a0 = __builtin_shufflevector(af, af, 0, 1, 2, 3, 4, 5, 6, 7);
+        const kvq_v8f_ a1 = __builtin_shufflevector(af, af, 8, 9, 10, 11, 12, 13, 14, 15);
+        const kvq_v8f_ c0 = __builtin_shufflevector(cf, cf, 0, 1, 2, 3, 4, 5, 6, 7);
+        const kvq_v8f_ c1 = __builtin_shufflevector(cf, cf, 8, 9, 10, 11, 12, 13, 14, 15);
+        const kvq_v8d_ ad0 = __builtin_convertvector(a0, kvq_v8d_);
+        const kvq_v8d_ ad1 = __builtin_convertvector(a1, kvq_v8d_);
+        const kvq_v8d_ cd0 = __builtin_convertvector(c0, kvq_v8d_);
+        const kvq_v8d_ cd1 = __builtin_convertvector(c1, kvq_v8d_);
+        const kvq_v8d_ sq0 = ad0 * ad0 + cd0 * cd0, sq1 = ad1 * ad1 + cd1 * cd1;
+        all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX) & (cf >= -FLT_MAX);
+        kvq_store16(d_lo, out_lo);
+        kvq_store16(d_hi, out_hi);
+        memcpy(d_r2, &sq0, sizeof sq0);
+        memcpy(d_r2 + 8, &sq1, sizeof sq1);
+        if (m < 16) {
+            memcpy(lo + j, t_lo, (size_t)m * sizeof(float));
+            memcpy(hi + j, t_hi, (size_t)m * sizeof(float));
+            memcpy(r2 + j, t_r2, (size_t)m * sizeof(double));
+        }
+    }
+    {
+        int32_t f[16];
+        int k;
+        memcpy(f, &all_finite, sizeof f);
+        for (k = 0; k < 16; k++)
+            *bad |= !f[k];
+    }
+    return half;
+}
+#endif
+
 /* One level of the forward transform: r[j] = hypotf(x[2j], x[2j+1]) and [lo[j], hi[j]] around
  * atan2f(x[2j+1], x[2j]) (lo = -4, hi = 4 for the pairs libm must decide: a zero element).
  * `r2` is scratch for `half` doubles. Returns 1 when a value is not finite: the caller redoes the
@@ -193,7 +301,12 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
 {
     int64_t j = 0;
     int bad = 0;
+#if KVQ_X86_PATHS
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f"))
+        j = kvq_polar_forward16_avx512(x, half, lo, hi, r2, &bad);
+#endif
 #if KVQ_VEC
+    kvq_v8i all_finite = (kvq_v8i){0} - 1;   /* lanes stay -1 while every value is finite */
     for (; j + 8 <= half; j += 8) {
         const kvq_v16f v = kvq_load16(x + 2 * j);
         const kvq_v8f af = __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14);
@@ -212,14 +325,19 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
         const kvq_v8f open = (kvq_v8f){0} + KVQ_ANGLE_OPEN;
         const kvq_v8d sq = ad * ad + cd * cd;
         kvq_v8f out_lo, out_hi;
-        int k;
         out_lo = (kvq_v8f)((exact & (kvq_v8i)th_lo) | (~exact & (kvq_v8i)(-open)));
         out_hi = (kvq_v8f)((exact & (kvq_v8i)th_hi) | (~exact & (kvq_v8i)open));
         memcpy(lo + j, &out_lo, sizeof out_lo);
         memcpy(hi + j, &out_hi, sizeof out_hi);
         memcpy(r2 + j, &sq, sizeof sq);
+        all_finite &= finite;
+    }
+    {
+        int32_t f[8];
+        int k;
+        memcpy(f, &all_finite, sizeof f);
         for (k = 0; k < 8; k++)
-            bad |= !finite[k];
+            bad |= !f[k];
     }
 #endif
     for (; j < half; j++)
@@ -248,24 +366,32 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
     int k, l;
     for (j = 0; j < cnt; j += 16) {
         const int m = cnt - j < 16 ? (int)(cnt - j) : 16;
-        float b_lo[16] = {0}, b_hi[16] = {0};
         int32_t q_lo[16], q_hi[16];
-        uint8_t b_w[16] = {0};
-        int w_max = 0, n_cmp;
+        int w_max, w_cmp, n_cmp;
         kvq_v16u8 w8, c8;
         uint32_t mask;
         kvq_v16i wi, c_lo = {0}, c_hi = {0};
         kvq_v16f v_lo, v_hi;
-        memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
-        memcpy(b_hi, hi + j, (size_t)m * sizeof(float));
-        memcpy(b_w, width + j, (size_t)m);
-        for (l = 0; l < m; l++)
-            w_max = b_w[l] > w_max ? b_w[l] : w_max;
-        n_cmp = w_max >= 5 ? KVQ_POLAR_COLS : (1 << w_max) - 1;
-        memcpy(&w8, b_w, 16);
+        if (m == 16) {
+            v_lo = kvq_load16(lo + j);
+            v_hi = kvq_load16(hi + j);
+            memcpy(&w8, width + j, 16);
+        } else {
+            /* the last block of a level: zero lanes past its end */
+            float b_lo[16] = {0}, b_hi[16] = {0};
+            uint8_t b_w[16] = {0};
+            memcpy(b_lo, lo + j, (size_t)m * sizeof(float));
+            memcpy(b_hi, hi + j, (size_t)m * sizeof(float));
+            memcpy(b_w, width + j, (size_t)m);
+            v_lo = kvq_load16(b_lo);
+            v_hi = kvq_load16(b_hi);
+            memcpy(&w8, b_w, 16);
+        }
         wi = __builtin_convertvector(w8, kvq_v16i);
-        v_lo = kvq_load16(b_lo);
-        v_hi = kvq_load16(b_hi);
+        /* the widest lane, and the widest the compares decide (up to 5 bits) */
+        w_max = _mm512_reduce_max_epi32((__m512i)wi);
+        w_cmp = _mm512_reduce_max_epi32((__m512i)(wi & (wi <= 5)));
+        n_cmp = (1 << w_cmp) - 1;
         for (k = 0; k < n_cmp; k++) {
             const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
             c_lo -= v_lo > bk;                                    /* true is -1 */
@@ -275,10 +401,10 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
             memcpy(q_lo, &c_lo, sizeof q_lo);
             memcpy(q_hi, &c_hi, sizeof q_hi);
             for (l = 0; l < m; l++)
-                if (b_w[l] > 5) {
-                    const float *t = tables + b_w[l] * stride;
-                    q_lo[l] = kvq_code_lookup(t, b_lo[l]);
-                    q_hi[l] = kvq_code_lookup(t, b_hi[l]);
+                if (width[j + l] > 5) {
+                    const float *t = tables + width[j + l] * stride;
+                    q_lo[l] = kvq_code_lookup(t, lo[j + l]);
+                    q_hi[l] = kvq_code_lookup(t, hi[j + l]);
                 }
             memcpy(&c_lo, q_lo, sizeof q_lo);
             memcpy(&c_hi, q_hi, sizeof q_hi);

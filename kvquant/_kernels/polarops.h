@@ -17,8 +17,9 @@
 #define KVQ_POLAR_MAX_BITS 8      /* widest code of one angle (radius allocation) */
 
 /* Nonzero: the encoder's AVX-512 helpers (here and in polar_encode.h) stand aside and the
- * portable code runs, as on a CPU without AVX-512 (polar.pyx's set_portable, for the tests that
- * check both give the same bits; each module holds its own copy). */
+ * portable code runs, as on a CPU without AVX-512 (polar.pyx sets it on the paths below AVX-512
+ * and under its set_portable, for the tests that check both give the same bits; each module
+ * holds its own copy). */
 static int kvq_polar_portable = 0;
 #define KVQ_POLAR_TAB 256         /* entries per (level, width) row of the angle tables */
 
@@ -200,6 +201,69 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
     return found;
 }
 
+#if KVQ_POLAR_COLLECT_AVX512
+/* kvq_polar_widths under AVX-512 (levels of 8 angles or more): 16 angles a vector, each
+ * angle's next key (weight plus the gain of its width) by a permute, so that the ties are found
+ * in the same pass. */
+__attribute__((target("avx512f"))) static void
+kvq_polar_widths_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain, int64_t base,
+                        uint32_t thr, int64_t need, uint8_t* width)
+{
+    const __m512i v_base = _mm512_set1_epi32((int)(uint32_t)base);
+    const __m512i v_thr = _mm512_set1_epi32((int)thr), one = _mm512_set1_epi32(1);
+    const __m512i v_gain = _mm512_maskz_loadu_epi32(0xFF, gain);   /* lanes 0..7 */
+    __m512i g[KVQ_POLAR_MAX_BITS];
+    int64_t j0;
+    int k;
+    for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+        g[k] = _mm512_set1_epi32(gain[k]);
+    for (j0 = 0; j0 < cnt; j0 += 16) {
+        const __mmask16 live = cnt - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cnt - j0)) - 1u);
+        const __m512i wj = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, weight + j0), v_base);
+        __m512i above = _mm512_setzero_si512();
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+            above = _mm512_mask_add_epi32(above,
+                                          _mm512_cmpgt_epu32_mask(_mm512_add_epi32(wj, g[k]), v_thr),
+                                          above, one);
+        _mm512_mask_cvtepi32_storeu_epi8(width + j0, live, above);
+        if (need > 0) {
+            /* the angles whose next key is thr, in index order: the first `need` of them win */
+            const __m512i next = _mm512_add_epi32(wj, _mm512_permutexvar_epi32(above, v_gain));
+            uint32_t tie = _mm512_mask_cmpeq_epi32_mask(
+                live & _mm512_cmplt_epu32_mask(above, _mm512_set1_epi32(KVQ_POLAR_MAX_BITS)),
+                next, v_thr);
+            while (tie != 0 && need > 0) {
+                width[j0 + __builtin_ctz(tie)]++;
+                need--;
+                tie &= tie - 1u;
+            }
+        }
+    }
+}
+#endif
+
+#if KVQ_POLAR_COLLECT_AVX512
+/* The r-th largest (1 <= r <= m) of cand[0 .. m), m <= 16, without sorting (a sort of 16 random
+ * keys mispredicts most of its steps): the smallest value with fewer than r values above it.
+ * Adds to *n_above how many are above it. */
+__attribute__((target("avx512f"))) static uint32_t
+kvq_polar_select_avx512(const uint32_t* cand, int m, int64_t r, int64_t* n_above)
+{
+    const __mmask16 live = (__mmask16)((1u << m) - 1u);
+    const __m512i v = _mm512_maskz_loadu_epi32(live, cand), one = _mm512_set1_epi32(1);
+    __m512i gt = _mm512_setzero_si512();
+    uint32_t thr;
+    int j;
+    for (j = 0; j < m; j++)
+        gt = _mm512_mask_add_epi32(gt, _mm512_cmplt_epu32_mask(v, _mm512_set1_epi32((int)cand[j])),
+                                   gt, one);
+    thr = (uint32_t)_mm512_mask_reduce_min_epu32(
+        live & _mm512_cmplt_epu32_mask(gt, _mm512_set1_epi32((int)r)), v);
+    *n_above += __builtin_popcount(live & _mm512_cmpgt_epu32_mask(v, _mm512_set1_epi32((int)thr)));
+    return thr;
+}
+#endif
+
 /* Every key above thr wins; `need` of the keys equal to it win, in index order (an angle has at
  * most one key equal to thr: its keys strictly decrease). */
 KVQ_POLAR_CLONES
@@ -208,6 +272,12 @@ static void kvq_polar_widths(const int32_t* weight, int64_t cnt, const int32_t* 
 {
     int64_t j;
     int k;
+#if KVQ_POLAR_COLLECT_AVX512
+    if (cnt >= 8 && !kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
+        kvq_polar_widths_avx512(weight, cnt, gain, base, thr, need, width);
+        return;
+    }
+#endif
     for (j = 0; j < cnt; j++) {
         const uint32_t wj = (uint32_t)(weight[j] - base);
         uint8_t above = 0;
@@ -308,6 +378,13 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
         /* the c_lo - c_hi keys in [lo, hi); the threshold is the (total - c_hi)-th largest */
         int i;
         m = kvq_polar_collect(keys, n_keys, (uint32_t)lo, (uint32_t)(hi - lo), cand);
+#if KVQ_POLAR_COLLECT_AVX512
+        if (!kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
+            thr = kvq_polar_select_avx512(cand, m, total - c_hi, &c_hi);
+            kvq_polar_widths(weight, cnt, gain, base, thr, total - c_hi, width);
+            return;
+        }
+#endif
         for (i = 1; i < m; i++) {   /* insertion sort, largest first */
             const uint32_t v = cand[i];
             int p = i;

@@ -49,12 +49,14 @@ static double kvq_sum_squares(const float *x, int64_t n, int in_index_order)
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-/* ---- 16-lane vectors ---------------------------------------------------------------------------
- * GCC (12+) and Clang vector extensions: one 16-float vector is a zmm register under AVX-512, two
- * ymm under AVX2, four xmm on the baseline or on ARM (the compiler lowers each operation to the
- * target's instructions), so the code below is written once for every clone and every ISA. Loads
- * and stores go through memcpy (no alignment assumed). Without the extensions (KVQ_VEC 0) the
- * scalar loops run instead: the same float operations on the same operands, so the same bits. */
+/* ---- vectors ---------------------------------------------------------------------------------
+ * GCC (12+) and Clang vector extensions. The row kernels of every path are written once, at the
+ * register width of each path (rowops_lanes.h, included per path below): GCC compiles a vector
+ * wider than the target's registers to scalar code for its compares and permutations. The
+ * 16-float vectors here are one AVX-512 register: the AVX-512-only kernels (the search tree
+ * below, polar_encode.h) use them. Loads and stores go through memcpy (no alignment assumed).
+ * Without the extensions (KVQ_VEC 0) the scalar loops run instead: the same float operations on
+ * the same operands, so the same bits. */
 #if (defined(__GNUC__) && __GNUC__ >= 12) || defined(__clang__)
 #define KVQ_VEC 1
 typedef float kvq_v16f __attribute__((vector_size(64)));
@@ -72,36 +74,101 @@ KVQ_INLINE void kvq_store16(float *p, kvq_v16f v)
     memcpy(p, &v, sizeof v);
 }
 
-/* One butterfly stage of stride h (1, 2, 4 or 8) inside a vector: lane l pairs with lane l ^ h;
- * the lower lane of a pair gets a + b, the upper one a - b (a the lower lane's value), exactly the
- * scalar butterfly. */
-#define KVQ_SWAP(v, h)                                                                          \
-    __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h,      \
-                            8 ^ h, 9 ^ h, 10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
-#define KVQ_PICK(l, h) ((l) & (h) ? 16 + (l) : (l))
-#define KVQ_BLEND(s, d, h)                                                                      \
-    __builtin_shufflevector(s, d, KVQ_PICK(0, h), KVQ_PICK(1, h), KVQ_PICK(2, h),              \
-                            KVQ_PICK(3, h), KVQ_PICK(4, h), KVQ_PICK(5, h), KVQ_PICK(6, h),     \
-                            KVQ_PICK(7, h), KVQ_PICK(8, h), KVQ_PICK(9, h), KVQ_PICK(10, h),    \
-                            KVQ_PICK(11, h), KVQ_PICK(12, h), KVQ_PICK(13, h), KVQ_PICK(14, h), \
-                            KVQ_PICK(15, h))
-#define KVQ_STAGE(v, h)                                                                         \
-    do {                                                                                        \
-        const kvq_v16f p_ = KVQ_SWAP(v, h);                                                     \
-        v = KVQ_BLEND(v + p_, p_ - v, h);                                                       \
-    } while (0)
-
-/* The four butterfly stages h = 1, 2, 4, 8 of 16 consecutive elements. */
-KVQ_INLINE kvq_v16f kvq_fwht16(kvq_v16f v)
-{
-    KVQ_STAGE(v, 1);
-    KVQ_STAGE(v, 2);
-    KVQ_STAGE(v, 4);
-    KVQ_STAGE(v, 8);
-    return v;
-}
 #else
 #define KVQ_VEC 0
+#endif
+
+/* ---- which vector path runs ------------------------------------------------------------------
+ * 0: the baseline (4 lanes: SSE2 on x86-64, NEON on ARM), 1: AVX2 (8 lanes), 2: AVX-512 (16
+ * lanes): the numbers of simd.h's KVQ_SIMD_*. The best the CPU runs, or a lower one forced by the
+ * environment variable KVQUANT_SIMD (portable, avx2; avx512 and avx512vbmi are path 2; read once;
+ * consumers.pyx checks its value at import) or by kvq_rowops_set_path (the encoders follow the
+ * consumers' set_simd). All paths give the same bits. */
+#if KVQ_VEC && defined(__GNUC__) && (defined(__x86_64__) || defined(_M_X64))
+#define KVQ_X86_PATHS 1
+#include <stdlib.h>
+#else
+#define KVQ_X86_PATHS 0
+#endif
+
+static int kvq_rowops_forced = -2;   /* -2: not read yet, -1: none */
+static int kvq_rowops_cpu = -1;      /* -1: not asked yet */
+
+/* The best path the CPU runs (asked once; a second thread asking too finds the same). */
+static int kvq_rowops_cpu_path(void)
+{
+    int cpu = kvq_rowops_cpu;
+    if (cpu < 0) {
+        cpu = 0;
+#if KVQ_X86_PATHS
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f"))
+            cpu = 2;
+        else if (__builtin_cpu_supports("avx2"))
+            cpu = 1;
+#endif
+        kvq_rowops_cpu = cpu;
+    }
+    return cpu;
+}
+
+/* The path the vector kernels take now. */
+static int kvq_rowops_path(void)
+{
+    const int cpu = kvq_rowops_cpu_path();
+    int forced = kvq_rowops_forced;
+    if (forced == -2) {
+        /* read once; one store, so a thread reading meanwhile finds -2 and reads it too.
+         * Case and surrounding blanks are ignored, as consumers.pyx does. */
+        const char *e = getenv("KVQUANT_SIMD");
+        char word[16];
+        int n = 0;
+        for (; e != NULL && *e != '\0' && n < 15; e++)
+            if (*e != ' ' && *e != '\t' && *e != '\n')
+                word[n++] = (char)(*e >= 'A' && *e <= 'Z' ? *e - 'A' + 'a' : *e);
+        word[n] = '\0';
+        forced = -1;
+        if (strcmp(word, "portable") == 0)
+            forced = 0;
+        else if (strcmp(word, "avx2") == 0)
+            forced = 1;
+        kvq_rowops_forced = forced;
+    }
+    return forced >= 0 && forced < cpu ? forced : cpu;
+}
+
+/* Force a path (0, 1, 2: used only where the CPU runs it) or, with -1, the best one. Returns the
+ * path that runs. */
+static int kvq_rowops_set_path(int path)
+{
+    kvq_rowops_forced = path < 0 ? -1 : path;
+    return kvq_rowops_path();
+}
+
+#if KVQ_VEC
+#define KVQ_LN(x) x##_w4
+#define KVQ_LW 4
+#define KVQ_LTARGET
+#include "rowops_lanes.h"
+#undef KVQ_LN
+#undef KVQ_LW
+#undef KVQ_LTARGET
+#endif
+#if KVQ_X86_PATHS
+#define KVQ_LN(x) x##_w8
+#define KVQ_LW 8
+#define KVQ_LTARGET __attribute__((target("avx2")))
+#include "rowops_lanes.h"
+#undef KVQ_LN
+#undef KVQ_LW
+#undef KVQ_LTARGET
+#define KVQ_LN(x) x##_w16
+#define KVQ_LW 16
+#define KVQ_LTARGET __attribute__((target("avx512f")))
+#include "rowops_lanes.h"
+#undef KVQ_LN
+#undef KVQ_LW
+#undef KVQ_LTARGET
 #endif
 
 /* Stages h = 1, 2, 4 of the transform, group of 8 by group of 8 (rows narrower than 16, and the
@@ -123,41 +190,10 @@ KVQ_INLINE void kvq_fwht_groups8(float *y, int64_t n)
     }
 }
 
-/* Stages h0, 2 h0, ..., n/2 (h0 >= 16 in vector builds): two stages per pass over the row where
- * it can (radix 4: four vectors in registers), then the last one alone. The same butterflies, in
- * the same stage order for every element, as one stage at a time. */
-KVQ_INLINE void kvq_fwht_wide(float *y, int64_t n, int64_t h)
-{
-    int64_t i, j;
-#if KVQ_VEC
-    for (; 4 * h <= n; h *= 4)
-        for (i = 0; i < n; i += 4 * h)
-            for (j = i; j < i + h; j += 16) {
-                const kvq_v16f v0 = kvq_load16(y + j), v1 = kvq_load16(y + j + h);
-                const kvq_v16f v2 = kvq_load16(y + j + 2 * h), v3 = kvq_load16(y + j + 3 * h);
-                const kvq_v16f s01 = v0 + v1, d01 = v0 - v1, s23 = v2 + v3, d23 = v2 - v3;
-                kvq_store16(y + j, s01 + s23);
-                kvq_store16(y + j + h, d01 + d23);
-                kvq_store16(y + j + 2 * h, s01 - s23);
-                kvq_store16(y + j + 3 * h, d01 - d23);
-            }
-    for (; h < n; h *= 2)
-        for (i = 0; i < n; i += 2 * h)
-            for (j = i; j < i + h; j += 16) {
-                const kvq_v16f a = kvq_load16(y + j), b = kvq_load16(y + j + h);
-                kvq_store16(y + j, a + b);
-                kvq_store16(y + j + h, a - b);
-            }
-#else
-    (void)y, (void)n, (void)h, (void)i, (void)j;
-#endif
-}
-
 /* Unnormalized Walsh-Hadamard transform in natural (Sylvester) order, in place: butterflies with
  * h = 1, 2, 4, ... (y[j], y[j + h]) -> (y[j] + y[j + h], y[j] - y[j + h]). Every element goes
- * through the same float operations on the same operands whatever the grouping (16 lanes in
- * registers for h < 16, two stages per pass above), so every path gives the same bits. */
-KVQ_CLONES
+ * through the same float operations on the same operands whatever the grouping (a register's
+ * lanes for small h, two stages per pass above), so every path gives the same bits. */
 static void kvq_fwht(float *y, int64_t n)
 {
     int64_t i;
@@ -176,11 +212,20 @@ static void kvq_fwht(float *y, int64_t n)
                 }
         return;
     }
-#if KVQ_VEC
-    for (i = 0; i < n; i += 16)
-        kvq_store16(y + i, kvq_fwht16(kvq_load16(y + i)));
-    kvq_fwht_wide(y, n, 16);
+#if KVQ_X86_PATHS
+    switch (kvq_rowops_path()) {
+    case 2:
+        kvq_fwht_w16(y, n);
+        return;
+    case 1:
+        kvq_fwht_w8(y, n);
+        return;
+    }
 #endif
+#if KVQ_VEC
+    kvq_fwht_w4(y, n);
+#endif
+    (void)i;
 }
 
 /* y = ((H(D x)) * inv_sqrt_n) * to_unit: the engine's encoder rotation followed by its scaling
@@ -539,7 +584,7 @@ static int kvq_code_plan_build(const float *bnd, int64_t n_bnd, kvq_code_plan *p
     int k = 5, L, q, e, t = 0, P = 1;
     memset(p, 0, sizeof *p);
 #if KVQ_CODE_PLAN
-    if (n_bnd < 16 || n_bnd > 255 || !__builtin_cpu_supports("avx512f"))
+    if (n_bnd < 16 || n_bnd > 255 || kvq_rowops_path() != 2)
         return 0;
 #else
     (void)factors, (void)n_codes, (void)S, (void)k, (void)L, (void)q, (void)e, (void)t, (void)P;
@@ -602,42 +647,45 @@ __attribute__((target("avx512f"))) static void kvq_nearest_codes_plan(const floa
 #endif
 
 /* code[i] = number of boundaries strictly below y[i]: by `plan` (when not NULL: one built by
- * kvq_code_plan_build for these boundaries) sixteen at a time, otherwise (and for the last
- * n % 16) by counted compares up to 31 boundaries and `table` (kvq_code_table_build of the same
- * boundaries) above. */
-KVQ_CLONES
+ * kvq_code_plan_build for these boundaries; the AVX-512 path) sixteen at a time, otherwise by
+ * counted compares up to 31 boundaries (15 on the narrower paths, where the table is faster for
+ * 5 bits) and `table` (kvq_code_table_build of the same boundaries) above, sixteen at a time in
+ * the vectors of the path that runs, the last n % 16 one by one. */
 static void kvq_nearest_codes(const float *y, int64_t n, const float *bnd, int n_bnd,
                               const float *table, const kvq_code_plan *plan, uint8_t *code)
 {
     int64_t i;
     int k;
+    int64_t m = KVQ_VEC ? n - n % 16 : 0;   /* elements the vector kernels take */
+    const int path = kvq_rowops_path();
 #if KVQ_CODE_PLAN
-    if (plan != NULL && n >= 16) {
-        const int64_t m = n - n % 16;
+    if (plan != NULL && path == 2 && m > 0) {
         kvq_nearest_codes_plan(y, m, plan, code);
         y += m;
         code += m;
         n -= m;
+        m = 0;
     }
 #else
     (void)plan;
 #endif
-    if (n_bnd <= 31) {
-#if KVQ_VEC
-        typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
-        for (i = 0; i + 16 <= n; i += 16) {
-            const kvq_v16f v = kvq_load16(y + i);
-            kvq_v16i c = {0};
-            kvq_v16u8 c8;
-            for (k = 0; k < n_bnd; k++)
-                c -= v > bnd[k];                                 /* true is -1 */
-            c8 = __builtin_convertvector(c, kvq_v16u8);
-            memcpy(code + i, &c8, 16);
-        }
-#else
-        i = 0;
+    if (n_bnd <= (path == 2 ? 31 : 15)) {
+        if (m > 0) {
+#if KVQ_X86_PATHS
+            if (path == 2)
+                kvq_codes_counted_w16(y, m, bnd, n_bnd, code);
+            else if (path == 1)
+                kvq_codes_counted_w8(y, m, bnd, n_bnd, code);
+            else
 #endif
-        for (; i < n; i++) {
+#if KVQ_VEC
+                kvq_codes_counted_w4(y, m, bnd, n_bnd, code);
+#endif
+            y += m;
+            code += m;
+            n -= m;
+        }
+        for (i = 0; i < n; i++) {
             int c = 0;
             for (k = 0; k < n_bnd; k++)
                 c += y[i] > bnd[k];
@@ -646,25 +694,26 @@ static void kvq_nearest_codes(const float *y, int64_t n, const float *bnd, int n
         return;
     }
     if (table[3] == 1.0f) {
-        /* the common case: buckets 16 lanes at a time, then two table reads per element */
+        /* the common case: buckets in vectors, then two table reads per element */
         const float *start = table + KVQ_CODE_TABLE_HEADER;
         const float *bval = start + (int32_t)table[2];
-        i = 0;
-#if KVQ_VEC
-        for (; i + 16 <= n; i += 16) {
-            const kvq_v16f v = kvq_load16(y + i);
-            kvq_v16f t = (v - table[0]) * table[1];
-            kvq_v16i b;
-            int l;
-            t = (kvq_v16f)((kvq_v16i)t & (t > 0.0f));                       /* NaN, < 0 -> 0 */
-            t = (kvq_v16f)(((kvq_v16i)t & (t < table[2] - 1.0f))
-                           | ((kvq_v16i)((kvq_v16f){0} + (table[2] - 1.0f)) & ~(t < table[2] - 1.0f)));
-            b = __builtin_convertvector(t, kvq_v16i);
-            for (l = 0; l < 16; l++)
-                code[i + l] = (uint8_t)((int32_t)start[b[l]] + (bval[b[l]] < y[i + l]));
-        }
+        if (m > 0) {
+            const float lo = table[0], scale = table[1], top = table[2] - 1.0f;
+#if KVQ_X86_PATHS
+            if (path == 2)
+                kvq_codes_bucket1_w16(y, m, lo, scale, top, start, bval, code);
+            else if (path == 1)
+                kvq_codes_bucket1_w8(y, m, lo, scale, top, start, bval, code);
+            else
 #endif
-        for (; i < n; i++) {
+#if KVQ_VEC
+                kvq_codes_bucket1_w4(y, m, lo, scale, top, start, bval, code);
+#endif
+            y += m;
+            code += m;
+            n -= m;
+        }
+        for (i = 0; i < n; i++) {
             const int32_t b = kvq_code_bucket(table, y[i]);
             code[i] = (uint8_t)((int32_t)start[b] + (bval[b] < y[i]));
         }
