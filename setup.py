@@ -8,7 +8,8 @@ Set ``KVQUANT_NATIVE=1`` to add ``-march=native`` (faster on the build machine, 
 Set ``KVQUANT_MARCH=<cpu>`` to add ``-march=<cpu>`` instead, e.g. ``KVQUANT_MARCH=x86-64-v2``
 (SSE4.2, no AVX) to measure the portable paths of the consumers and the encoders as a CPU without
 AVX2 or AVX-512 runs them (run it with ``KVQUANT_SIMD=portable``: the AVX2 and AVX-512 kernels
-carry their own targets).
+carry their own targets). The portable consumers' vector kernels need SSSE3 on x86: a build for
+the baseline ISA (SSE2) keeps their scalar kernels.
 """
 import os
 import shutil
