@@ -188,7 +188,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 const int32_t[::1] level_bits,         # IN  (n_levels + 1,) fixed widths
                 const int32_t[::1] level_totals,       # IN  (n_levels + 1,) bits per level
                 const float[:, :, ::1] code_tables,    # IN  (n_levels + 1, 9, L) Lloyd
-                const float[:, :, ::1] boundaries,     # IN  (n_levels + 1, 9, 256) Lloyd
+                boundary_cols,                         # IN  boundary_columns(); None: engine grid
                 const int32_t[:, :, ::1] log2_cos2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, :, ::1] log2_sin2,    # IN  (n_levels + 1, 9, 256)
                 const int32_t[:, ::1] gains,           # IN  (n_levels + 1, 8)
@@ -224,11 +224,11 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
         return
     _follow_simd()
     engine_grid(n_levels, grid_lo, grid_two_w)
-    # the boundary columns of the vector code path (polar_encode.h), once per call
+    # the boundary columns of the vector code path (polar_encode.h), built once by the codec
     cdef const float[:, :, ::1] cols
     cdef const float* cols_p = NULL
     if mode != MODE_ENGINE_GRID:
-        cols = boundary_columns(boundaries, code_tables)
+        cols = boundary_cols
         cols_p = &cols[0, 0, 0]
     # below `safe` the rotation's partial sums (at most sqrt(n) x the norm) cannot overflow
     cdef float safe = (FLT_MAX / <float>4.0) / sqrtf(<float>n)

@@ -456,6 +456,9 @@ class PolarCodec(Codec):
                             cb.log2_cos2[:n_levels + 1], cb.log2_sin2[:n_levels + 1],
                             cb.gains[:n_levels + 1])
             self._code_tables = cb.code_tables[:n_levels + 1]
+        # the encoder's boundary columns, derived once from the tables (none on the engine grid)
+        self._boundary_cols = (None if self.mode == MODE_ENGINE_GRID else
+                               _polar.boundary_columns(self._tables[1], self._code_tables))
         self.level_bits = tuple(level_bits)
         self.level_total_bits = tuple(totals)
         self._level_bits = np.asarray(level_bits, np.int32)
@@ -486,10 +489,10 @@ class PolarCodec(Codec):
         codes = np.empty((n, self.code_bytes), np.uint8)
         side = np.empty(n, np.float32)
         status = np.empty(n, np.uint8)
-        _, boundaries, log_cos2, log_sin2, gains = self._tables
+        _, _, log_cos2, log_sin2, gains = self._tables
         _polar.encode_rows(X, self.rotation.signs, self.mode, self._level_bits,
-                           self._level_totals, self._code_tables, boundaries, log_cos2, log_sin2,
-                           gains, codes, side, status, n_threads)
+                           self._level_totals, self._code_tables, self._boundary_cols, log_cos2,
+                           log_sin2, gains, codes, side, status, n_threads)
         return codes, side.reshape(n, 1), status
 
     def _decode(self, codes, side, n_threads):
