@@ -163,3 +163,38 @@ def test_the_avx2_path_is_chosen_by_the_environment():
 def test_simd_names_include_avx2():
     assert "avx2" in consumers.SIMD_NAMES.values()
     assert consumers.get_simd() == consumers.cpu_simd()
+
+
+NARROW = [("kv8", d) for d in (16, 32, 48, 64, 80)] + [
+    (spec, d) for spec in ("tq1", "tq2", "tq3", "tq4", "tq5", "tq4:side_dtype=f16")
+    for d in (16, 32, 64, 128)]
+
+
+@pytest.mark.parametrize("spec,dim", NARROW)
+def test_narrow_rows_for_one_query_give_the_portable_bits(spec, dim, rng, simd_path):
+    """One query on rows of at most 64 elements takes the narrow kernels where the path has them
+    (register-resident query and context): every row count around their blocks of 16, inert
+    rows, fp8 subnormal and NaN codes, forged radii, factors inside and beyond kv8's raw decode,
+    one and two threads; 80 (kv8) and 128 (tq) are the first widths past them."""
+    for T in (1, 2, 15, 16, 17, 33, 300):
+        codec, enc = _encoded(spec, dim, max(T, 12), rng)
+        enc = type(enc)(codes=enc.codes[:T].copy(), side=enc.side[:T].copy(), spec=enc.spec,
+                        dim=enc.dim)
+        if spec.startswith("tq") and "f16" not in spec:   # (f16 sides refuse forged values)
+            for k, t in enumerate(t for t in (0, 5, 14, 15, 16, 17, 31) if t < T):
+                enc.side[t, 0] = FORGED_SIDES[k % len(FORGED_SIDES)]
+        for magnitude in (1.0, 1e3, 1e-3):
+            q = gaussian_rows(rng, 1, dim) * np.float32(magnitude)
+            w = rng.random((1, T)).astype(np.float32) * np.float32(magnitude)
+            simd_path("portable")
+            ref = codec.scores(enc, q), codec.context(enc, w)
+            if spec.startswith("tq") and magnitude == 1.0:
+                want = reference.tq_scores(enc.codes, enc.side, codec.levels64, codec.bits, q)
+                fits = np.abs(want) < 1e30
+                assert np.allclose(ref[0][fits], want[fits], rtol=1e-5, atol=1e-5)
+            for path in PATHS[1:]:
+                simd_path(path)
+                for nt in (1, 2):
+                    got = codec.scores(enc, q, n_threads=nt), codec.context(enc, w, n_threads=nt)
+                    for a, b in zip(ref, got):
+                        assert np.array_equal(as_bits(a), as_bits(b)), (path, T, magnitude, nt)

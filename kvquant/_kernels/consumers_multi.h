@@ -115,6 +115,7 @@ static inline int kvq_mq_kv8_coefs(const float* W, int64_t ldw, int64_t t, int m
 #define KVQ_MQ_CTX_ROWS 2
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4)
 #define KVQ_MQ_VBMI_TQ 0
+#define KVQ_MQ_NARROW 0   /* the narrow kernels (32 vector registers) would spill here */
 #define KVQ_MQ_AXPY_ROWS 2
 #include "consumers_multi_body.h"
 #else
@@ -161,6 +162,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 #define KVQ_MQ_VBMI_TQ 1   /* 6- to 8-bit tq with VBMI keeps its own kernels */
+#define KVQ_MQ_NARROW 1
 #include "consumers_multi_body.h"
 
 /* ---- AVX-512 with VBMI: tq only (its 2- to 4-bit unpacking) ---- */
@@ -186,6 +188,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 #define KVQ_MQ_VBMI_TQ 1
+#define KVQ_MQ_NARROW 1
 #define KVQ_MQ_TQ_ONLY 1
 #include "consumers_multi_body.h"
 #undef KVQ_MQ_TQ_ONLY
@@ -219,6 +222,7 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define KVQ_MQ_CTX_ROWS 2
 #define KVQ_MQ_EACH_M(C) C(1) C(2) C(3) C(4)
 #define KVQ_MQ_VBMI_TQ 0
+#define KVQ_MQ_NARROW 0   /* 16 registers: the narrow kernels would spill */
 #include "consumers_multi_body.h"
 
 #else  /* no vector path in this build: the dispatcher never picks these */
