@@ -26,10 +26,20 @@ method's *byte limit* is its bytes over that bandwidth, and ``fraction`` = byte 
 byte limit (its rows fit in the caches, or the bandwidth was under-measured) and a method slower
 at its highest thread count than at its lowest.
 
+**Cold rows.** Timed back to back on one array, rows that fit in the last-level cache are read
+from it, not from memory: at d = 64 and T = 131072 the f32 rows (33.5 MB) nearly fit a 32 MB L3,
+and numpy then runs above the memory's bandwidth (flagged). In a model's forward they never are
+(every layer's rows are evicted by the other layers' before its next step). ``cold=True``
+gives each method ``copies_for(bytes, cache)`` copies of its rows, enough that they hold
+COLD_CACHE_FACTOR times the last-level cache (:func:`last_level_cache_bytes`), and every call
+(warm-up included) reads the next copy in turn, so the rows a call reads were evicted since
+their last use.
+
 ``clock="thread"`` times with the calling thread's CPU time instead of the wall clock: on a machine
 shared with other jobs this leaves out the time the process waits for a core, so it measures what
 the kernels cost; it is only meaningful with one thread (and BLAS held to one).
 """
+import dataclasses
 import json
 import os
 import platform
@@ -52,6 +62,7 @@ WARMUP_S = 0.2
 COOL_DOWN_S = 0.15          # interleaved schedule: a pause longer than OpenBLAS's spinning
 # Far larger than any CPU's caches (tens of MB), so that the bandwidth is the memory's.
 BANDWIDTH_BUFFER_BYTES = 512 << 20
+COLD_CACHE_FACTOR = 4       # cold: the copies of a method's rows hold 4x the last-level cache
 POLAR_NOTE = ("The default polar<b> (alloc=radius) allocates each row's bits on its own, which "
               "keeps its consumer ~20x slower than numpy f32: it is the quality reference and "
               "exempt from the speed floor; the fast polar is `polar<b>:alloc=level`.")
@@ -97,6 +108,38 @@ def read_bandwidth(n_threads, buffer=None, passes=5):
             list(pool.map(np.max, chunks))
             best = min(best, time.perf_counter() - t0)
     return buf.nbytes / best
+
+
+def last_level_cache_bytes(sysfs="/sys/devices/system/cpu"):
+    """Bytes of last-level cache the machine has (every instance of the highest level summed).
+
+    Read from Linux's sysfs (``cpu*/cache/index*/{level,size,shared_cpu_list}``); ``None`` where
+    it is not there.
+    """
+    import glob
+    best_level, instances = 0, {}
+    for index in glob.glob(os.path.join(sysfs, "cpu[0-9]*", "cache", "index[0-9]*")):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "size")) as f:
+                size = f.read().strip()
+            with open(os.path.join(index, "shared_cpu_list")) as f:
+                shared = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        if level > best_level:
+            best_level, instances = level, {}
+        if level == best_level:
+            instances[shared] = nbytes      # one entry per cache, however many CPUs share it
+    return sum(instances.values()) or None
+
+
+def copies_for(nbytes, cache_bytes, factor=COLD_CACHE_FACTOR):
+    """Copies of ``nbytes`` of rows that together hold ``factor`` times ``cache_bytes``."""
+    return max(1, -(-factor * int(cache_bytes) // max(1, int(nbytes))))
 
 
 def plausibility_flags(name, seconds, limit_seconds):
@@ -150,21 +193,31 @@ CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 class _Method:
-    """One timed method: numpy or a codec's consumers, at one thread count."""
+    """One timed method: numpy or a codec's consumers, at one thread count.
 
-    def __init__(self, name, n_threads, controller, X, Q, scale, codec=None, enc=None):
+    ``rows`` is a list of copies of the rows (float32 arrays for numpy, EncodedRows for a
+    codec); each call reads the next one in turn (one copy: the same rows every call).
+    """
+
+    def __init__(self, name, n_threads, controller, rows, Q, scale, codec=None):
         self.name, self.n_threads = name, n_threads
-        self._controller, self._X, self._Q, self._scale = controller, X, Q, scale
-        self._codec, self._enc = codec, enc
+        self._controller, self._rows, self._Q, self._scale = controller, rows, Q, scale
+        self._codec, self._next = codec, 0
+
+    @property
+    def n_copies(self):
+        return len(self._rows)
 
     def limited(self):
         """BLAS held to this method's thread count (numpy's work; the codecs' softmax too)."""
         return self._controller.limit(limits=self.n_threads, user_api="blas")
 
     def __call__(self):
+        rows = self._rows[self._next]
+        self._next = (self._next + 1) % len(self._rows)
         if self._codec is None:
-            return _numpy_step(self._X, self._Q, self._scale)
-        return _codec_step(self._codec, self._enc, self._Q, self._scale, self.n_threads)
+            return _numpy_step(rows, self._Q, self._scale)
+        return _codec_step(self._codec, rows, self._Q, self._scale, self.n_threads)
 
 
 def _time_blocks(methods, repeats, rounds, warmup_s, timer):
@@ -175,7 +228,7 @@ def _time_blocks(methods, repeats, rounds, warmup_s, timer):
             with m.limited():
                 t_end = time.perf_counter() + warmup_s
                 calls = 0
-                while calls < 2 or time.perf_counter() < t_end:
+                while calls < max(2, m.n_copies) or time.perf_counter() < t_end:
                     m()
                     calls += 1
                 for _ in range(repeats):
@@ -199,7 +252,8 @@ def _time_interleaved(methods, repeats, rounds, timer):
 
 
 def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, queries=1,
-              rounds=5, warmup_s=WARMUP_S, schedule="block", clock="wall", bandwidth_buffer=None):
+              rounds=5, warmup_s=WARMUP_S, schedule="block", clock="wall", bandwidth_buffer=None,
+              cold=False, cache_bytes=None):
     """Seconds of one step for numpy f32 and each codec, at each thread count, with byte limits.
 
     Parameters
@@ -216,6 +270,11 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     schedule : {"block", "interleaved"}
     bandwidth_buffer : ndarray, optional
         Buffer for :func:`read_bandwidth` (allocated here when not given).
+    cold : bool
+        Rows read from memory, not the caches: each method's calls go round
+        ``copies_for(bytes, cache_bytes)`` copies of its rows (module docstring).
+    cache_bytes : int, optional
+        Last-level cache size for ``cold`` (default: :func:`last_level_cache_bytes`).
 
     Returns
     -------
@@ -223,7 +282,8 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
         ``median`` and ``min``: ``{name: {n_threads: s}}`` with name ``"numpy"`` or a codec
         spec; ``bandwidth``: ``{n_threads: bytes/s}``; ``bytes_per_row``: ``{name: B}`` (numpy:
         4 d); ``limit``: ``{name: {n_threads: s}}`` (step bytes / bandwidth); ``errors``: relative
-        error of each codec's context against numpy's (the timed work is the real work).
+        error of each codec's context against numpy's (the timed work is the real work);
+        ``copies``: ``{name: n}`` copies of the rows each method went round; ``cache_bytes``.
     """
     from threadpoolctl import ThreadpoolController
     if clock not in CLOCKS:
@@ -235,6 +295,11 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     for what, n in (("repeats", repeats), ("rounds", rounds), ("queries", queries)):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{what} must be a positive integer, got {n!r}")
+    if cold:
+        cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+        if not cache_bytes or cache_bytes < 1:
+            raise ValueError("cold rows need the last-level cache size, which this system does "
+                             "not report: pass it (cache_bytes, or --cache-mib)")
     timer = CLOCKS[clock]
     controller = ThreadpoolController()
     rng = np.random.default_rng(seed)
@@ -246,9 +311,15 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     ref = _numpy_step(X, Q, scale)
     errors = {spec: float(np.linalg.norm(_codec_step(codec, enc, Q, scale, max(threads)) - ref)
                           / np.linalg.norm(ref)) for spec, codec, enc in encoded}
-    methods = [_Method("numpy", nt, controller, X, Q, scale) for nt in threads]
-    methods += [_Method(spec, nt, controller, X, Q, scale, codec, enc)
-                for spec, codec, enc in encoded for nt in threads]
+    copies = {"numpy": copies_for(X.nbytes, cache_bytes) if cold else 1}
+    copies.update({spec: copies_for(enc.codes.nbytes + enc.side.nbytes, cache_bytes) if cold
+                   else 1 for spec, codec, enc in encoded})
+    X_rows = [X] + [X.copy() for _ in range(copies["numpy"] - 1)]
+    methods = [_Method("numpy", nt, controller, X_rows, Q, scale) for nt in threads]
+    for spec, codec, enc in encoded:
+        enc_rows = [enc] + [dataclasses.replace(enc, codes=enc.codes.copy(), side=enc.side.copy())
+                            for _ in range(copies[spec] - 1)]
+        methods += [_Method(spec, nt, controller, enc_rows, Q, scale, codec) for nt in threads]
     buf = (np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if bandwidth_buffer is None
            else bandwidth_buffer)
     before = {nt: read_bandwidth(nt, buf) for nt in threads}
@@ -260,7 +331,8 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     bandwidth = {nt: max(before[nt], read_bandwidth(nt, buf)) for nt in threads}
     bytes_per_row = {"numpy": 4 * dim, **{spec: codec.bytes_per_row for spec, codec in built}}
     out = {"median": {}, "min": {}, "limit": {}, "bandwidth": bandwidth,
-           "bytes_per_row": bytes_per_row, "errors": errors}
+           "bytes_per_row": bytes_per_row, "errors": errors, "copies": copies,
+           "cache_bytes": cache_bytes if cold else None}
     for (name, nt), ts in times.items():
         out["median"].setdefault(name, {})[nt] = float(np.median(ts))
         out["min"].setdefault(name, {})[nt] = float(np.min(ts))
@@ -277,7 +349,8 @@ def cell_rows(dim, T, queries, cell, codecs, threads):
         row = {"dim": dim, "T": T, "queries": queries, "codec": spec,
                "bytes_per_row": bpr[spec], "bytes_ratio": 4.0 * dim / bpr[spec],
                "context_rel_err": cell["errors"][spec],
-               "speed_exempt": is_speed_exempt(get_codec(spec, dim))}
+               "speed_exempt": is_speed_exempt(get_codec(spec, dim)),
+               "numpy_copies": cell["copies"]["numpy"], "codec_copies": cell["copies"][spec]}
         for nt in threads:
             row[f"bandwidth_gbs_{nt}t"] = cell["bandwidth"][nt] / 1e9
             row[f"numpy_ms_{nt}t"] = 1e3 * med["numpy"][nt]
@@ -300,9 +373,12 @@ def cell_rows(dim, T, queries, cell, codecs, threads):
 
 def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
         threads=DEFAULT_THREADS, repeats=3, seed=0, progress=None, clock="wall",
-        queries=DEFAULT_QUERIES, rounds=5, warmup_s=WARMUP_S, schedule="block"):
+        queries=DEFAULT_QUERIES, rounds=5, warmup_s=WARMUP_S, schedule="block", cold=False,
+        cache_bytes=None):
     """Every cell (d, m, T) x codec. Returns a dict with the rows and what the run ran on."""
     threads = tuple(sorted(set(threads)))
+    if cold and cache_bytes is None:
+        cache_bytes = last_level_cache_bytes()
     buf = np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32)
     rows = []
     for dim in dims:
@@ -310,13 +386,14 @@ def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
         for m in queries:
             for T in contexts:
                 cell = time_cell(dim, T, usable, threads, repeats, seed, m, rounds, warmup_s,
-                                 schedule, clock, buf)
+                                 schedule, clock, buf, cold, cache_bytes)
                 for row in cell_rows(dim, T, m, cell, usable, threads):
                     rows.append(row)
                     if progress:
                         progress(row)
     return {"rows": rows, "threads": list(threads), "repeats": repeats, "rounds": rounds,
             "warmup_s": warmup_s, "schedule": schedule, "seed": seed, "clock": clock,
+            "cold": bool(cold), "cache_bytes": cache_bytes if cold else None,
             "queries": list(queries), "bandwidth_buffer_bytes": BANDWIDTH_BUFFER_BYTES,
             "simd": consumers.get_simd(), "cpu_simd": consumers.cpu_simd(),
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
@@ -333,14 +410,15 @@ def _builds(spec, dim):
 
 
 def result_stem(dims, contexts, threads, repeats, simd, clock="wall", queries=(1,),
-                schedule="block"):
+                schedule="block", cold=False):
     """File name (without extension) that records the parameters of a run."""
     return (f"bench_attention_d{'-'.join(map(str, dims))}"
             + ("" if tuple(queries) == (1,) else f"_m{'-'.join(map(str, queries))}")
             + f"_T{'-'.join(map(str, contexts))}"
             f"_threads{'-'.join(map(str, threads))}_r{repeats}_{simd}"
             + ("" if clock == "wall" else f"_{clock}clock")
-            + ("" if schedule == "block" else f"_{schedule}"))
+            + ("" if schedule == "block" else f"_{schedule}")
+            + ("_cold" if cold else ""))
 
 
 def format_markdown(result):
@@ -375,6 +453,12 @@ def format_markdown(result):
         POLAR_NOTE,
         "",
     ]
+    if result.get("cold"):
+        lines[-1:-1] = [
+            f"Cold rows: each method's calls go round copies of its rows that hold "
+            f"{COLD_CACHE_FACTOR}x the last-level cache ({result['cache_bytes'] >> 20} MiB), so "
+            "every call reads rows evicted since their last use, as in a model's forward "
+            "(copies per method in the CSV)."]
     head = (f"| d | T | codec | m | B/row | numpy {hi}t ms | codec {hi}t ms | speedup {hi}t "
             f"| byte limit {hi}t ms | of limit {hi}t | limit speedup | numpy of limit {hi}t |")
     rule = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -454,15 +538,19 @@ def cmd_bench(args):
     if not args.json:
         print(POLAR_NOTE, flush=True)
     try:
+        cache_bytes = None if args.cache_mib is None else int(args.cache_mib * (1 << 20))
+        if cache_bytes is not None and cache_bytes < 1:
+            raise ValueError(f"--cache-mib takes a positive size, got {args.cache_mib}")
         result = run(dims, contexts, codecs, threads, args.repeats, args.seed, progress,
-                     args.clock, queries, args.rounds, args.warmup_s, args.schedule)
+                     args.clock, queries, args.rounds, args.warmup_s, args.schedule,
+                     args.cold, cache_bytes)
     except ValueError as exc:
         raise SystemExit(f"kvquant bench: {exc}")
     if args.out:
         paths = write_results(result, args.out, result_stem(dims, contexts, threads,
                                                             args.repeats, result["simd"],
                                                             args.clock, queries,
-                                                            args.schedule))
+                                                            args.schedule, args.cold))
         if not args.json:
             print("wrote " + ", ".join(paths))
     print(json.dumps(result, indent=1) if args.json else format_markdown(result))
@@ -489,6 +577,12 @@ def add_cli(sub):
     p.add_argument("--schedule", default="block", choices=SCHEDULES,
                    help="block (default): each method in its own warmed block; interleaved: "
                         "one call of each in turn, with pauses")
+    p.add_argument("--cold", action="store_true",
+                   help="read the rows from memory, not the caches: each call reads the next "
+                        "of enough copies to hold 4x the last-level cache (as in a model's "
+                        "forward)")
+    p.add_argument("--cache-mib", type=float, default=None,
+                   help="last-level cache size for --cold (default: read from the system)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--simd", default="auto",
                    help="consumer path: auto or one this CPU runs (see kvquant info); every "

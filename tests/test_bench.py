@@ -133,3 +133,76 @@ def test_the_command_refuses_bad_queries_and_paths(capsys):
         assert "kvquant bench: --queries takes positive counts" in capsys.readouterr().err
     assert main(["bench", "--simd", "sse9", "--codecs", "kv8", "--dims", "64"]) == 2
     assert "kvquant bench:" in capsys.readouterr().err
+
+
+def _fake_cache(root, cpu, index, level, size, shared):
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    for name, value in (("level", level), ("size", size), ("shared_cpu_list", shared)):
+        (d / name).write_text(f"{value}\n")
+
+
+def test_the_last_level_cache_is_the_highest_level_counted_once_per_instance(tmp_path):
+    shared = tmp_path / "shared"
+    for cpu in (0, 1):                     # one L3 of 32 MiB shared by both, an L2 each
+        _fake_cache(shared, cpu, 2, 2, "1024K", str(cpu))
+        _fake_cache(shared, cpu, 3, 3, "32768K", "0-1")
+    assert bench.last_level_cache_bytes(str(shared)) == 32 << 20
+    split = tmp_path / "split"             # two L3s of 16 MiB (two core complexes)
+    for cpu in (0, 1):
+        _fake_cache(split, cpu, 3, 3, "16M", str(cpu))
+    assert bench.last_level_cache_bytes(str(split)) == 32 << 20
+    assert bench.last_level_cache_bytes(str(tmp_path / "none")) is None
+
+
+def test_cold_copies_hold_four_times_the_cache():
+    assert bench.copies_for(32 << 20, 32 << 20) == 4
+    assert bench.copies_for(33_554_432 + 1, 32 << 20) == 4      # ceil(4 * 32 MiB / size)
+    assert bench.copies_for(1 << 30, 32 << 20) == 1
+    assert bench.copies_for(1000, 1000, factor=2) == 2
+
+
+def test_a_cold_cell_reads_every_copy_in_turn_and_does_the_same_work(monkeypatch):
+    seen = {"numpy": [], "codec": []}
+    numpy_step, codec_step = bench._numpy_step, bench._codec_step
+    monkeypatch.setattr(bench, "_numpy_step",
+                        lambda X, Q, scale: seen["numpy"].append(id(X)) or numpy_step(X, Q, scale))
+    monkeypatch.setattr(bench, "_codec_step", lambda codec, enc, Q, scale, n: seen["codec"].append(
+        id(enc.codes)) or codec_step(codec, enc, Q, scale, n))
+    kwargs = dict(threads=(1,), repeats=3, rounds=2, warmup_s=0.0, bandwidth_buffer=SMALL_BUFFER)
+    warm = bench.time_cell(64, 400, ["kv8"], **kwargs)
+    assert warm["copies"] == {"numpy": 1, "kv8": 1} and warm["cache_bytes"] is None
+    seen["numpy"].clear()
+    seen["codec"].clear()
+    cold = bench.time_cell(64, 400, ["kv8"], cold=True, cache_bytes=100_000, **kwargs)
+    # numpy: 400 x 256 B = 102400 B a copy; kv8: 400 x (64 + 4) = 27200 B
+    assert cold["copies"] == {"numpy": 4, "kv8": 15} and cold["cache_bytes"] == 100_000
+    timed = seen["numpy"][1:]                  # the first call is the reference step
+    assert len(set(timed)) == 4                # every copy read, each in turn
+    assert all(timed[i] != timed[i + 1] for i in range(len(timed) - 1))
+    assert len(set(seen["codec"][1:])) == 15
+    assert cold["errors"] == warm["errors"]    # the same rows, the same work
+    rows = bench.cell_rows(64, 400, 1, cold, ["kv8"], (1,))
+    assert rows[0]["numpy_copies"] == 4 and rows[0]["codec_copies"] == 15
+
+
+def test_cold_rows_without_a_cache_size_are_refused(monkeypatch):
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)
+    with pytest.raises(ValueError, match="last-level cache size.*--cache-mib"):
+        bench.time_cell(64, 10, ["kv8"], threads=(1,), cold=True)
+
+
+def test_the_command_names_a_cold_run_in_its_files(tmp_path, capsys, monkeypatch):
+    from kvquant.cli import main
+    monkeypatch.setattr(bench, "BANDWIDTH_BUFFER_BYTES", SMALL_BUFFER.nbytes)
+    assert main(["bench", "--dims", "64", "--contexts", "200", "--codecs", "tq4",
+                 "--threads", "1", "--repeats", "1", "--rounds", "1", "--warmup-s", "0",
+                 "--cold", "--cache-mib", "0.1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Cold rows:" in out
+    (md,) = [p for p in tmp_path.iterdir() if p.suffix == ".md"]
+    assert md.name.endswith("_cold.md")
+    result = json.loads(md.with_suffix(".json").read_text())
+    assert result["cold"] is True and result["cache_bytes"] == int(0.1 * (1 << 20))
+    assert main(["bench", "--dims", "64", "--codecs", "kv8", "--cold", "--cache-mib", "0"]) == 2
+    assert "--cache-mib takes a positive size" in capsys.readouterr().err

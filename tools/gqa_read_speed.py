@@ -5,25 +5,32 @@ For each head width d and query count m (the query heads sharing a KV head), num
 ``context(enc, W)`` from its codes. Every method is warmed and timed in its own block (best of
 ``--repeats``), so the ratios printed are against numpy in the same run. ``--clock thread`` times
 the calling thread's CPU time instead of the wall clock: with ``--threads 1`` it is robust to
-other jobs on a busy machine. Prints one line per (d, m); writes nothing.
+other jobs on a busy machine. ``--cold`` reads the rows from memory, not the caches: every call
+reads the next of enough copies of its rows to hold 4x the last-level cache (kvquant.bench's
+cold rows; a model's forward evicts each layer's rows before its next step). Prints one line per
+(d, m); writes nothing.
 
     python tools/gqa_read_speed.py --dims 64,128,512 --queries 1,3 --rows 131072 --threads 2
     KVQUANT_SIMD=avx2 python tools/gqa_read_speed.py --dims 512 --queries 1 --threads 2
     python tools/gqa_read_speed.py --dims 512 --threads 1 --clock thread
+    python tools/gqa_read_speed.py --dims 64,128 --queries 1,3 --threads 2 --cold
 """
 import argparse
+import dataclasses
 import time
 
 import numpy as np
 
 
-def _best(fn, repeats, clock):
-    fn()
-    fn()
+def _best(fn, copies, repeats, clock):
+    """Best time of fn(copy), each call on the next copy (every copy warmed first)."""
+    for rows in copies + copies[:2]:
+        fn(rows)
     times = []
-    for _ in range(repeats):
+    for k in range(repeats):
+        rows = copies[k % len(copies)]
         t0 = clock()
-        fn()
+        fn(rows)
         times.append(clock() - t0)
     return min(times)
 
@@ -37,36 +44,64 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    ap.add_argument("--cold", action="store_true",
+                    help="rows from memory: each call reads the next of copies holding 4x the "
+                         "last-level cache")
+    ap.add_argument("--cache-mib", type=float, default=None,
+                    help="last-level cache size for --cold (default: read from the system)")
     args = ap.parse_args(argv)
 
     from threadpoolctl import threadpool_limits
 
     from kvquant import get_codec
     from kvquant._kernels import consumers
+    from kvquant.bench import copies_for, last_level_cache_bytes
 
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     T, nt = args.rows, args.threads
+    cache = None
+    if args.cold:
+        cache = (int(args.cache_mib * (1 << 20)) if args.cache_mib
+                 else last_level_cache_bytes())
+        if not cache or cache < 1:
+            ap.error("--cold needs the last-level cache size: pass a positive --cache-mib")
+
+    def copies(rows, nbytes):
+        n = copies_for(nbytes, cache) if args.cold else 1
+        return [rows] + [rows.copy() if isinstance(rows, np.ndarray) else
+                         dataclasses.replace(rows, codes=rows.codes.copy(), side=rows.side.copy())
+                         for _ in range(n - 1)]
+
     print(f"path {consumers.get_simd()} (CPU runs up to {consumers.cpu_simd()}), T={T}, "
-          f"{nt} threads, {args.clock} clock; ratio = numpy f32 time / codec time")
+          f"{nt} threads, {args.clock} clock, "
+          + (f"cold rows (copies holding 4x the {cache >> 20} MiB last-level cache)"
+             if args.cold else "warm rows (one copy, read again every call)")
+          + "; ratio = numpy f32 time / codec time")
     rng = np.random.default_rng(0)
     for d in map(int, args.dims.split(",")):
         X = rng.standard_normal((T, d), dtype=np.float32)
+        Xs = copies(X, X.nbytes)
+        encoded = []
+        for spec in args.codecs.split(","):
+            codec = get_codec(spec, d)
+            enc = codec.encode(X)
+            encoded.append((spec, codec, copies(enc, enc.codes.nbytes + enc.side.nbytes)))
         for m in map(int, args.queries.split(",")):
             Q = rng.standard_normal((m, d), dtype=np.float32)
             W = rng.random((m, T), dtype=np.float32)
             W /= W.sum(axis=1, keepdims=True)
             with threadpool_limits(nt):
-                t_s = _best(lambda: X @ Q.T, args.repeats, clock)
-                t_c = _best(lambda: W @ X, args.repeats, clock)
-            line = f"d={d} m={m}: numpy {1e3 * (t_s + t_c):.2f} ms"
-            for spec in args.codecs.split(","):
-                codec = get_codec(spec, d)
-                enc = codec.encode(X)
-                c_s = _best(lambda: codec.scores(enc, Q, n_threads=nt), args.repeats, clock)
-                c_c = _best(lambda: codec.context(enc, W, n_threads=nt), args.repeats, clock)
-                read = 2 * (enc.codes.nbytes + enc.side.nbytes)
+                t_s = _best(lambda X: X @ Q.T, Xs, args.repeats, clock)
+                t_c = _best(lambda X: W @ X, Xs, args.repeats, clock)
+            line = (f"d={d} m={m}: numpy {1e3 * (t_s + t_c):.2f} ms "
+                    f"({2 * X.nbytes / (t_s + t_c) / 1e9:.1f} GB/s, {len(Xs)} copies)")
+            for spec, codec, encs in encoded:
+                c_s = _best(lambda e: codec.scores(e, Q, n_threads=nt), encs, args.repeats, clock)
+                c_c = _best(lambda e: codec.context(e, W, n_threads=nt), encs, args.repeats, clock)
+                read = 2 * (encs[0].codes.nbytes + encs[0].side.nbytes)
                 line += (f" | {spec} {(t_s + t_c) / (c_s + c_c):.2f}x (scores {t_s / c_s:.2f}x,"
-                         f" context {t_c / c_c:.2f}x, {read / (c_s + c_c) / 1e9:.1f} GB/s)")
+                         f" context {t_c / c_c:.2f}x, {read / (c_s + c_c) / 1e9:.1f} GB/s,"
+                         f" {len(encs)} copies)")
             print(line, flush=True)
 
 
