@@ -172,10 +172,11 @@ NARROW = [("kv8", d) for d in (16, 32, 48, 64, 80)] + [
 
 @pytest.mark.parametrize("spec,dim", NARROW)
 def test_narrow_rows_for_one_query_give_the_portable_bits(spec, dim, rng, simd_path):
-    """One query on rows of at most 64 elements takes the narrow kernels where the path has them
-    (register-resident query and context): every row count around their blocks of 16, inert
-    rows, fp8 subnormal and NaN codes, forged radii, factors inside and beyond kv8's raw decode,
-    one and two threads; 80 (kv8) and 128 (tq) are the first widths past them."""
+    """Rows of at most 64 elements take the narrow kernels where the path has them (tq: the
+    query of a one-query read, the context of up to four, in registers): every row count around
+    their blocks of 16, inert rows, fp8 subnormal and NaN codes, forged radii, factors inside and
+    beyond kv8's raw decode, 1 to 5 queries, one and two threads; 80 (kv8) and 128 (tq) are the
+    first widths past them."""
     for T in (1, 2, 15, 16, 17, 33, 300):
         codec, enc = _encoded(spec, dim, max(T, 12), rng)
         enc = type(enc)(codes=enc.codes[:T].copy(), side=enc.side[:T].copy(), spec=enc.spec,
@@ -183,9 +184,9 @@ def test_narrow_rows_for_one_query_give_the_portable_bits(spec, dim, rng, simd_p
         if spec.startswith("tq") and "f16" not in spec:   # (f16 sides refuse forged values)
             for k, t in enumerate(t for t in (0, 5, 14, 15, 16, 17, 31) if t < T):
                 enc.side[t, 0] = FORGED_SIDES[k % len(FORGED_SIDES)]
-        for magnitude in (1.0, 1e3, 1e-3):
-            q = gaussian_rows(rng, 1, dim) * np.float32(magnitude)
-            w = rng.random((1, T)).astype(np.float32) * np.float32(magnitude)
+        for magnitude, m in ((1.0, 1), (1e3, 1), (1e-3, 1), (1.0, 3), (1e3, 4), (1.0, 5)):
+            q = gaussian_rows(rng, m, dim) * np.float32(magnitude)
+            w = rng.random((m, T)).astype(np.float32) * np.float32(magnitude)
             simd_path("portable")
             ref = codec.scores(enc, q), codec.context(enc, w)
             if spec.startswith("tq") and magnitude == 1.0:

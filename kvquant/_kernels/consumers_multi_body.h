@@ -7,13 +7,17 @@
  * elements, each (row, query) sum keeping simd.h's lane order. Contexts: R rows at a time; per 16
  * elements each query's accumulator is loaded once and adds the R rows in row order.
  *
- * Narrow rows (one query, n <= KVQ_MQ_NARROW_MAX, in the builds that set KVQ_MQ_NARROW: those
- * with 32 vector registers): tq keeps the query, and tq and kv8 the context, in registers for
- * the whole call, and tq reduces sixteen rows' score sums straight from registers. The same
- * operations in the same order, fewer loads and stores: at d = 64 the few vector operations per
- * 16 codes make those count (4-7% of a call, tools/gqa_read_speed.py).
+ * Narrow tq rows (n <= KVQ_MQ_NARROW_MAX, in the builds that set KVQ_MQ_NARROW: those with 32
+ * vector registers): for one query the query stays in registers and sixteen rows' score sums are
+ * reduced straight from them; for up to KVQ_MQ_NARROW_QUERIES queries the whole context stays in
+ * registers for the call. The same operations in the same order, fewer loads and stores: at
+ * d = 64 the few vector operations per 16 codes make those count (one query: 3% of the scores'
+ * time, 6% of the context's; three queries: 11% of the context's). The same for kv8's context
+ * measured no faster (its per-row check for special codes stays).
  */
 #define KVQ_MQ_NARROW_MAX 64
+
+#define KVQ_MQ_NARROW_QUERIES 4   /* context kernels: M x NS <= 16 accumulators */
 
 /* CALL(NS) for the narrow row widths NS = n / 16 of 1..4 (n <= KVQ_MQ_NARROW_MAX). */
 #define KVQ_MQ_NARROW_SWITCH(n, CALL)                                                         \
@@ -22,6 +26,15 @@
     case 2: CALL(2); break;                                                                   \
     case 3: CALL(3); break;                                                                   \
     default: CALL(4); break;                                                                  \
+    }
+
+/* KVQ_MQ_NARROW_SWITCH(n, CALL) with the compile-time query count M_ = m of 1..4. */
+#define KVQ_MQ_NARROW_EACH_M(m, n, CALL)                                                      \
+    switch (m) {                                                                              \
+    case 1: { enum { M_ = 1 }; KVQ_MQ_NARROW_SWITCH(n, CALL) } break;                         \
+    case 2: { enum { M_ = 2 }; KVQ_MQ_NARROW_SWITCH(n, CALL) } break;                         \
+    case 3: { enum { M_ = 3 }; KVQ_MQ_NARROW_SWITCH(n, CALL) } break;                         \
+    default: { enum { M_ = 4 }; KVQ_MQ_NARROW_SWITCH(n, CALL) } break;                        \
     }
 
 /* Sums of R rows x M queries to out[j ldo + r] (times scale[r] when scale is not NULL). */
@@ -400,55 +413,6 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE int KVQ_MQ(kv8_ctx_block)(const float* W,
     return fold;
 }
 
-#if KVQ_MQ_NARROW
-/* Context of one query over rows of NS = n / 16 vectors with per-row scales (narrow rows); each
- * row decodes as kv8_axpy_rows would (the decodes differ in speed only). */
-KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_axpy_narrow)(const kvq_params* p,
-                                                                  const uint8_t* codes,
-                                                                  const float* side, int64_t r0,
-                                                                  int64_t r1, const float* w,
-                                                                  float* acc, const int NS)
-{
-    const int64_t cb = p->code_bytes, n = p->dim;
-    float cf[KVQ_MQ_BLOCK], cfr[KVQ_MQ_BLOCK];
-    MV a[KVQ_MQ_NARROW_MAX / 16], cv;
-    int64_t t;
-    int s, k, fold;
-#define KVQ_MQ_NARROW_ADD(T, CF, CFR, FOLD)                                                   \
-    {                                                                                         \
-        const uint8_t* c = codes + (T) * cb;                                                  \
-        if (MV_E4M3_SPECIAL(c, n)) {                                                          \
-            cv = MV_SET1(CF);                                                                 \
-            for (s = 0; s < NS; s++)                                                          \
-                a[s] = MV_ADD(a[s], MV_MUL(cv, MV_E4M3(c + 16 * s, KVQ_E4M3_ANY)));           \
-        } else if (FOLD) {                                                                    \
-            cv = MV_SET1(CFR);                                                                \
-            for (s = 0; s < NS; s++)                                                          \
-                a[s] = MV_ADD(a[s], MV_MUL(cv, MV_E4M3(c + 16 * s, KVQ_E4M3_RAW)));           \
-        } else {                                                                              \
-            cv = MV_SET1(CF);                                                                 \
-            for (s = 0; s < NS; s++)                                                          \
-                a[s] = MV_ADD(a[s], MV_MUL(cv, MV_E4M3(c + 16 * s, KVQ_E4M3_PLAIN)));         \
-        }                                                                                     \
-    }
-    for (s = 0; s < NS; s++) a[s] = MV_LOAD(acc + 16 * s);
-    for (t = r0; t + KVQ_MQ_BLOCK <= r1; t += KVQ_MQ_BLOCK) {
-        fold = KVQ_MQ(kv8_ctx_block)(w, 0, t, 1, side, cf, cfr);
-        kvq_prefetch(codes + t * cb + KVQ_PREFETCH_BYTES);
-        if (fold)
-            for (k = 0; k < KVQ_MQ_BLOCK; k++) KVQ_MQ_NARROW_ADD(t + k, cf[k], cfr[k], 1)
-        else
-            for (k = 0; k < KVQ_MQ_BLOCK; k++) KVQ_MQ_NARROW_ADD(t + k, cf[k], cfr[k], 0)
-    }
-    for (; t < r1; t++) {
-        const float cf1 = w[t] * side[t];
-        KVQ_MQ_NARROW_ADD(t, cf1, cf1 * 0x1p120f, fabsf(cf1) < 128.0f)
-    }
-#undef KVQ_MQ_NARROW_ADD
-    for (s = 0; s < NS; s++) MV_STORE(acc + 16 * s, a[s]);
-}
-#endif
-
 KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* codes,
                                            const float* side, int64_t r0, int64_t r1,
                                            const float* W, int64_t ldw, int m, float* acc)
@@ -459,14 +423,6 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_axpym)(const kvq_params* p, const uint8_t* 
         KVQ_MQ_FALLBACK(kv8_axpym)(p, codes, side, r0, r1, W, ldw, m, acc);
         return;
     }
-#if KVQ_MQ_NARROW
-    if (m == 1 && p->group == p->dim && p->dim <= KVQ_MQ_NARROW_MAX) {
-#define KVQ_MQ_CALL(NS) KVQ_MQ(kv8_axpy_narrow)(p, codes, side, r0, r1, W, acc, NS)
-        KVQ_MQ_NARROW_SWITCH(p->dim, KVQ_MQ_CALL)
-#undef KVQ_MQ_CALL
-        return;
-    }
-#endif
     for (j0 = 0; j0 < m; j0 += mm) {
         const float* Wj = W + j0 * ldw;
         float* aj = acc + j0 * p->dim;
@@ -560,40 +516,45 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_narrow)(const kvq_para
 #undef KVQ_MQ_NARROW_SUM
 }
 
-/* Context of one query over rows of NS = n / 16 vectors (narrow rows). */
+/* Context of M queries over rows of NS = n / 16 vectors (narrow rows; M NS <= 16). */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_narrow)(const kvq_params* p,
                                                                  const uint8_t* codes,
                                                                  const float* side, int64_t r0,
-                                                                 int64_t r1, const float* w,
-                                                                 float* acc,
+                                                                 int64_t r1, const float* W,
+                                                                 int64_t ldw, float* acc,
                                                                  const MV_TQ_CONSTS* K,
-                                                                 const int b, const int NS)
+                                                                 const int b, const int NS,
+                                                                 const int M)
 {
-    const int64_t cb = p->code_bytes, gb = 2 * b;
+    const int64_t cb = p->code_bytes, gb = 2 * b, n = p->dim;
     const int64_t wide_end = p->n_rows - (16 + p->code_bytes - 1) / p->code_bytes;
-    float cf[KVQ_MQ_BLOCK];
-    MV a[KVQ_MQ_NARROW_MAX / 16], cv;
+    float cf[4][KVQ_MQ_BLOCK], step[KVQ_MQ_BLOCK];
+    MV a[16], v[KVQ_MQ_NARROW_MAX / 16], cv;
     int64_t t;
-    int s, k;
-    for (s = 0; s < NS; s++) a[s] = MV_LOAD(acc + 16 * s);
-#define KVQ_MQ_NARROW_ADD(T, CF, WIDE)                                                        \
-    cv = MV_SET1(CF);                                                                         \
-    for (s = 0; s < NS; s++)                                                                  \
-        a[s] = MV_ADD(a[s], MV_MUL(cv, MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE)));
+    int s, k, j;
+    for (j = 0; j < M; j++)
+        for (s = 0; s < NS; s++) a[j * NS + s] = MV_LOAD(acc + j * n + 16 * s);
+#define KVQ_MQ_NARROW_ADD(T, CFJ, WIDE)                                                       \
+    for (s = 0; s < NS; s++) v[s] = MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE);      \
+    for (j = 0; j < M; j++) {                                                                 \
+        cv = MV_SET1(CFJ);                                                                    \
+        for (s = 0; s < NS; s++) a[j * NS + s] = MV_ADD(a[j * NS + s], MV_MUL(cv, v[s]));     \
+    }
     for (t = r0; t + KVQ_MQ_BLOCK <= r1 && t + KVQ_MQ_BLOCK <= wide_end; t += KVQ_MQ_BLOCK) {
-        /* the coefficients w_t step_t, sixteen at a time */
-        MV_TQ_STEPS16(side + t * p->n_side, p->n_side, p->sqrtf_n, cf);
-        MV_STORE(cf, MV_MUL(MV_LOAD(w + t), MV_LOAD(cf)));
+        /* the coefficients w_jt step_t, sixteen at a time */
+        MV_TQ_STEPS16(side + t * p->n_side, p->n_side, p->sqrtf_n, step);
+        for (j = 0; j < M; j++) MV_STORE(cf[j], MV_MUL(MV_LOAD(W + j * ldw + t), MV_LOAD(step)));
         kvq_prefetch(codes + t * cb + KVQ_PREFETCH_BYTES);
-        for (k = 0; k < KVQ_MQ_BLOCK; k++) { KVQ_MQ_NARROW_ADD(t + k, cf[k], 1) }
+        for (k = 0; k < KVQ_MQ_BLOCK; k++) { KVQ_MQ_NARROW_ADD(t + k, cf[j][k], 1) }
     }
     for (; t < r1; t++) {
-        const float c = w[t] * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
-        if (t < wide_end) { KVQ_MQ_NARROW_ADD(t, c, 1) }
-        else { KVQ_MQ_NARROW_ADD(t, c, 0) }
+        const float st = kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        if (t < wide_end) { KVQ_MQ_NARROW_ADD(t, W[j * ldw + t] * st, 1) }
+        else { KVQ_MQ_NARROW_ADD(t, W[j * ldw + t] * st, 0) }
     }
 #undef KVQ_MQ_NARROW_ADD
-    for (s = 0; s < NS; s++) MV_STORE(acc + 16 * s, a[s]);
+    for (j = 0; j < M; j++)
+        for (s = 0; s < NS; s++) MV_STORE(acc + j * n + 16 * s, a[j * NS + s]);
 }
 #endif
 
@@ -690,9 +651,9 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_bits)(const kvq_param
     int j0, mm, j;
     MV_TQ_INIT(&K, p->table, b);
 #if KVQ_MQ_NARROW
-    if (m == 1 && p->dim <= KVQ_MQ_NARROW_MAX) {
-#define KVQ_MQ_CALL(NS) KVQ_MQ(tq_axpy_narrow)(p, codes, side, r0, r1, W, acc, &K, b, NS)
-        KVQ_MQ_NARROW_SWITCH(p->dim, KVQ_MQ_CALL)
+    if (m <= KVQ_MQ_NARROW_QUERIES && p->dim <= KVQ_MQ_NARROW_MAX) {
+#define KVQ_MQ_CALL(NS) KVQ_MQ(tq_axpy_narrow)(p, codes, side, r0, r1, W, ldw, acc, &K, b, NS, M_)
+        KVQ_MQ_NARROW_EACH_M(m, p->dim, KVQ_MQ_CALL)
 #undef KVQ_MQ_CALL
         return;
     }
@@ -907,3 +868,5 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #undef KVQ_MQ_NARROW
 #undef KVQ_MQ_NARROW_MAX
 #undef KVQ_MQ_NARROW_SWITCH
+#undef KVQ_MQ_NARROW_EACH_M
+#undef KVQ_MQ_NARROW_QUERIES
