@@ -247,6 +247,57 @@ def test_forward_level_flags_non_finite_values():
         assert polar_kernels.forward_level(np.array([1, 2, bad, 1], np.float32), r, lo, hi)
 
 
+def _forward_by_levels(x):
+    """The row's forward transform level by level with forward_level, hypotf's radii and open
+    brackets for a level holding a non-finite value (the encoder's rule)."""
+    n = x.size
+    tree = np.zeros(2 * n, np.float32)
+    tree[:n] = x
+    lo, hi = np.empty(n - 1, np.float32), np.empty(n - 1, np.float32)
+    rlen, in_off, off = n, 0, 0
+    while rlen > 1:
+        half = rlen // 2
+        r = np.empty(half, np.float32)
+        pairs = tree[in_off:in_off + rlen].copy()
+        if polar_kernels.forward_level(pairs, r, lo[off:off + half], hi[off:off + half]):
+            with np.errstate(invalid="ignore", over="ignore"):
+                r = np.hypot(pairs[0::2], pairs[1::2])
+            lo[off:off + half], hi[off:off + half] = -4, 4
+        tree[in_off + rlen:in_off + rlen + half] = r
+        in_off, off, rlen = in_off + rlen, off + half, half
+    return tree, lo, hi
+
+
+@pytest.mark.parametrize("n", [2, 4, 32, 128, 512])
+def test_forward_row_is_the_levels_one_after_another(rng, n):
+    """The whole-row transform (every level's brackets in one pass on AVX-512) gives each level
+    the radii and brackets of forward_level, on both paths, with zeros, subnormals and a
+    non-finite value in some rows (that level and those below take hypotf and open brackets)."""
+    rows = [_pairs(rng, 400).reshape(-1)[i:i + n] for i in range(0, 800 - n, max(n // 2, 7))]
+    rows += [rng.standard_normal(n).astype(np.float32) for _ in range(20)]
+    for bad in (np.inf, -np.inf, np.nan):
+        x = rng.standard_normal(n).astype(np.float32)
+        x[rng.integers(n)] = bad
+        rows.append(x)
+    # finite values whose radii overflow: the level below holds infinities
+    rows.append(np.float32(3e38) * np.sign(rng.standard_normal(n)).astype(np.float32))
+    for portable in (True, False):
+        polar_kernels.set_portable(portable)
+        try:
+            for x in rows:
+                tree = np.zeros(2 * n, np.float32)
+                tree[:n] = x
+                lo, hi = np.empty(n - 1, np.float32), np.empty(n - 1, np.float32)
+                polar_kernels.forward_row(tree, lo, hi)
+                ref_tree, ref_lo, ref_hi = _forward_by_levels(x)
+                assert np.array_equal(tree[:2 * n - 1].view(np.uint32),
+                                      ref_tree[:2 * n - 1].view(np.uint32)), portable
+                assert np.array_equal(lo.view(np.uint32), ref_lo.view(np.uint32)), portable
+                assert np.array_equal(hi.view(np.uint32), ref_hi.view(np.uint32)), portable
+        finally:
+            polar_kernels.set_portable(False)
+
+
 def _boundary_angle_rows(codec, rng, n_rows):
     """Rows whose rotated level-1 pairs sit on the level's code boundaries (Lloyd) up to the
     rotation's rounding: the angles that land inside a bracket and go to atan2f."""

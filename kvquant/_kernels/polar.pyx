@@ -21,7 +21,7 @@
 # (compat) mode (ROW_RANGE: the engine would store garbage) and otherwise rotated from a copy
 # scaled by 2^-64 (the angles do not depend on the scale); the decoder unrotates overflow-safe.
 from cython.parallel cimport parallel, prange
-from libc.math cimport atan2f, hypotf, floorf, cosf, sinf, sqrt, sqrtf, isfinite, NAN
+from libc.math cimport atan2f, floorf, cosf, sinf, sqrt, sqrtf, isfinite, NAN
 from libc.float cimport FLT_MAX
 from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport malloc, free
@@ -44,9 +44,9 @@ cdef extern from "rowops.h" nogil:
 
 cdef extern from "polar_encode.h" nogil:
     int kvq_polar_portable
-    float ANGLE_OPEN "KVQ_ANGLE_OPEN"
     int kvq_polar_forward_level(const float* x, Py_ssize_t half, float* r, float* lo, float* hi,
                                 double* r2)
+    void kvq_polar_forward_row(float* tree, Py_ssize_t n, float* lo, float* hi, double* r2)
     int POLAR_COLS "KVQ_POLAR_COLS"
     Py_ssize_t kvq_polar_lloyd_codes(const float* lo, const float* hi, Py_ssize_t cnt,
                                      const uint8_t* width, const float* tables, Py_ssize_t stride,
@@ -197,7 +197,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 uint8_t[::1] status,                   # OUT (n_rows,) ROW_* codes
                 int n_threads):
     cdef Py_ssize_t n_rows = X.shape[0], n = X.shape[1], code_bytes = codes.shape[1]
-    cdef Py_ssize_t r, i, j, k, off, cnt, half, rlen, in_off, n_undecided
+    cdef Py_ssize_t r, i, j, k, off, cnt, n_undecided
     cdef int n_levels = level_bits.shape[0] - 1, level, b, q
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
     cdef float inv_two_pi = F_HALF / PI_F
@@ -267,23 +267,9 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 kvq_rotate_scale_row_prescaled(&X[r, 0], &signs[0], n, inv_sqrt_n, <float>1.0,
                                                PRESCALE, y)
             # forward transform: level 1's brackets at [0 .. n/2), then each level after the
-            # previous; a level holding a non-finite value is redone with libm (its brackets
-            # open wide: every angle then goes to atan2f)
-            rlen = n
-            off = 0
-            in_off = 0
-            while rlen > 1:
-                half = rlen >> 1
-                if kvq_polar_forward_level(&tree[in_off], half, &tree[in_off + rlen],
-                                           &ang_lo[off], &ang_hi[off], r2):
-                    for j in range(half):
-                        tree[in_off + rlen + j] = hypotf(tree[in_off + 2 * j],
-                                                         tree[in_off + 2 * j + 1])
-                        ang_lo[off + j] = -ANGLE_OPEN
-                        ang_hi[off + j] = ANGLE_OPEN
-                off = off + half
-                in_off = in_off + rlen
-                rlen = half
+            # previous; a level holding a non-finite value takes libm's radii and its brackets
+            # open wide (every angle then goes to atan2f)
+            kvq_polar_forward_row(tree, n, ang_lo, ang_hi, r2)
             # quantize, top level first (the radius allocation needs the levels above)
             # per-row pointers: the thread's buffers stay put, only these swap
             cur_w = weight
@@ -450,6 +436,24 @@ def forward_level(const float[::1] x,     # IN  (2 * half,) pairs (a, c)
     bad = kvq_polar_forward_level(&x[0], half, &radius[0], &lo[0], &hi[0], r2)
     free(r2)
     return bool(bad)
+
+
+def forward_row(float[::1] tree,          # IN/OUT (2 * n,) the row in [0, n); the levels' radii after
+                float[::1] lo,            # OUT (n - 1,) brackets of every level's angles
+                float[::1] hi):           # OUT (n - 1,)
+    """The encoder's whole forward transform of one row (polar_encode.h): level l's inputs at
+    tree[2 (n - (n >> (l - 1))) ...), its radii right after them, its brackets at
+    lo, hi [n - (n >> (l - 1)) ...); a level holding a non-finite value takes hypotf's radii and
+    brackets [-4, 4]."""
+    cdef Py_ssize_t n = tree.shape[0] // 2
+    cdef double* r2
+    if n < 2:
+        return
+    r2 = <double*>malloc(n * sizeof(double))
+    if r2 == NULL:
+        raise MemoryError()
+    kvq_polar_forward_row(&tree[0], n, &lo[0], &hi[0], r2)
+    free(r2)
 
 
 # -- the engine's grids, exposed for tests ---------------------------------------------------

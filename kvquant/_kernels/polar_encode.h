@@ -220,6 +220,19 @@ KVQ_INLINE kvq_v16f kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
     return kvq_sel16f(c < 0.0f, -th, th);
 }
 
+/* The brackets of 16 pairs (a, c) (the AVX-512 path of kvq_polar_forward_level). Compiled for
+ * AVX-512 itself: GCC would otherwise lower its float compares lane by lane before inlining. */
+__attribute__((target("avx512f"))) KVQ_INLINE void kvq_polar_brackets16(kvq_v16f af, kvq_v16f cf, kvq_v16f *out_lo, kvq_v16f *out_hi)
+{
+    const kvq_v16f th = kvq_atan2_approx16f(af, cf);
+    const kvq_v16f pad = (kvq_v16f)((kvq_v16i)th & ((kvq_v16i){0} + 0x7fffffff))
+                         * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
+    const kvq_v16i exact = (af != 0.0f) & (cf != 0.0f);
+    const kvq_v16f open = (kvq_v16f){0} + KVQ_ANGLE_OPEN;
+    *out_lo = kvq_sel16f(exact, th - pad, -open);
+    *out_hi = kvq_sel16f(exact, th + pad, open);
+}
+
 /* The forward level (see kvq_polar_forward_level) 16 pairs at a time, a short last block from
  * a copy padded with finite pairs (their results are dropped); returns half and sets *bad when
  * a value is not finite. */
@@ -253,13 +266,7 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
                                                     20, 22, 24, 26, 28, 30);
         const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
                                                     21, 23, 25, 27, 29, 31);
-        const kvq_v16f th = kvq_atan2_approx16f(af, cf);
-        const kvq_v16f pad = (kvq_v16f)((kvq_v16i)th & ((kvq_v16i){0} + 0x7fffffff))
-                             * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
-        const kvq_v16i exact = (af != 0.0f) & (cf != 0.0f);
-        const kvq_v16f open = (kvq_v16f){0} + KVQ_ANGLE_OPEN;
-        const kvq_v16f out_lo = kvq_sel16f(exact, th - pad, -open);
-        const kvq_v16f out_hi = kvq_sel16f(exact, th + pad, open);
+        kvq_v16f out_lo, out_hi;
         const kvq_v8f_ a0 = __builtin_shufflevector(af, af, 0, 1, 2, 3, 4, 5, 6, 7);
         const kvq_v8f_ a1 = __builtin_shufflevector(af, af, 8, 9, 10, 11, 12, 13, 14, 15);
         const kvq_v8f_ c0 = __builtin_shufflevector(cf, cf, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -270,6 +277,7 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
         const kvq_v8d_ cd1 = __builtin_convertvector(c1, kvq_v8d_);
         const kvq_v8d_ sq0 = ad0 * ad0 + cd0 * cd0, sq1 = ad1 * ad1 + cd1 * cd1;
         all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX) & (cf >= -FLT_MAX);
+        kvq_polar_brackets16(af, cf, &out_lo, &out_hi);
         kvq_store16(d_lo, out_lo);
         kvq_store16(d_hi, out_hi);
         memcpy(d_r2, &sq0, sizeof sq0);
@@ -344,6 +352,148 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
         bad |= kvq_polar_forward_pair(x, j, r2, lo, hi);
     kvq_sqrt_to_float(r2, half, r);
     return bad;
+}
+
+#if KVQ_X86_PATHS
+/* kvq_polar_forward_row under AVX-512: the radii level by level (each level's inputs are the
+ * radii of the one before), 16 pairs a vector, then the brackets of every level in one pass over
+ * the tree: a pair's bracket depends on its own two values only, so the levels' short blocks
+ * share vectors. Returns a bit per level (bit l: level l) holding a non-finite value. */
+__attribute__((target("avx512f"))) static uint32_t
+kvq_polar_forward_row_avx512(float *tree, int64_t n, float *lo, float *hi)
+{
+    typedef double kvq_v8d_ __attribute__((vector_size(64)));
+    typedef float kvq_v8f_ __attribute__((vector_size(32)));
+    int64_t rlen, in_off = 0, j;
+    uint32_t bad_levels = 0;
+    int level = 1;
+    for (rlen = n; rlen > 1; rlen >>= 1, level++) {
+        const int64_t half = rlen >> 1;
+        const float *x = tree + in_off;
+        float *r = tree + in_off + rlen;
+        kvq_v16i all_finite = (kvq_v16i){0} - 1;
+        for (j = 0; j < half; j += 16) {
+            const int64_t m = half - j < 16 ? half - j : 16;
+            float in[32], out[16];
+            const float *src = x + 2 * j;
+            int i;
+            if (m < 16) {
+                /* a short block from a copy padded with finite pairs (results dropped) */
+                for (i = 0; i < 32; i++)
+                    in[i] = 1.0f;
+                memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+                src = in;
+            }
+            {
+                const kvq_v16f v0 = kvq_load16(src), v1 = kvq_load16(src + 16);
+                const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16,
+                                                            18, 20, 22, 24, 26, 28, 30);
+                const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17,
+                                                            19, 21, 23, 25, 27, 29, 31);
+                const kvq_v8d_ ad0 = __builtin_convertvector(
+                    __builtin_shufflevector(af, af, 0, 1, 2, 3, 4, 5, 6, 7), kvq_v8d_);
+                const kvq_v8d_ ad1 = __builtin_convertvector(
+                    __builtin_shufflevector(af, af, 8, 9, 10, 11, 12, 13, 14, 15), kvq_v8d_);
+                const kvq_v8d_ cd0 = __builtin_convertvector(
+                    __builtin_shufflevector(cf, cf, 0, 1, 2, 3, 4, 5, 6, 7), kvq_v8d_);
+                const kvq_v8d_ cd1 = __builtin_convertvector(
+                    __builtin_shufflevector(cf, cf, 8, 9, 10, 11, 12, 13, 14, 15), kvq_v8d_);
+                /* glibc's hypotf of finite floats: (float) sqrt(a^2 + c^2) in double */
+                const __m256 r0 = _mm512_cvtpd_ps(_mm512_sqrt_pd((__m512d)(ad0 * ad0 + cd0 * cd0)));
+                const __m256 r1 = _mm512_cvtpd_ps(_mm512_sqrt_pd((__m512d)(ad1 * ad1 + cd1 * cd1)));
+                all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX)
+                              & (cf >= -FLT_MAX);
+                if (m == 16) {
+                    _mm256_storeu_ps(r + j, r0);
+                    _mm256_storeu_ps(r + j + 8, r1);
+                } else {
+                    _mm256_storeu_ps(out, r0);
+                    _mm256_storeu_ps(out + 8, r1);
+                    memcpy(r + j, out, (size_t)m * sizeof(float));
+                }
+            }
+        }
+        if (_mm512_cmpneq_epi32_mask((__m512i)all_finite, _mm512_set1_epi32(-1)) != 0) {
+            /* libm's radii for a level holding a non-finite value */
+            bad_levels |= 1u << level;
+            for (j = 0; j < half; j++)
+                r[j] = hypotf(x[2 * j], x[2 * j + 1]);
+        }
+        in_off += rlen;
+    }
+    /* the brackets of all n - 1 pairs: tree[0 .. 2 (n - 1)) */
+    for (j = 0; j < n - 1; j += 16) {
+        const int64_t m = n - 1 - j < 16 ? n - 1 - j : 16;
+        float in[32], b_lo[16], b_hi[16];
+        const float *src = tree + 2 * j;
+        kvq_v16f out_lo, out_hi;
+        int i;
+        if (m < 16) {
+            for (i = 0; i < 32; i++)
+                in[i] = 1.0f;
+            memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+            src = in;
+        }
+        {
+            const kvq_v16f v0 = kvq_load16(src), v1 = kvq_load16(src + 16);
+            const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
+                                                        20, 22, 24, 26, 28, 30);
+            const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
+                                                        21, 23, 25, 27, 29, 31);
+            kvq_polar_brackets16(af, cf, &out_lo, &out_hi);
+        }
+        if (m == 16) {
+            kvq_store16(lo + j, out_lo);
+            kvq_store16(hi + j, out_hi);
+        } else {
+            kvq_store16(b_lo, out_lo);
+            kvq_store16(b_hi, out_hi);
+            memcpy(lo + j, b_lo, (size_t)m * sizeof(float));
+            memcpy(hi + j, b_hi, (size_t)m * sizeof(float));
+        }
+    }
+    return bad_levels;
+}
+#endif
+
+/* The forward transform of a row: tree[0 .. n) holds the rotated row; level l's inputs are at
+ * tree[2 (n - (n >> (l - 1))) ...), its radii (the next level's inputs) follow them, and the
+ * brackets of its angles are at lo, hi [n - (n >> (l - 1)) ...) (tree holds 2 n floats, lo and hi
+ * n - 1, r2 n / 2 doubles of scratch). A level holding a non-finite value takes libm's radii
+ * (hypotf) and brackets open wide (-4, 4: every angle then goes to atan2f). */
+static void kvq_polar_forward_row(float *tree, int64_t n, float *lo, float *hi, double *r2)
+{
+    int64_t rlen, in_off = 0, off = 0, j;
+    uint32_t bad_levels = 0;
+    int level;
+#if KVQ_X86_PATHS
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
+        bad_levels = kvq_polar_forward_row_avx512(tree, n, lo, hi);
+    } else
+#endif
+    {
+        for (rlen = n, level = 1; rlen > 1; rlen >>= 1, level++) {
+            const int64_t half = rlen >> 1;
+            if (kvq_polar_forward_level(tree + in_off, half, tree + in_off + rlen, lo + off,
+                                        hi + off, r2)) {
+                bad_levels |= 1u << level;
+                for (j = 0; j < half; j++)
+                    tree[in_off + rlen + j] = hypotf(tree[in_off + 2 * j],
+                                                     tree[in_off + 2 * j + 1]);
+            }
+            off += half;
+            in_off += rlen;
+        }
+    }
+    if (bad_levels != 0)
+        for (rlen = n, level = 1, off = 0; rlen > 1; rlen >>= 1, level++) {
+            if (bad_levels & (1u << level))
+                for (j = 0; j < rlen >> 1; j++) {
+                    lo[off + j] = -KVQ_ANGLE_OPEN;
+                    hi[off + j] = KVQ_ANGLE_OPEN;
+                }
+            off += rlen >> 1;
+        }
 }
 
 /* Boundaries per width that the vector path compares (widths up to 5); the codec's column table
