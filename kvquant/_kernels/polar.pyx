@@ -40,6 +40,7 @@ cdef extern from "rowops.h" nogil:
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
     int kvq_code_lookup(const float* table, float v)
+    int CODE_TABLE_HEADER "KVQ_CODE_TABLE_HEADER"
     int kvq_rowops_set_path(int path)
 
 cdef extern from "polar_encode.h" nogil:
@@ -48,6 +49,13 @@ cdef extern from "polar_encode.h" nogil:
                                 double* r2)
     void kvq_polar_forward_row(float* tree, Py_ssize_t n, float* lo, float* hi, double* r2)
     int POLAR_COLS "KVQ_POLAR_COLS"
+    int POLAR_COL_ROWS "KVQ_POLAR_COL_ROWS"
+    int POLAR_COL_LO "KVQ_POLAR_COL_LO"
+    int POLAR_COL_SCALE "KVQ_POLAR_COL_SCALE"
+    int POLAR_COL_TOP "KVQ_POLAR_COL_TOP"
+    int POLAR_COL_WINDOW "KVQ_POLAR_COL_WINDOW"
+    int POLAR_COL_START "KVQ_POLAR_COL_START"
+    int POLAR_COL_BVAL "KVQ_POLAR_COL_BVAL"
     Py_ssize_t kvq_polar_lloyd_codes(const float* lo, const float* hi, Py_ssize_t cnt,
                                      const uint8_t* width, const float* tables, Py_ssize_t stride,
                                      const float* cols, uint8_t* code, int32_t* undecided)
@@ -165,12 +173,14 @@ cdef int _follow_simd() except -1:
 
 def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 9, 256)
                      const float[:, :, ::1] code_tables):   # IN (n_levels + 1, 9, L)
-    """The column tables of polar_encode.h, float32 (n_levels + 1, KVQ_POLAR_COLS, 16): entry
-    [level, k, w] is boundary k of width w at that level, +inf past the width's 2**w - 1
-    boundaries, for lanes w > 8, and for a width whose bucket table is the empty one (every angle
-    code 0: a width without a complete codebook)."""
-    cdef Py_ssize_t n_lev = boundaries.shape[0], level, w, k
-    out = np.full((n_lev, POLAR_COLS, 16), np.inf, np.float32)
+    """The column tables of polar_encode.h, float32 (n_levels + 1, KVQ_POLAR_COL_ROWS, 16). Entry
+    [level, k, w] for k < KVQ_POLAR_COLS is boundary k of width w at that level, +inf past the
+    width's 2**w - 1 boundaries, for lanes w > 8, and for a width whose bucket table is the empty
+    one (every angle code 0: a width without a complete codebook). The rows after them hold the
+    header of each width's bucket table (lanes w > 8: width 0's): lo, scale, n_buckets - 1,
+    window, and the offsets of its starts and of its boundaries in the level's tables."""
+    cdef Py_ssize_t n_lev = boundaries.shape[0], stride = code_tables.shape[2], level, w, k, ww
+    out = np.full((n_lev, POLAR_COL_ROWS, 16), np.inf, np.float32)
     cdef float[:, :, ::1] o = out
     for level in range(n_lev):
         for w in range(1, MAX_ANGLE_BITS + 1):
@@ -179,6 +189,15 @@ def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 
                 continue
             for k in range(min(POLAR_COLS, (1 << w) - 1)):
                 o[level, k, w] = boundaries[level, w, k]
+        for w in range(16):
+            ww = w if w <= MAX_ANGLE_BITS else 0
+            o[level, POLAR_COL_LO, w] = code_tables[level, ww, 0]
+            o[level, POLAR_COL_SCALE, w] = code_tables[level, ww, 1]
+            o[level, POLAR_COL_TOP, w] = code_tables[level, ww, 2] - <float>1.0
+            o[level, POLAR_COL_WINDOW, w] = code_tables[level, ww, 3]
+            o[level, POLAR_COL_START, w] = <float>(ww * stride + CODE_TABLE_HEADER)
+            o[level, POLAR_COL_BVAL, w] = <float>(ww * stride + CODE_TABLE_HEADER
+                                                  + <Py_ssize_t>code_tables[level, ww, 2])
     return out
 
 
@@ -297,7 +316,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 else:
                     n_undecided = kvq_polar_lloyd_codes(
                         &ang_lo[off], &ang_hi[off], cnt, &width[off], &code_tables[level, 0, 0],
-                        code_tables.shape[2], cols_p + level * POLAR_COLS * 16, &code[off],
+                        code_tables.shape[2], cols_p + level * POLAR_COL_ROWS * 16, &code[off],
                         undecided)
                 for k in range(n_undecided):
                     # a code boundary inside the bracket: libm's angle decides

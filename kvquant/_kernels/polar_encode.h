@@ -496,16 +496,31 @@ static void kvq_polar_forward_row(float *tree, int64_t n, float *lo, float *hi, 
         }
 }
 
-/* Boundaries per width that the vector path compares (widths up to 5); the codec's column table
- * of a level holds, for k < KVQ_POLAR_COLS, the k-th boundary of every width w (0..8) in lane w:
- * cols[16 k + w], +inf past a width's boundaries (and for a width without a codebook: code 0). */
+/* The codec's column table of a level (polar.pyx's boundary_columns), KVQ_POLAR_COL_ROWS rows
+ * of 16 lanes, lane w for width w (0..8; lanes past 8 as width 0): rows k < KVQ_POLAR_COLS hold
+ * the k-th boundary of every width that the vector path compares (widths up to 5), +inf past a
+ * width's boundaries (and for a width without a codebook: code 0); then the header of each
+ * width's bucket table (rowops.h) for the gathers: lo, scale, n_buckets - 1, window, and where
+ * its starts and its boundaries begin in the level's tables (integers, exact in float). */
 #define KVQ_POLAR_COLS 31
+#define KVQ_POLAR_COL_LO (KVQ_POLAR_COLS + 0)
+#define KVQ_POLAR_COL_SCALE (KVQ_POLAR_COLS + 1)
+#define KVQ_POLAR_COL_TOP (KVQ_POLAR_COLS + 2)
+#define KVQ_POLAR_COL_WINDOW (KVQ_POLAR_COLS + 3)
+#define KVQ_POLAR_COL_START (KVQ_POLAR_COLS + 4)
+#define KVQ_POLAR_COL_BVAL (KVQ_POLAR_COLS + 5)
+#define KVQ_POLAR_COL_ROWS (KVQ_POLAR_COLS + 6)
 
 #if KVQ_CODE_PLAN
-/* kvq_polar_lloyd_codes sixteen angles at a time: each lane's code is the count of its width's
- * boundaries below the bracket end (each boundary column permuted to the lanes' widths; the
- * same rule as the bucket tables, #{boundaries < v}); lanes wider than 5 bits take the table.
- * Under AVX-512 (rowops.h's KVQ_CODE_PLAN: GCC's permutations). */
+/* Blocks whose widest lane has more bits than this take the bucket tables by gathers; narrower
+ * ones count their boundaries (2^w - 1 compares: cheaper up to 4 bits). */
+#define KVQ_POLAR_GATHER_ABOVE 4
+
+/* kvq_polar_lloyd_codes sixteen angles at a time. Narrow blocks: each lane's code is the count
+ * of its width's boundaries below the bracket end (each boundary column permuted to the lanes'
+ * widths; the same rule as the bucket tables, #{boundaries < v}). Wide blocks: kvq_code_lookup
+ * lane by lane, its float operations in vectors, the bucket starts and boundaries gathered from
+ * each lane's table. Under AVX-512 (rowops.h's KVQ_CODE_PLAN: GCC's permutations). */
 __attribute__((target("avx512f"))) static int64_t
 kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, const uint8_t *width,
                              const float *tables, int64_t stride, const float *cols,
@@ -513,11 +528,20 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
 {
     typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
     int64_t j, n_undecided = 0;
-    int k, l;
+    int k;
+    const kvq_v16f t_lo = kvq_load16(cols + 16 * KVQ_POLAR_COL_LO);
+    const kvq_v16f t_scale = kvq_load16(cols + 16 * KVQ_POLAR_COL_SCALE);
+    const kvq_v16f t_top = kvq_load16(cols + 16 * KVQ_POLAR_COL_TOP);
+    const kvq_v16i t_win = __builtin_convertvector(kvq_load16(cols + 16 * KVQ_POLAR_COL_WINDOW),
+                                                   kvq_v16i);
+    const kvq_v16i t_start = __builtin_convertvector(kvq_load16(cols + 16 * KVQ_POLAR_COL_START),
+                                                     kvq_v16i);
+    const kvq_v16i t_bval = __builtin_convertvector(kvq_load16(cols + 16 * KVQ_POLAR_COL_BVAL),
+                                                    kvq_v16i);
+    (void)stride;
     for (j = 0; j < cnt; j += 16) {
         const int m = cnt - j < 16 ? (int)(cnt - j) : 16;
-        int32_t q_lo[16], q_hi[16];
-        int w_max, w_cmp, n_cmp;
+        int w_max;
         kvq_v16u8 w8, c8;
         uint32_t mask;
         kvq_v16i wi, c_lo = {0}, c_hi = {0};
@@ -538,26 +562,43 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
             memcpy(&w8, b_w, 16);
         }
         wi = __builtin_convertvector(w8, kvq_v16i);
-        /* the widest lane, and the widest the compares decide (up to 5 bits) */
         w_max = _mm512_reduce_max_epi32((__m512i)wi);
-        w_cmp = _mm512_reduce_max_epi32((__m512i)(wi & (wi <= 5)));
-        n_cmp = (1 << w_cmp) - 1;
-        for (k = 0; k < n_cmp; k++) {
-            const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
-            c_lo -= v_lo > bk;                                    /* true is -1 */
-            c_hi -= v_hi > bk;
-        }
-        if (w_max > 5) {
-            memcpy(q_lo, &c_lo, sizeof q_lo);
-            memcpy(q_hi, &c_hi, sizeof q_hi);
-            for (l = 0; l < m; l++)
-                if (width[j + l] > 5) {
-                    const float *t = tables + width[j + l] * stride;
-                    q_lo[l] = kvq_code_lookup(t, lo[j + l]);
-                    q_hi[l] = kvq_code_lookup(t, hi[j + l]);
-                }
-            memcpy(&c_lo, q_lo, sizeof q_lo);
-            memcpy(&c_hi, q_hi, sizeof q_hi);
+        if (w_max <= KVQ_POLAR_GATHER_ABOVE) {
+            const int n_cmp = (1 << w_max) - 1;
+            for (k = 0; k < n_cmp; k++) {
+                const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
+                c_lo -= v_lo > bk;                                    /* true is -1 */
+                c_hi -= v_hi > bk;
+            }
+        } else {
+            /* kvq_code_bucket and kvq_code_lookup (rowops.h), the same float operations */
+            const kvq_v16f l0 = __builtin_shuffle(t_lo, wi), sc = __builtin_shuffle(t_scale, wi);
+            const kvq_v16f top = __builtin_shuffle(t_top, wi);
+            const kvq_v16i win = __builtin_shuffle(t_win, wi);
+            const kvq_v16i st = __builtin_shuffle(t_start, wi), bv = __builtin_shuffle(t_bval, wi);
+            const int w_win = _mm512_reduce_max_epi32((__m512i)win);
+            kvq_v16f f_lo = (v_lo - l0) * sc, f_hi = (v_hi - l0) * sc;
+            kvq_v16i b_lo, b_hi;
+            f_lo = kvq_sel16f(f_lo > 0.0f, f_lo, (kvq_v16f){0});
+            f_hi = kvq_sel16f(f_hi > 0.0f, f_hi, (kvq_v16f){0});
+            f_lo = kvq_sel16f(f_lo < top, f_lo, top);
+            f_hi = kvq_sel16f(f_hi < top, f_hi, top);
+            b_lo = __builtin_convertvector(f_lo, kvq_v16i);
+            b_hi = __builtin_convertvector(f_hi, kvq_v16i);
+            c_lo = (kvq_v16i)_mm512_cvttps_epi32(
+                _mm512_i32gather_ps((__m512i)(st + b_lo), tables, 4));
+            c_hi = (kvq_v16i)_mm512_cvttps_epi32(
+                _mm512_i32gather_ps((__m512i)(st + b_hi), tables, 4));
+            for (k = 0; k < w_win; k++) {
+                const __mmask16 live = _mm512_cmpgt_epi32_mask((__m512i)win,
+                                                               _mm512_set1_epi32(k));
+                const kvq_v16f g_lo = (kvq_v16f)_mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), live, (__m512i)(bv + b_lo * win + k), tables, 4);
+                const kvq_v16f g_hi = (kvq_v16f)_mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), live, (__m512i)(bv + b_hi * win + k), tables, 4);
+                c_lo -= (g_lo < v_lo) & (win > k);
+                c_hi -= (g_hi < v_hi) & (win > k);
+            }
         }
         c8 = __builtin_convertvector(c_lo, kvq_v16u8);
         memcpy(code + j, &c8, (size_t)m);
