@@ -475,6 +475,24 @@ def forward_row(float[::1] tree,          # IN/OUT (2 * n,) the row in [0, n); t
     free(r2)
 
 
+def allocate_bits(const int32_t[::1] weight,   # IN  (cnt,) a level's weights (2^16 log2 r^2)
+                  const int32_t[::1] gain,     # IN  (8,) strictly decreasing
+                  Py_ssize_t total,            # bits of the level
+                  uint8_t[::1] width):         # OUT (cnt,)
+    """The radius allocation of one level (polarops.h), exposed for tests: giving angle j its
+    (k+1)-th bit is worth weight[j] + gain[k]; the `total` largest keys win, ties to the lower
+    index; width[j] is how many of angle j's keys won."""
+    cdef Py_ssize_t cnt = weight.shape[0]
+    cdef uint32_t* keys
+    if cnt == 0:
+        return
+    keys = <uint32_t*>malloc((MAX_ANGLE_BITS * cnt + 16) * sizeof(uint32_t))
+    if keys == NULL:
+        raise MemoryError()
+    kvq_polar_allocate_bits(&weight[0], cnt, &gain[0], total, keys, &width[0])
+    free(keys)
+
+
 # -- the engine's grids, exposed for tests ---------------------------------------------------
 
 def engine_grid_centres(int level,
