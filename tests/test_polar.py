@@ -220,11 +220,11 @@ def test_forward_level_radii_are_hypotf_and_brackets_hold_atan2f(rng):
     # narrow enough that an angle rarely needs libm: a relative 2^-15 plus float subnormals
     width = (hi - lo)[exact].astype(np.float64)
     assert np.all(width <= np.abs(ang[exact]) * 2.0**-14 + 1e-40)
-    # the approximation at the bracket's centre is within the bounds of polar_encode.h, far
-    # inside the 2^-16 pad: 4e-7 of the angle in double (the portable path), 2e-6 in float (the
-    # AVX-512 path's blocks of 16 pairs); plus the ends' float rounding
+    # the approximation at the bracket's centre is within the bound of polar_encode.h, far
+    # inside the 2^-16 pad: 2e-6 of the angle in float (vectors of 8 pairs on the portable path,
+    # of 16 on AVX-512); plus the ends' float rounding
     ang64 = np.arctan2(c[exact].astype(np.float64), a[exact].astype(np.float64))
-    for portable, bound in ((True, 5e-7), (False, 2e-6)):
+    for portable, bound in ((True, 2e-6), (False, 2e-6)):
         polar_kernels.set_portable(portable)
         try:
             assert not polar_kernels.forward_level(P.reshape(-1), r, lo, hi)
@@ -245,6 +245,94 @@ def test_forward_level_flags_non_finite_values():
     r, lo, hi = (np.empty(2, np.float32) for _ in range(3))
     for bad in (np.inf, -np.inf, np.nan):
         assert polar_kernels.forward_level(np.array([1, 2, bad, 1], np.float32), r, lo, hi)
+
+
+def _forward_by_levels(x):
+    """The row's forward transform level by level with forward_level, hypotf's radii and open
+    brackets for a level holding a non-finite value (the encoder's rule)."""
+    n = x.size
+    tree = np.zeros(2 * n, np.float32)
+    tree[:n] = x
+    lo, hi = np.empty(n - 1, np.float32), np.empty(n - 1, np.float32)
+    rlen, in_off, off = n, 0, 0
+    while rlen > 1:
+        half = rlen // 2
+        r = np.empty(half, np.float32)
+        pairs = tree[in_off:in_off + rlen].copy()
+        if polar_kernels.forward_level(pairs, r, lo[off:off + half], hi[off:off + half]):
+            with np.errstate(invalid="ignore", over="ignore"):
+                r = np.hypot(pairs[0::2], pairs[1::2])
+            lo[off:off + half], hi[off:off + half] = -4, 4
+        tree[in_off + rlen:in_off + rlen + half] = r
+        in_off, off, rlen = in_off + rlen, off + half, half
+    return tree, lo, hi
+
+
+@pytest.mark.parametrize("n", [2, 4, 32, 128, 512])
+def test_forward_row_is_the_levels_one_after_another(rng, n):
+    """The whole-row transform (every level's brackets in one pass on AVX-512) gives each level
+    the radii and brackets of forward_level, on both paths, with zeros, subnormals and a
+    non-finite value in some rows (that level and those below take hypotf and open brackets)."""
+    rows = [_pairs(rng, 400).reshape(-1)[i:i + n] for i in range(0, 800 - n, max(n // 2, 7))]
+    rows += [rng.standard_normal(n).astype(np.float32) for _ in range(20)]
+    for bad in (np.inf, -np.inf, np.nan):
+        x = rng.standard_normal(n).astype(np.float32)
+        x[rng.integers(n)] = bad
+        rows.append(x)
+    # finite values whose radii overflow: the level below holds infinities
+    rows.append(np.float32(3e38) * np.sign(rng.standard_normal(n)).astype(np.float32))
+    for portable in (True, False):
+        polar_kernels.set_portable(portable)
+        try:
+            for x in rows:
+                tree = np.zeros(2 * n, np.float32)
+                tree[:n] = x
+                lo, hi = np.empty(n - 1, np.float32), np.empty(n - 1, np.float32)
+                polar_kernels.forward_row(tree, lo, hi)
+                ref_tree, ref_lo, ref_hi = _forward_by_levels(x)
+                assert np.array_equal(tree[:2 * n - 1].view(np.uint32),
+                                      ref_tree[:2 * n - 1].view(np.uint32)), portable
+                assert np.array_equal(lo.view(np.uint32), ref_lo.view(np.uint32)), portable
+                assert np.array_equal(hi.view(np.uint32), ref_hi.view(np.uint32)), portable
+        finally:
+            polar_kernels.set_portable(False)
+
+
+def _greedy_widths(weight, gain, total):
+    """The allocation's definition: key (j, k) = weight[j] + gain[k]; the `total` largest keys
+    win, equal keys to the lower angle index; an angle's width is how many of its keys won."""
+    keys = (weight.astype(np.int64)[:, None] + gain.astype(np.int64)[None, :]).ravel()
+    angle = np.repeat(np.arange(weight.size), gain.size)
+    order = np.lexsort((angle, -keys))            # larger key first, then the lower index
+    return np.bincount(angle[order[:max(total, 0)]], minlength=weight.size).astype(np.uint8)
+
+
+@pytest.mark.parametrize("cnt", [1, 2, 3, 4, 8, 16, 32, 64, 100, 256])
+def test_radius_allocation_is_the_greedy_on_both_paths(rng, cnt):
+    """The allocation (polarops.h: the portable bracket search; under AVX-512 the vector search,
+    the ranks of 2 or 4 angles, one angle directly) against a sort of all keys: weights with many
+    ties, spans narrow and wide (past the ranks' 2^26), every total from none to all."""
+    for trial in range(40):
+        # strictly decreasing gains
+        gain = np.ascontiguousarray(np.sort(rng.choice(2_000_000, 8, replace=False))[::-1]
+                                    - 1_500_000, np.int32)
+        if trial % 3 == 0:
+            weight = rng.choice(np.array([-300_000, -250_000, 0], np.int32), cnt)
+        elif trial % 3 == 1:
+            weight = rng.integers(-3_000_000, 1, cnt).astype(np.int32)
+        else:
+            weight = rng.integers(-400_000_000, 400_000_001, cnt).astype(np.int32)
+        totals = {0, 1, 8 * cnt - 1, 8 * cnt, 8 * cnt + 5, int(rng.integers(0, 8 * cnt + 1))}
+        for total in sorted(totals):
+            expect = _greedy_widths(weight, gain, total)
+            for portable in (True, False):
+                polar_kernels.set_portable(portable)
+                try:
+                    width = np.empty(cnt, np.uint8)
+                    polar_kernels.allocate_bits(weight, gain, total, width)
+                finally:
+                    polar_kernels.set_portable(False)
+                assert np.array_equal(width, expect), (cnt, trial, total, portable)
 
 
 def _boundary_angle_rows(codec, rng, n_rows):

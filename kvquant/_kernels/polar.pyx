@@ -21,7 +21,7 @@
 # (compat) mode (ROW_RANGE: the engine would store garbage) and otherwise rotated from a copy
 # scaled by 2^-64 (the angles do not depend on the scale); the decoder unrotates overflow-safe.
 from cython.parallel cimport parallel, prange
-from libc.math cimport atan2f, hypotf, floorf, cosf, sinf, sqrt, sqrtf, isfinite, NAN
+from libc.math cimport atan2f, floorf, cosf, sinf, sqrt, sqrtf, isfinite, NAN
 from libc.float cimport FLT_MAX
 from libc.stdint cimport uint8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport malloc, free
@@ -40,14 +40,22 @@ cdef extern from "rowops.h" nogil:
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
     int kvq_code_lookup(const float* table, float v)
+    int CODE_TABLE_HEADER "KVQ_CODE_TABLE_HEADER"
     int kvq_rowops_set_path(int path)
 
 cdef extern from "polar_encode.h" nogil:
     int kvq_polar_portable
-    float ANGLE_OPEN "KVQ_ANGLE_OPEN"
     int kvq_polar_forward_level(const float* x, Py_ssize_t half, float* r, float* lo, float* hi,
                                 double* r2)
+    void kvq_polar_forward_row(float* tree, Py_ssize_t n, float* lo, float* hi, double* r2)
     int POLAR_COLS "KVQ_POLAR_COLS"
+    int POLAR_COL_ROWS "KVQ_POLAR_COL_ROWS"
+    int POLAR_COL_LO "KVQ_POLAR_COL_LO"
+    int POLAR_COL_SCALE "KVQ_POLAR_COL_SCALE"
+    int POLAR_COL_TOP "KVQ_POLAR_COL_TOP"
+    int POLAR_COL_WINDOW "KVQ_POLAR_COL_WINDOW"
+    int POLAR_COL_START "KVQ_POLAR_COL_START"
+    int POLAR_COL_BVAL "KVQ_POLAR_COL_BVAL"
     Py_ssize_t kvq_polar_lloyd_codes(const float* lo, const float* hi, Py_ssize_t cnt,
                                      const uint8_t* width, const float* tables, Py_ssize_t stride,
                                      const float* cols, uint8_t* code, int32_t* undecided)
@@ -165,12 +173,14 @@ cdef int _follow_simd() except -1:
 
 def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 9, 256)
                      const float[:, :, ::1] code_tables):   # IN (n_levels + 1, 9, L)
-    """The column tables of polar_encode.h, float32 (n_levels + 1, KVQ_POLAR_COLS, 16): entry
-    [level, k, w] is boundary k of width w at that level, +inf past the width's 2**w - 1
-    boundaries, for lanes w > 8, and for a width whose bucket table is the empty one (every angle
-    code 0: a width without a complete codebook)."""
-    cdef Py_ssize_t n_lev = boundaries.shape[0], level, w, k
-    out = np.full((n_lev, POLAR_COLS, 16), np.inf, np.float32)
+    """The column tables of polar_encode.h, float32 (n_levels + 1, KVQ_POLAR_COL_ROWS, 16). Entry
+    [level, k, w] for k < KVQ_POLAR_COLS is boundary k of width w at that level, +inf past the
+    width's 2**w - 1 boundaries, for lanes w > 8, and for a width whose bucket table is the empty
+    one (every angle code 0: a width without a complete codebook). The rows after them hold the
+    header of each width's bucket table (lanes w > 8: width 0's): lo, scale, n_buckets - 1,
+    window, and the offsets of its starts and of its boundaries in the level's tables."""
+    cdef Py_ssize_t n_lev = boundaries.shape[0], stride = code_tables.shape[2], level, w, k, ww
+    out = np.full((n_lev, POLAR_COL_ROWS, 16), np.inf, np.float32)
     cdef float[:, :, ::1] o = out
     for level in range(n_lev):
         for w in range(1, MAX_ANGLE_BITS + 1):
@@ -179,6 +189,15 @@ def boundary_columns(const float[:, :, ::1] boundaries,     # IN (n_levels + 1, 
                 continue
             for k in range(min(POLAR_COLS, (1 << w) - 1)):
                 o[level, k, w] = boundaries[level, w, k]
+        for w in range(16):
+            ww = w if w <= MAX_ANGLE_BITS else 0
+            o[level, POLAR_COL_LO, w] = code_tables[level, ww, 0]
+            o[level, POLAR_COL_SCALE, w] = code_tables[level, ww, 1]
+            o[level, POLAR_COL_TOP, w] = code_tables[level, ww, 2] - <float>1.0
+            o[level, POLAR_COL_WINDOW, w] = code_tables[level, ww, 3]
+            o[level, POLAR_COL_START, w] = <float>(ww * stride + CODE_TABLE_HEADER)
+            o[level, POLAR_COL_BVAL, w] = <float>(ww * stride + CODE_TABLE_HEADER
+                                                  + <Py_ssize_t>code_tables[level, ww, 2])
     return out
 
 
@@ -197,7 +216,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 uint8_t[::1] status,                   # OUT (n_rows,) ROW_* codes
                 int n_threads):
     cdef Py_ssize_t n_rows = X.shape[0], n = X.shape[1], code_bytes = codes.shape[1]
-    cdef Py_ssize_t r, i, j, k, off, cnt, half, rlen, in_off, n_undecided
+    cdef Py_ssize_t r, i, j, k, off, cnt, n_undecided
     cdef int n_levels = level_bits.shape[0] - 1, level, b, q
     cdef float inv_sqrt_n = (<float>1.0) / sqrtf(<float>n)
     cdef float inv_two_pi = F_HALF / PI_F
@@ -267,23 +286,9 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 kvq_rotate_scale_row_prescaled(&X[r, 0], &signs[0], n, inv_sqrt_n, <float>1.0,
                                                PRESCALE, y)
             # forward transform: level 1's brackets at [0 .. n/2), then each level after the
-            # previous; a level holding a non-finite value is redone with libm (its brackets
-            # open wide: every angle then goes to atan2f)
-            rlen = n
-            off = 0
-            in_off = 0
-            while rlen > 1:
-                half = rlen >> 1
-                if kvq_polar_forward_level(&tree[in_off], half, &tree[in_off + rlen],
-                                           &ang_lo[off], &ang_hi[off], r2):
-                    for j in range(half):
-                        tree[in_off + rlen + j] = hypotf(tree[in_off + 2 * j],
-                                                         tree[in_off + 2 * j + 1])
-                        ang_lo[off + j] = -ANGLE_OPEN
-                        ang_hi[off + j] = ANGLE_OPEN
-                off = off + half
-                in_off = in_off + rlen
-                rlen = half
+            # previous; a level holding a non-finite value takes libm's radii and its brackets
+            # open wide (every angle then goes to atan2f)
+            kvq_polar_forward_row(tree, n, ang_lo, ang_hi, r2)
             # quantize, top level first (the radius allocation needs the levels above)
             # per-row pointers: the thread's buffers stay put, only these swap
             cur_w = weight
@@ -311,7 +316,7 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
                 else:
                     n_undecided = kvq_polar_lloyd_codes(
                         &ang_lo[off], &ang_hi[off], cnt, &width[off], &code_tables[level, 0, 0],
-                        code_tables.shape[2], cols_p + level * POLAR_COLS * 16, &code[off],
+                        code_tables.shape[2], cols_p + level * POLAR_COL_ROWS * 16, &code[off],
                         undecided)
                 for k in range(n_undecided):
                     # a code boundary inside the bracket: libm's angle decides
@@ -450,6 +455,42 @@ def forward_level(const float[::1] x,     # IN  (2 * half,) pairs (a, c)
     bad = kvq_polar_forward_level(&x[0], half, &radius[0], &lo[0], &hi[0], r2)
     free(r2)
     return bool(bad)
+
+
+def forward_row(float[::1] tree,          # IN/OUT (2 * n,) the row in [0, n); the levels' radii after
+                float[::1] lo,            # OUT (n - 1,) brackets of every level's angles
+                float[::1] hi):           # OUT (n - 1,)
+    """The encoder's whole forward transform of one row (polar_encode.h): level l's inputs at
+    tree[2 (n - (n >> (l - 1))) ...), its radii right after them, its brackets at
+    lo, hi [n - (n >> (l - 1)) ...); a level holding a non-finite value takes hypotf's radii and
+    brackets [-4, 4]."""
+    cdef Py_ssize_t n = tree.shape[0] // 2
+    cdef double* r2
+    if n < 2:
+        return
+    r2 = <double*>malloc(n * sizeof(double))
+    if r2 == NULL:
+        raise MemoryError()
+    kvq_polar_forward_row(&tree[0], n, &lo[0], &hi[0], r2)
+    free(r2)
+
+
+def allocate_bits(const int32_t[::1] weight,   # IN  (cnt,) a level's weights (2^16 log2 r^2)
+                  const int32_t[::1] gain,     # IN  (8,) strictly decreasing
+                  Py_ssize_t total,            # bits of the level
+                  uint8_t[::1] width):         # OUT (cnt,)
+    """The radius allocation of one level (polarops.h), exposed for tests: giving angle j its
+    (k+1)-th bit is worth weight[j] + gain[k]; the `total` largest keys win, ties to the lower
+    index; width[j] is how many of angle j's keys won."""
+    cdef Py_ssize_t cnt = weight.shape[0]
+    cdef uint32_t* keys
+    if cnt == 0:
+        return
+    keys = <uint32_t*>malloc((MAX_ANGLE_BITS * cnt + 16) * sizeof(uint32_t))
+    if keys == NULL:
+        raise MemoryError()
+    kvq_polar_allocate_bits(&weight[0], cnt, &gain[0], total, keys, &width[0])
+    free(keys)
 
 
 # -- the engine's grids, exposed for tests ---------------------------------------------------

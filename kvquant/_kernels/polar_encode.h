@@ -4,8 +4,9 @@
  * One level maps the pairs (a, c) = (x[2j], x[2j+1]) to radii r[j] = hypotf(a, c) and angles
  * atan2f(c, a). The codes only need each angle's code, and every quantizer of the codec (the
  * engine's floor-and-clamp grids, the Lloyd boundaries) is a monotone function of the float
- * angle. So the angle is computed approximately in double precision, vectorized, with a proven
- * error bound, and the float interval [lo, hi] around it certainly holds libm's atan2f(c, a):
+ * angle. So the angle is computed approximately, in float vectors (in double where the compiler
+ * has no vector extensions), with a proven error bound, and the float interval [lo, hi] around
+ * it certainly holds libm's atan2f(c, a):
  * when the quantizer gives one code at both ends, that is the code of atan2f(c, a); otherwise
  * (about once in 10^4 angles, near a code boundary) the encoder calls atan2f itself. The codes are
  * those of the libm angle, bit for bit.
@@ -24,7 +25,9 @@
  * to float moves them by a relative 2^-24, and the interval is padded by a relative
  * 2^-16 = 1.5e-5 plus 2^-140 (float subnormals): it holds atan2f(c, a) with a margin of more
  * than ten times the sum. Pairs with a zero or a non-finite element (where the signs of
- * zeros decide between 0 and pi, and between pi and -pi) always go to libm.
+ * zeros decide between 0 and pi, and between pi and -pi) always go to libm. That is the double
+ * computation (kvq_atan2_approx); the vectors run the same steps in float, whose bound (below
+ * 2e-6 of the angle, inside the same pad) is given with the AVX-512 forward level.
  */
 #ifndef KVQ_POLAR_ENCODE_H
 #define KVQ_POLAR_ENCODE_H
@@ -67,38 +70,44 @@ KVQ_INLINE double kvq_atan2_approx(double a, double c)
 
 #if KVQ_VEC
 typedef double kvq_v8d __attribute__((vector_size(64)));
-typedef int64_t kvq_v8l __attribute__((vector_size(64)));
 typedef float kvq_v8f __attribute__((vector_size(32)));
 typedef int32_t kvq_v8i __attribute__((vector_size(32)));
 
-/* m ? a : b lane by lane (m from a vector compare: all ones or zeros) */
-KVQ_INLINE kvq_v8d kvq_sel8d(kvq_v8l m, kvq_v8d a, kvq_v8d b)
+/* The angle in float arithmetic (its bound: the comment of the AVX-512 forward level below),
+ * one definition for 8 lanes (every vector path's kvq_polar_forward_level) and 16 (AVX-512). */
+#define KVQ_DEFINE_ATAN2F(NAME, VF, VI, SEL)                                                     \
+    KVQ_INLINE VF NAME(VF a, VF c)                                                               \
+    {                                                                                            \
+        const VI abs_mask = (VI){0} + 0x7fffffff;                                                \
+        const VF ax = (VF)((VI)a & abs_mask), ac = (VF)((VI)c & abs_mask);                       \
+        const VI swap = ac > ax;                                                                 \
+        const VF num = SEL(swap, ax, ac), den = SEL(swap, ac, ax);                               \
+        /* scaled by a power of two (exact): big pairs halved, tiny ones made normal */          \
+        const VF scale = SEL(den > 1e38f, (VF){0} + 0.5f,                                        \
+                             SEL(den < 1e-30f, (VF){0} + 18446744073709551616.0f, (VF){0} + 1.0f)); \
+        const VF ns = num * scale, ds = den * scale;                                             \
+        const VI reduce = ns > 0.41421356237309503f * ds;                                        \
+        const VF u = SEL(reduce, ns - ds, ns) / SEL(reduce, ns + ds, ds);                        \
+        const VF u2 = u * u;                                                                     \
+        VF p = (VF){0} + (float)(1.0 / 13.0), th;                                                \
+        p = p * u2 - (float)(1.0 / 11.0);                                                        \
+        p = p * u2 + (float)(1.0 / 9.0);                                                         \
+        p = p * u2 - (float)(1.0 / 7.0);                                                         \
+        p = p * u2 + (float)(1.0 / 5.0);                                                         \
+        p = p * u2 - (float)(1.0 / 3.0);                                                         \
+        th = u + u * (u2 * p);                                                                   \
+        th = SEL(reduce, 0.78539816339744828f + th, th);                                         \
+        th = SEL(swap, 1.5707963267948966f - th, th);                                            \
+        th = SEL(a < 0.0f, 3.1415926535897931f - th, th);                                        \
+        return SEL(c < 0.0f, -th, th);                                                           \
+    }
+
+KVQ_INLINE kvq_v8f kvq_sel8f(kvq_v8i m, kvq_v8f a, kvq_v8f b)
 {
-    return (kvq_v8d)((m & (kvq_v8l)a) | (~m & (kvq_v8l)b));
+    return (kvq_v8f)((m & (kvq_v8i)a) | (~m & (kvq_v8i)b));
 }
 
-/* kvq_atan2_approx on 8 lanes: the same formulas, selects instead of branches. */
-KVQ_INLINE kvq_v8d kvq_atan2_approx8(kvq_v8d a, kvq_v8d c)
-{
-    const kvq_v8l abs_mask = (kvq_v8l){0} + INT64_MAX;
-    const kvq_v8d ax = (kvq_v8d)((kvq_v8l)a & abs_mask), ac = (kvq_v8d)((kvq_v8l)c & abs_mask);
-    const kvq_v8l swap = ac > ax;
-    const kvq_v8d num = kvq_sel8d(swap, ax, ac), den = kvq_sel8d(swap, ac, ax);
-    const kvq_v8l reduce = num > 0.41421356237309503 * den;
-    const kvq_v8d u = kvq_sel8d(reduce, num - den, num) / kvq_sel8d(reduce, num + den, den);
-    const kvq_v8d u2 = u * u;
-    kvq_v8d p = (kvq_v8d){0} + 1.0 / 13.0, th;
-    p = p * u2 - 1.0 / 11.0;
-    p = p * u2 + 1.0 / 9.0;
-    p = p * u2 - 1.0 / 7.0;
-    p = p * u2 + 1.0 / 5.0;
-    p = p * u2 - 1.0 / 3.0;
-    th = u + u * (u2 * p);
-    th = kvq_sel8d(reduce, 0.78539816339744828 + th, th);
-    th = kvq_sel8d(swap, 1.5707963267948966 - th, th);
-    th = kvq_sel8d(a < 0.0, 3.1415926535897931 - th, th);
-    return kvq_sel8d(c < 0.0, -th, th);
-}
+KVQ_DEFINE_ATAN2F(kvq_atan2_approx8f, kvq_v8f, kvq_v8i, kvq_sel8f)
 #endif
 
 /* One level of the forward transform: r[j] = hypotf(x[2j], x[2j+1]) and [lo[j], hi[j]] around
@@ -175,7 +184,8 @@ KVQ_INLINE int kvq_polar_forward_pair(const float *x, int64_t j, double *r2, flo
 
 #if KVQ_X86_PATHS
 /* ---- the AVX-512 forward level: the angles in float, 16 pairs a vector ---------------------
- * The same steps as kvq_atan2_approx in float arithmetic (twice the lanes of the double path).
+ * The same steps as kvq_atan2_approx in float arithmetic (KVQ_DEFINE_ATAN2F: 8 lanes on every
+ * vector path, 16 here).
  * Its error, to first order in the float unit roundoff e = 2^-24: u carries at most 3e (two
  * roundings for the reduced ratio's terms, one for the division), u*u and the series' terms
  * computed from it (coefficients rounded to float) add at most 12e to the term u * (u2 * p),
@@ -193,31 +203,19 @@ KVQ_INLINE kvq_v16f kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
     return (kvq_v16f)((m & (kvq_v16i)a) | (~m & (kvq_v16i)b));
 }
 
-KVQ_INLINE kvq_v16f kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
+KVQ_DEFINE_ATAN2F(kvq_atan2_approx16f, kvq_v16f, kvq_v16i, kvq_sel16f)
+
+/* The brackets of 16 pairs (a, c) (the AVX-512 path of kvq_polar_forward_level). Compiled for
+ * AVX-512 itself: GCC would otherwise lower its float compares lane by lane before inlining. */
+__attribute__((target("avx512f"))) KVQ_INLINE void kvq_polar_brackets16(kvq_v16f af, kvq_v16f cf, kvq_v16f *out_lo, kvq_v16f *out_hi)
 {
-    const kvq_v16i abs_mask = (kvq_v16i){0} + 0x7fffffff;
-    const kvq_v16f ax = (kvq_v16f)((kvq_v16i)a & abs_mask), ac = (kvq_v16f)((kvq_v16i)c & abs_mask);
-    const kvq_v16i swap = ac > ax;
-    const kvq_v16f num = kvq_sel16f(swap, ax, ac), den = kvq_sel16f(swap, ac, ax);
-    /* scaled by a power of two (exact): big pairs halved, tiny ones made normal */
-    const kvq_v16f scale = kvq_sel16f(den > 1e38f, (kvq_v16f){0} + 0.5f,
-                                      kvq_sel16f(den < 1e-30f, (kvq_v16f){0} + 18446744073709551616.0f,
-                                                 (kvq_v16f){0} + 1.0f));
-    const kvq_v16f ns = num * scale, ds = den * scale;
-    const kvq_v16i reduce = ns > 0.41421356237309503f * ds;
-    const kvq_v16f u = kvq_sel16f(reduce, ns - ds, ns) / kvq_sel16f(reduce, ns + ds, ds);
-    const kvq_v16f u2 = u * u;
-    kvq_v16f p = (kvq_v16f){0} + (float)(1.0 / 13.0), th;
-    p = p * u2 - (float)(1.0 / 11.0);
-    p = p * u2 + (float)(1.0 / 9.0);
-    p = p * u2 - (float)(1.0 / 7.0);
-    p = p * u2 + (float)(1.0 / 5.0);
-    p = p * u2 - (float)(1.0 / 3.0);
-    th = u + u * (u2 * p);
-    th = kvq_sel16f(reduce, 0.78539816339744828f + th, th);
-    th = kvq_sel16f(swap, 1.5707963267948966f - th, th);
-    th = kvq_sel16f(a < 0.0f, 3.1415926535897931f - th, th);
-    return kvq_sel16f(c < 0.0f, -th, th);
+    const kvq_v16f th = kvq_atan2_approx16f(af, cf);
+    const kvq_v16f pad = (kvq_v16f)((kvq_v16i)th & ((kvq_v16i){0} + 0x7fffffff))
+                         * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
+    const kvq_v16i exact = (af != 0.0f) & (cf != 0.0f);
+    const kvq_v16f open = (kvq_v16f){0} + KVQ_ANGLE_OPEN;
+    *out_lo = kvq_sel16f(exact, th - pad, -open);
+    *out_hi = kvq_sel16f(exact, th + pad, open);
 }
 
 /* The forward level (see kvq_polar_forward_level) 16 pairs at a time, a short last block from
@@ -253,13 +251,7 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
                                                     20, 22, 24, 26, 28, 30);
         const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
                                                     21, 23, 25, 27, 29, 31);
-        const kvq_v16f th = kvq_atan2_approx16f(af, cf);
-        const kvq_v16f pad = (kvq_v16f)((kvq_v16i)th & ((kvq_v16i){0} + 0x7fffffff))
-                             * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
-        const kvq_v16i exact = (af != 0.0f) & (cf != 0.0f);
-        const kvq_v16f open = (kvq_v16f){0} + KVQ_ANGLE_OPEN;
-        const kvq_v16f out_lo = kvq_sel16f(exact, th - pad, -open);
-        const kvq_v16f out_hi = kvq_sel16f(exact, th + pad, open);
+        kvq_v16f out_lo, out_hi;
         const kvq_v8f_ a0 = __builtin_shufflevector(af, af, 0, 1, 2, 3, 4, 5, 6, 7);
         const kvq_v8f_ a1 = __builtin_shufflevector(af, af, 8, 9, 10, 11, 12, 13, 14, 15);
         const kvq_v8f_ c0 = __builtin_shufflevector(cf, cf, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -270,6 +262,7 @@ kvq_polar_forward16_avx512(const float *x, int64_t half, float *lo, float *hi, d
         const kvq_v8d_ cd1 = __builtin_convertvector(c1, kvq_v8d_);
         const kvq_v8d_ sq0 = ad0 * ad0 + cd0 * cd0, sq1 = ad1 * ad1 + cd1 * cd1;
         all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX) & (cf >= -FLT_MAX);
+        kvq_polar_brackets16(af, cf, &out_lo, &out_hi);
         kvq_store16(d_lo, out_lo);
         kvq_store16(d_hi, out_hi);
         memcpy(d_r2, &sq0, sizeof sq0);
@@ -307,30 +300,52 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
 #endif
 #if KVQ_VEC
     kvq_v8i all_finite = (kvq_v8i){0} - 1;   /* lanes stay -1 while every value is finite */
-    for (; j + 8 <= half; j += 8) {
-        const kvq_v16f v = kvq_load16(x + 2 * j);
+    for (; j < half; j += 8) {
+        /* a short last block from a copy padded with finite pairs (their results dropped): every
+         * pair gets the float bracket, wherever it sits */
+        const int64_t m = half - j < 8 ? half - j : 8;
+        float in[16], t_lo[8], t_hi[8];
+        double t_r2[8];
+        const float *src = x + 2 * j;
+        float *d_lo = lo + j, *d_hi = hi + j;
+        double *d_r2 = r2 + j;
+        int i;
+        if (m < 8) {
+            for (i = 0; i < 16; i++)
+                in[i] = 1.0f;
+            memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+            src = in;
+            d_lo = t_lo;
+            d_hi = t_hi;
+            d_r2 = t_r2;
+        }
+        const kvq_v16f v = kvq_load16(src);
         const kvq_v8f af = __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14);
         const kvq_v8f cf = __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15);
         const kvq_v8d ad = __builtin_convertvector(af, kvq_v8d);
         const kvq_v8d cd = __builtin_convertvector(cf, kvq_v8d);
-        const kvq_v8d th = kvq_atan2_approx8(ad, cd);
-        const kvq_v8l abs_mask = (kvq_v8l){0} + INT64_MAX;
-        const kvq_v8d pad = (kvq_v8d)((kvq_v8l)th & abs_mask) * KVQ_ANGLE_PAD_REL
-                            + KVQ_ANGLE_PAD_ABS;
+        const kvq_v8f th = kvq_atan2_approx8f(af, cf);
+        const kvq_v8f pad = (kvq_v8f)((kvq_v8i)th & ((kvq_v8i){0} + 0x7fffffff))
+                            * (float)KVQ_ANGLE_PAD_REL + (float)KVQ_ANGLE_PAD_ABS;
         const kvq_v8i exact = (af != 0.0f) & (cf != 0.0f);
         const kvq_v8i finite = (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX)
                                & (cf >= -FLT_MAX);
-        const kvq_v8f th_lo = __builtin_convertvector(th - pad, kvq_v8f);
-        const kvq_v8f th_hi = __builtin_convertvector(th + pad, kvq_v8f);
+        const kvq_v8f th_lo = th - pad;
+        const kvq_v8f th_hi = th + pad;
         const kvq_v8f open = (kvq_v8f){0} + KVQ_ANGLE_OPEN;
         const kvq_v8d sq = ad * ad + cd * cd;
         kvq_v8f out_lo, out_hi;
         out_lo = (kvq_v8f)((exact & (kvq_v8i)th_lo) | (~exact & (kvq_v8i)(-open)));
         out_hi = (kvq_v8f)((exact & (kvq_v8i)th_hi) | (~exact & (kvq_v8i)open));
-        memcpy(lo + j, &out_lo, sizeof out_lo);
-        memcpy(hi + j, &out_hi, sizeof out_hi);
-        memcpy(r2 + j, &sq, sizeof sq);
+        memcpy(d_lo, &out_lo, sizeof out_lo);
+        memcpy(d_hi, &out_hi, sizeof out_hi);
+        memcpy(d_r2, &sq, sizeof sq);
         all_finite &= finite;
+        if (m < 8) {
+            memcpy(lo + j, t_lo, (size_t)m * sizeof(float));
+            memcpy(hi + j, t_hi, (size_t)m * sizeof(float));
+            memcpy(r2 + j, t_r2, (size_t)m * sizeof(double));
+        }
     }
     {
         int32_t f[8];
@@ -340,22 +355,213 @@ static int kvq_polar_forward_level(const float *x, int64_t half, float *r, float
             bad |= !f[k];
     }
 #endif
-    for (; j < half; j++)
+    for (; j < half; j++)   /* without vector extensions: the double computation */
         bad |= kvq_polar_forward_pair(x, j, r2, lo, hi);
     kvq_sqrt_to_float(r2, half, r);
     return bad;
 }
 
-/* Boundaries per width that the vector path compares (widths up to 5); the codec's column table
- * of a level holds, for k < KVQ_POLAR_COLS, the k-th boundary of every width w (0..8) in lane w:
- * cols[16 k + w], +inf past a width's boundaries (and for a width without a codebook: code 0). */
+#if KVQ_X86_PATHS
+/* kvq_polar_forward_row under AVX-512: the radii level by level (each level's inputs are the
+ * radii of the one before), 16 pairs a vector, then the brackets of every level in one pass over
+ * the tree: a pair's bracket depends on its own two values only, so the levels' short blocks
+ * share vectors. Returns a bit per level (bit l: level l) holding a non-finite value. */
+__attribute__((target("avx512f"))) static uint32_t
+kvq_polar_forward_row_avx512(float *tree, int64_t n, float *lo, float *hi)
+{
+    typedef double kvq_v8d_ __attribute__((vector_size(64)));
+    typedef float kvq_v8f_ __attribute__((vector_size(32)));
+    int64_t rlen, in_off = 0, j;
+    uint32_t bad_levels = 0;
+    int level = 1;
+    for (rlen = n; rlen > 16; rlen >>= 1, level++) {
+        const int64_t half = rlen >> 1;
+        const float *x = tree + in_off;
+        float *r = tree + in_off + rlen;
+        kvq_v16i all_finite = (kvq_v16i){0} - 1;
+        for (j = 0; j < half; j += 16) {
+            const int64_t m = half - j < 16 ? half - j : 16;
+            float in[32], out[16];
+            const float *src = x + 2 * j;
+            int i;
+            if (m < 16) {
+                /* a short block from a copy padded with finite pairs (results dropped) */
+                for (i = 0; i < 32; i++)
+                    in[i] = 1.0f;
+                memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+                src = in;
+            }
+            {
+                const kvq_v16f v0 = kvq_load16(src), v1 = kvq_load16(src + 16);
+                const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16,
+                                                            18, 20, 22, 24, 26, 28, 30);
+                const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17,
+                                                            19, 21, 23, 25, 27, 29, 31);
+                const kvq_v8d_ ad0 = __builtin_convertvector(
+                    __builtin_shufflevector(af, af, 0, 1, 2, 3, 4, 5, 6, 7), kvq_v8d_);
+                const kvq_v8d_ ad1 = __builtin_convertvector(
+                    __builtin_shufflevector(af, af, 8, 9, 10, 11, 12, 13, 14, 15), kvq_v8d_);
+                const kvq_v8d_ cd0 = __builtin_convertvector(
+                    __builtin_shufflevector(cf, cf, 0, 1, 2, 3, 4, 5, 6, 7), kvq_v8d_);
+                const kvq_v8d_ cd1 = __builtin_convertvector(
+                    __builtin_shufflevector(cf, cf, 8, 9, 10, 11, 12, 13, 14, 15), kvq_v8d_);
+                /* glibc's hypotf of finite floats: (float) sqrt(a^2 + c^2) in double */
+                const __m256 r0 = _mm512_cvtpd_ps(_mm512_sqrt_pd((__m512d)(ad0 * ad0 + cd0 * cd0)));
+                const __m256 r1 = _mm512_cvtpd_ps(_mm512_sqrt_pd((__m512d)(ad1 * ad1 + cd1 * cd1)));
+                all_finite &= (af <= FLT_MAX) & (af >= -FLT_MAX) & (cf <= FLT_MAX)
+                              & (cf >= -FLT_MAX);
+                if (m == 16) {
+                    _mm256_storeu_ps(r + j, r0);
+                    _mm256_storeu_ps(r + j + 8, r1);
+                } else {
+                    _mm256_storeu_ps(out, r0);
+                    _mm256_storeu_ps(out + 8, r1);
+                    memcpy(r + j, out, (size_t)m * sizeof(float));
+                }
+            }
+        }
+        if (_mm512_cmpneq_epi32_mask((__m512i)all_finite, _mm512_set1_epi32(-1)) != 0) {
+            /* libm's radii for a level holding a non-finite value */
+            bad_levels |= 1u << level;
+            for (j = 0; j < half; j++)
+                r[j] = hypotf(x[2 * j], x[2 * j + 1]);
+        }
+        in_off += rlen;
+    }
+    if (rlen > 1) {
+        /* the levels of 8 pairs or fewer in one register, each level's radii the next one's
+         * pairs (lanes past a level's values hold 1: finite, results dropped) */
+        const kvq_v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const kvq_v16f ones = (kvq_v16f){0} + 1.0f;
+        kvq_v16f x = (kvq_v16f)_mm512_mask_loadu_ps((__m512)ones, (__mmask16)((1u << rlen) - 1u),
+                                                   tree + in_off);
+        for (; rlen > 1; rlen >>= 1, level++) {
+            const int64_t half = rlen >> 1;
+            const kvq_v8f_ af = __builtin_shufflevector(x, x, 0, 2, 4, 6, 8, 10, 12, 14);
+            const kvq_v8f_ cf = __builtin_shufflevector(x, x, 1, 3, 5, 7, 9, 11, 13, 15);
+            const kvq_v8d_ ad = __builtin_convertvector(af, kvq_v8d_);
+            const kvq_v8d_ cd = __builtin_convertvector(cf, kvq_v8d_);
+            const __m256 r8 = _mm512_cvtpd_ps(_mm512_sqrt_pd((__m512d)(ad * ad + cd * cd)));
+            const __mmask16 live = (__mmask16)((1u << rlen) - 1u);
+            float *r = tree + in_off + rlen;
+            if (_mm512_mask_cmp_ps_mask(live, _mm512_abs_ps((__m512)x),
+                                        _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ) != 0) {
+                const float *xi = tree + in_off;
+                bad_levels |= 1u << level;
+                for (j = 0; j < half; j++)
+                    r[j] = hypotf(xi[2 * j], xi[2 * j + 1]);
+                x = (kvq_v16f)_mm512_mask_loadu_ps((__m512)ones,
+                                                   (__mmask16)((1u << half) - 1u), r);
+            } else {
+                _mm512_mask_storeu_ps(r, (__mmask16)((1u << half) - 1u), _mm512_castps256_ps512(r8));
+                x = kvq_sel16f(lane < (int32_t)half,
+                               __builtin_shufflevector((kvq_v8f_)r8, (kvq_v8f_)r8, 0, 1, 2, 3, 4,
+                                                       5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
+                               ones);
+            }
+            in_off += rlen;
+        }
+    }
+    /* the brackets of all n - 1 pairs: tree[0 .. 2 (n - 1)) */
+    for (j = 0; j < n - 1; j += 16) {
+        const int64_t m = n - 1 - j < 16 ? n - 1 - j : 16;
+        float in[32], b_lo[16], b_hi[16];
+        const float *src = tree + 2 * j;
+        kvq_v16f out_lo, out_hi;
+        int i;
+        if (m < 16) {
+            for (i = 0; i < 32; i++)
+                in[i] = 1.0f;
+            memcpy(in, src, (size_t)(2 * m) * sizeof(float));
+            src = in;
+        }
+        {
+            const kvq_v16f v0 = kvq_load16(src), v1 = kvq_load16(src + 16);
+            const kvq_v16f af = __builtin_shufflevector(v0, v1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
+                                                        20, 22, 24, 26, 28, 30);
+            const kvq_v16f cf = __builtin_shufflevector(v0, v1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
+                                                        21, 23, 25, 27, 29, 31);
+            kvq_polar_brackets16(af, cf, &out_lo, &out_hi);
+        }
+        if (m == 16) {
+            kvq_store16(lo + j, out_lo);
+            kvq_store16(hi + j, out_hi);
+        } else {
+            kvq_store16(b_lo, out_lo);
+            kvq_store16(b_hi, out_hi);
+            memcpy(lo + j, b_lo, (size_t)m * sizeof(float));
+            memcpy(hi + j, b_hi, (size_t)m * sizeof(float));
+        }
+    }
+    return bad_levels;
+}
+#endif
+
+/* The forward transform of a row: tree[0 .. n) holds the rotated row; level l's inputs are at
+ * tree[2 (n - (n >> (l - 1))) ...), its radii (the next level's inputs) follow them, and the
+ * brackets of its angles are at lo, hi [n - (n >> (l - 1)) ...) (tree holds 2 n floats, lo and hi
+ * n - 1, r2 n / 2 doubles of scratch). A level holding a non-finite value takes libm's radii
+ * (hypotf) and brackets open wide (-4, 4: every angle then goes to atan2f). */
+static void kvq_polar_forward_row(float *tree, int64_t n, float *lo, float *hi, double *r2)
+{
+    int64_t rlen, in_off = 0, off = 0, j;
+    uint32_t bad_levels = 0;
+    int level;
+#if KVQ_X86_PATHS
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
+        bad_levels = kvq_polar_forward_row_avx512(tree, n, lo, hi);
+    } else
+#endif
+    {
+        for (rlen = n, level = 1; rlen > 1; rlen >>= 1, level++) {
+            const int64_t half = rlen >> 1;
+            if (kvq_polar_forward_level(tree + in_off, half, tree + in_off + rlen, lo + off,
+                                        hi + off, r2)) {
+                bad_levels |= 1u << level;
+                for (j = 0; j < half; j++)
+                    tree[in_off + rlen + j] = hypotf(tree[in_off + 2 * j],
+                                                     tree[in_off + 2 * j + 1]);
+            }
+            off += half;
+            in_off += rlen;
+        }
+    }
+    if (bad_levels != 0)
+        for (rlen = n, level = 1, off = 0; rlen > 1; rlen >>= 1, level++) {
+            if (bad_levels & (1u << level))
+                for (j = 0; j < rlen >> 1; j++) {
+                    lo[off + j] = -KVQ_ANGLE_OPEN;
+                    hi[off + j] = KVQ_ANGLE_OPEN;
+                }
+            off += rlen >> 1;
+        }
+}
+
+/* The codec's column table of a level (polar.pyx's boundary_columns), KVQ_POLAR_COL_ROWS rows
+ * of 16 lanes, lane w for width w (0..8; lanes past 8 as width 0): rows k < KVQ_POLAR_COLS hold
+ * the k-th boundary of every width that the vector path compares (widths up to 5), +inf past a
+ * width's boundaries (and for a width without a codebook: code 0); then the header of each
+ * width's bucket table (rowops.h) for the gathers: lo, scale, n_buckets - 1, window, and where
+ * its starts and its boundaries begin in the level's tables (integers, exact in float). */
 #define KVQ_POLAR_COLS 31
+#define KVQ_POLAR_COL_LO (KVQ_POLAR_COLS + 0)
+#define KVQ_POLAR_COL_SCALE (KVQ_POLAR_COLS + 1)
+#define KVQ_POLAR_COL_TOP (KVQ_POLAR_COLS + 2)
+#define KVQ_POLAR_COL_WINDOW (KVQ_POLAR_COLS + 3)
+#define KVQ_POLAR_COL_START (KVQ_POLAR_COLS + 4)
+#define KVQ_POLAR_COL_BVAL (KVQ_POLAR_COLS + 5)
+#define KVQ_POLAR_COL_ROWS (KVQ_POLAR_COLS + 6)
 
 #if KVQ_CODE_PLAN
-/* kvq_polar_lloyd_codes sixteen angles at a time: each lane's code is the count of its width's
- * boundaries below the bracket end (each boundary column permuted to the lanes' widths; the
- * same rule as the bucket tables, #{boundaries < v}); lanes wider than 5 bits take the table.
- * Under AVX-512 (rowops.h's KVQ_CODE_PLAN: GCC's permutations). */
+/* Blocks whose widest lane has more bits than this take the bucket tables by gathers; narrower
+ * ones count their boundaries (2^w - 1 compares: cheaper up to 4 bits). */
+#define KVQ_POLAR_GATHER_ABOVE 4
+
+/* kvq_polar_lloyd_codes sixteen angles at a time. Narrow blocks: each lane's code is the count
+ * of its width's boundaries below the bracket end (each boundary column permuted to the lanes'
+ * widths; the same rule as the bucket tables, #{boundaries < v}). Wide blocks: kvq_code_lookup
+ * lane by lane, its float operations in vectors, the bucket starts and boundaries gathered from
+ * each lane's table. Under AVX-512 (rowops.h's KVQ_CODE_PLAN: GCC's permutations). */
 __attribute__((target("avx512f"))) static int64_t
 kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, const uint8_t *width,
                              const float *tables, int64_t stride, const float *cols,
@@ -363,11 +569,20 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
 {
     typedef uint8_t kvq_v16u8 __attribute__((vector_size(16)));
     int64_t j, n_undecided = 0;
-    int k, l;
+    int k;
+    const kvq_v16f t_lo = kvq_load16(cols + 16 * KVQ_POLAR_COL_LO);
+    const kvq_v16f t_scale = kvq_load16(cols + 16 * KVQ_POLAR_COL_SCALE);
+    const kvq_v16f t_top = kvq_load16(cols + 16 * KVQ_POLAR_COL_TOP);
+    const kvq_v16i t_win = __builtin_convertvector(kvq_load16(cols + 16 * KVQ_POLAR_COL_WINDOW),
+                                                   kvq_v16i);
+    const kvq_v16i t_start = __builtin_convertvector(kvq_load16(cols + 16 * KVQ_POLAR_COL_START),
+                                                     kvq_v16i);
+    const kvq_v16i t_bval = __builtin_convertvector(kvq_load16(cols + 16 * KVQ_POLAR_COL_BVAL),
+                                                    kvq_v16i);
+    (void)stride;
     for (j = 0; j < cnt; j += 16) {
         const int m = cnt - j < 16 ? (int)(cnt - j) : 16;
-        int32_t q_lo[16], q_hi[16];
-        int w_max, w_cmp, n_cmp;
+        int w_max;
         kvq_v16u8 w8, c8;
         uint32_t mask;
         kvq_v16i wi, c_lo = {0}, c_hi = {0};
@@ -388,26 +603,43 @@ kvq_polar_lloyd_codes_avx512(const float *lo, const float *hi, int64_t cnt, cons
             memcpy(&w8, b_w, 16);
         }
         wi = __builtin_convertvector(w8, kvq_v16i);
-        /* the widest lane, and the widest the compares decide (up to 5 bits) */
         w_max = _mm512_reduce_max_epi32((__m512i)wi);
-        w_cmp = _mm512_reduce_max_epi32((__m512i)(wi & (wi <= 5)));
-        n_cmp = (1 << w_cmp) - 1;
-        for (k = 0; k < n_cmp; k++) {
-            const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
-            c_lo -= v_lo > bk;                                    /* true is -1 */
-            c_hi -= v_hi > bk;
-        }
-        if (w_max > 5) {
-            memcpy(q_lo, &c_lo, sizeof q_lo);
-            memcpy(q_hi, &c_hi, sizeof q_hi);
-            for (l = 0; l < m; l++)
-                if (width[j + l] > 5) {
-                    const float *t = tables + width[j + l] * stride;
-                    q_lo[l] = kvq_code_lookup(t, lo[j + l]);
-                    q_hi[l] = kvq_code_lookup(t, hi[j + l]);
-                }
-            memcpy(&c_lo, q_lo, sizeof q_lo);
-            memcpy(&c_hi, q_hi, sizeof q_hi);
+        if (w_max <= KVQ_POLAR_GATHER_ABOVE) {
+            const int n_cmp = (1 << w_max) - 1;
+            for (k = 0; k < n_cmp; k++) {
+                const kvq_v16f bk = __builtin_shuffle(kvq_load16(cols + 16 * k), wi);
+                c_lo -= v_lo > bk;                                    /* true is -1 */
+                c_hi -= v_hi > bk;
+            }
+        } else {
+            /* kvq_code_bucket and kvq_code_lookup (rowops.h), the same float operations */
+            const kvq_v16f l0 = __builtin_shuffle(t_lo, wi), sc = __builtin_shuffle(t_scale, wi);
+            const kvq_v16f top = __builtin_shuffle(t_top, wi);
+            const kvq_v16i win = __builtin_shuffle(t_win, wi);
+            const kvq_v16i st = __builtin_shuffle(t_start, wi), bv = __builtin_shuffle(t_bval, wi);
+            const int w_win = _mm512_reduce_max_epi32((__m512i)win);
+            kvq_v16f f_lo = (v_lo - l0) * sc, f_hi = (v_hi - l0) * sc;
+            kvq_v16i b_lo, b_hi;
+            f_lo = kvq_sel16f(f_lo > 0.0f, f_lo, (kvq_v16f){0});
+            f_hi = kvq_sel16f(f_hi > 0.0f, f_hi, (kvq_v16f){0});
+            f_lo = kvq_sel16f(f_lo < top, f_lo, top);
+            f_hi = kvq_sel16f(f_hi < top, f_hi, top);
+            b_lo = __builtin_convertvector(f_lo, kvq_v16i);
+            b_hi = __builtin_convertvector(f_hi, kvq_v16i);
+            c_lo = (kvq_v16i)_mm512_cvttps_epi32(
+                _mm512_i32gather_ps((__m512i)(st + b_lo), tables, 4));
+            c_hi = (kvq_v16i)_mm512_cvttps_epi32(
+                _mm512_i32gather_ps((__m512i)(st + b_hi), tables, 4));
+            for (k = 0; k < w_win; k++) {
+                const __mmask16 live = _mm512_cmpgt_epi32_mask((__m512i)win,
+                                                               _mm512_set1_epi32(k));
+                const kvq_v16f g_lo = (kvq_v16f)_mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), live, (__m512i)(bv + b_lo * win + k), tables, 4);
+                const kvq_v16f g_hi = (kvq_v16f)_mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), live, (__m512i)(bv + b_hi * win + k), tables, 4);
+                c_lo -= (g_lo < v_lo) & (win > k);
+                c_hi -= (g_hi < v_hi) & (win > k);
+            }
         }
         c8 = __builtin_convertvector(c_lo, kvq_v16u8);
         memcpy(code + j, &c8, (size_t)m);
@@ -460,13 +692,67 @@ static int64_t kvq_polar_lloyd_codes(const float *lo, const float *hi, int64_t c
     return n_undecided;
 }
 
+#if KVQ_X86_PATHS
+/* kvq_polar_pack with BMI2 (on the AVX-512 path: CPUs whose pext is fast): eight codes at a
+ * time, each width's mask (2^w - 1) by a byte shuffle, the codes' bits gathered by one pext. */
+__attribute__((target("bmi2,popcnt,ssse3"))) static int64_t
+kvq_polar_pack_bmi2(const uint8_t *code, const uint8_t *width, int64_t n, uint8_t *row,
+                    uint64_t *acc_out, int *filled_out, int64_t *o_out)
+{
+    const __m128i masks = _mm_setr_epi8(0, 1, 3, 7, 15, 31, 63, 127, (char)255, 0, 0, 0, 0, 0, 0,
+                                        0);
+    unsigned __int128 acc = 0;
+    int filled = 0;
+    int64_t i = 0, o = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m128i mk = _mm_shuffle_epi8(masks, _mm_loadu_si128((const __m128i *)(width + i)));
+        uint64_t m[2], c[2];
+        int h;
+        _mm_storeu_si128((__m128i *)m, mk);
+        memcpy(c, code + i, 16);
+        for (h = 0; h < 2; h++) {
+            acc |= (unsigned __int128)_pext_u64(c[h], m[h]) << filled;
+            filled += (int)_mm_popcnt_u64(m[h]);
+            if (filled >= 64) {
+                const uint64_t lo64 = (uint64_t)acc;
+                int b;
+                for (b = 0; b < 8; b++)
+                    row[o + b] = (uint8_t)(lo64 >> (8 * b));
+                o += 8;
+                acc >>= 64;
+                filled -= 64;
+            }
+        }
+    }
+    /* the rest: the caller's loop, from this state (filled < 64 bits) */
+    while (filled >= 32) {
+        const uint64_t lo64 = (uint64_t)acc;
+        row[o] = (uint8_t)lo64;
+        row[o + 1] = (uint8_t)(lo64 >> 8);
+        row[o + 2] = (uint8_t)(lo64 >> 16);
+        row[o + 3] = (uint8_t)(lo64 >> 24);
+        o += 4;
+        acc >>= 32;
+        filled -= 32;
+    }
+    *acc_out = (uint64_t)acc;
+    *filled_out = filled;
+    *o_out = o;
+    return i;
+}
+#endif
+
 /* n codes of width[i] bits (0..8) into the zeroed row, LSB first from bit 0, in index order. */
 static void kvq_polar_pack(const uint8_t *code, const uint8_t *width, int64_t n, uint8_t *row)
 {
     uint64_t acc = 0;
     int filled = 0;
-    int64_t i, o = 0;
-    for (i = 0; i < n; i++) {
+    int64_t i = 0, o = 0;
+#if KVQ_X86_PATHS
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("bmi2"))
+        i = kvq_polar_pack_bmi2(code, width, n, row, &acc, &filled, &o);
+#endif
+    for (; i < n; i++) {
         acc |= (uint64_t)code[i] << filled;
         filled += width[i];
         if (filled >= 32) {

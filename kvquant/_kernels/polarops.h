@@ -147,48 +147,23 @@ static void kvq_polar_make_keys(const int32_t* weight, int64_t cnt, const int32_
 /* The search below stops once its bracket holds this few keys, and picks among them directly. */
 #define KVQ_POLAR_FEW 16
 
+/* The allocation's AVX-512 kernels (below) are built by GCC on x86-64 Linux. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#define KVQ_POLAR_AVX512 1
+#else
+#define KVQ_POLAR_AVX512 0
+#endif
+
 /* The keys in [lo, lo + width) (the first KVQ_POLAR_FEW of them, in index order) into cand,
  * which holds KVQ_POLAR_FEW + 1 slots; returns how many. Each block of 16 keys gives a bit mask
  * of the keys in range (a vectorized test); only its set bits are visited. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#include <immintrin.h>
-#define KVQ_POLAR_COLLECT_AVX512 1
-/* The same under AVX-512: one unsigned compare gives a block's mask. */
-__attribute__((target("avx512f"))) static int kvq_polar_collect_avx512(const uint32_t* key,
-                                                                      int64_t m, uint32_t lo,
-                                                                      uint32_t width,
-                                                                      uint32_t* cand)
-{
-    const __m512i v_lo = _mm512_set1_epi32((int)lo), v_width = _mm512_set1_epi32((int)width);
-    int64_t i0, i;
-    int found = 0;
-    for (i0 = 0; i0 + 16 <= m && found < KVQ_POLAR_FEW; i0 += 16) {
-        const __m512i k = _mm512_loadu_si512((const void*)(key + i0));
-        uint32_t mask = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(k, v_lo), v_width);
-        while (mask != 0 && found < KVQ_POLAR_FEW) {
-            cand[found++] = key[i0 + __builtin_ctz(mask)];
-            mask &= mask - 1u;
-        }
-    }
-    for (i = i0; i < m && found < KVQ_POLAR_FEW; i++)
-        if (key[i] - lo < width)
-            cand[found++] = key[i];
-    return found;
-}
-#else
-#define KVQ_POLAR_COLLECT_AVX512 0
-#endif
-
 KVQ_POLAR_CLONES
 static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32_t width,
                              uint32_t* cand)
 {
     int64_t i0, i;
     int found = 0;
-#if KVQ_POLAR_COLLECT_AVX512
-    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f"))
-        return kvq_polar_collect_avx512(key, m, lo, width, cand);
-#endif
     for (i0 = 0; i0 < m && found < KVQ_POLAR_FEW; i0 += 16) {
         const int64_t e = i0 + 16 < m ? i0 + 16 : m;
         uint32_t mask = 0;
@@ -201,10 +176,10 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
     return found;
 }
 
-#if KVQ_POLAR_COLLECT_AVX512
-/* kvq_polar_widths under AVX-512 (levels of 8 angles or more): 16 angles a vector, each
- * angle's next key (weight plus the gain of its width) by a permute, so that the ties are found
- * in the same pass. */
+#if KVQ_POLAR_AVX512
+/* kvq_polar_widths under AVX-512: 16 angles a vector, each angle's next key (weight plus the
+ * gain of its width) by a permute, so that the ties are found in the same pass. `weight` is
+ * read in whole vectors (room for cnt rounded up to 16 values; the lanes past cnt are unused). */
 __attribute__((target("avx512f"))) static void
 kvq_polar_widths_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain, int64_t base,
                         uint32_t thr, int64_t need, uint8_t* width)
@@ -219,13 +194,24 @@ kvq_polar_widths_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain,
         g[k] = _mm512_set1_epi32(gain[k]);
     for (j0 = 0; j0 < cnt; j0 += 16) {
         const __mmask16 live = cnt - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cnt - j0)) - 1u);
-        const __m512i wj = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, weight + j0), v_base);
+        const __m512i wj = _mm512_sub_epi32(_mm512_loadu_si512((const void*)(weight + j0)), v_base);
         __m512i above = _mm512_setzero_si512();
         for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
             above = _mm512_mask_add_epi32(above,
                                           _mm512_cmpgt_epu32_mask(_mm512_add_epi32(wj, g[k]), v_thr),
                                           above, one);
-        _mm512_mask_cvtepi32_storeu_epi8(width + j0, live, above);
+        {
+            /* narrowed in a register and copied (a narrowing store to memory is slow on some
+             * CPUs) */
+            const __m128i w8 = _mm512_cvtepi32_epi8(above);
+            if (live == 0xFFFF)
+                _mm_storeu_si128((__m128i*)(width + j0), w8);
+            else {
+                uint8_t b8[16];
+                _mm_storeu_si128((__m128i*)b8, w8);
+                memcpy(width + j0, b8, (size_t)(cnt - j0));
+            }
+        }
         if (need > 0) {
             /* the angles whose next key is thr, in index order: the first `need` of them win */
             const __m512i next = _mm512_add_epi32(wj, _mm512_permutexvar_epi32(above, v_gain));
@@ -242,15 +228,16 @@ kvq_polar_widths_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain,
 }
 #endif
 
-#if KVQ_POLAR_COLLECT_AVX512
-/* The r-th largest (1 <= r <= m) of cand[0 .. m), m <= 16, without sorting (a sort of 16 random
+#if KVQ_POLAR_AVX512
+/* The r-th largest (1 <= r <= m) of cand[0 .. m), m <= 16 (cand holds 16), without sorting (a sort of 16 random
  * keys mispredicts most of its steps): the smallest value with fewer than r values above it.
  * Adds to *n_above how many are above it. */
 __attribute__((target("avx512f"))) static uint32_t
 kvq_polar_select_avx512(const uint32_t* cand, int m, int64_t r, int64_t* n_above)
 {
     const __mmask16 live = (__mmask16)((1u << m) - 1u);
-    const __m512i v = _mm512_maskz_loadu_epi32(live, cand), one = _mm512_set1_epi32(1);
+    const __m512i v = _mm512_maskz_mov_epi32(live, _mm512_loadu_si512((const void*)cand));
+    const __m512i one = _mm512_set1_epi32(1);
     __m512i gt = _mm512_setzero_si512();
     uint32_t thr;
     int j;
@@ -264,6 +251,195 @@ kvq_polar_select_avx512(const uint32_t* cand, int m, int64_t r, int64_t* n_above
 }
 #endif
 
+#if KVQ_POLAR_AVX512
+/* kvq_polar_allocate_bits under AVX-512 (0 < total < MAX_BITS * cnt, cnt >= 2): the same exact
+ * threshold, found without writing the keys. Key (j, k) is rel[j] + lift[k] with rel[j] = weight[j]
+ * - min weight and lift[k] = gain[k] - gain[MAX_BITS - 1], both >= 0 (`rel`: scratch for cnt
+ * values rounded up to 16). The keys >= t are counted 16 angles a vector as rel >= t - lift[k] (a
+ * bound at or below 0 counts every angle, one above 2^32 - 1 none). The bracket steps are those
+ * of the portable search; its last few keys are gathered by compresses. */
+__attribute__((target("avx512f"))) static int64_t
+kvq_polar_count_ge_avx512(const uint32_t* rel, int64_t cnt, const int64_t* lift, int64_t t)
+{
+    __m512i acc = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1);
+    int64_t j0, c = 0;
+    int k;
+    for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) {
+        const int64_t b = t - lift[k];
+        __m512i vb;
+        if (b <= 0) {
+            c += cnt;
+            continue;
+        }
+        if (b > (int64_t)UINT32_MAX)
+            continue;
+        vb = _mm512_set1_epi32((int)(uint32_t)b);
+        for (j0 = 0; j0 + 16 <= cnt; j0 += 16)
+            acc = _mm512_mask_add_epi32(acc,
+                                        _mm512_cmpge_epu32_mask(_mm512_loadu_si512(rel + j0), vb),
+                                        acc, one);
+        if (j0 < cnt) {
+            const __mmask16 live = (__mmask16)((1u << (cnt - j0)) - 1u);
+            acc = _mm512_mask_add_epi32(
+                acc, _mm512_mask_cmpge_epu32_mask(live, _mm512_loadu_si512((const void*)(rel + j0)), vb),
+                acc, one);
+        }
+    }
+    return c + (int64_t)(uint32_t)_mm512_reduce_add_epi32(acc);
+}
+
+/* The allocation of a level of 2 or 4 angles under AVX-512 (0 < total < MAX_BITS * cnt), by
+ * ranks: with key' = 64 key + 63 - (8 j + k) the keys are distinct and ordered as the greedy takes
+ * them (larger first, ties to the lower index), so key' wins when fewer than `total` keys' are
+ * above it; each key' is compared with all (cheaper than the search up to 4 angles). Needs
+ * span < 2^26 (key' < 2^32): returns 0 (and does nothing) otherwise. */
+#define KVQ_POLAR_RANK_MAX_CNT 4
+__attribute__((target("avx512f"))) static int
+kvq_polar_allocate_ranked_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                                 int64_t total, uint8_t* width)
+{
+    const int n_vec = (int)(cnt >> 1);   /* 16 keys (two angles) a vector */
+    uint32_t key[KVQ_POLAR_RANK_MAX_CNT * KVQ_POLAR_MAX_BITS];
+    __m512i kv[KVQ_POLAR_RANK_MAX_CNT / 2], rank[KVQ_POLAR_RANK_MAX_CNT / 2];
+    const __m512i gain2 = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)gain)),
+        _mm256_loadu_si256((const __m256i*)gain), 1);
+    const __m512i lane_down = _mm512_set_epi32(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59,
+                                               60, 61, 62, 63);
+    const __m512i one = _mm512_set1_epi32(1), v_total = _mm512_set1_epi32((int)total);
+    int64_t w_min = weight[0], w_max = weight[0], base, span, j;
+    int v, i;
+    for (j = 1; j < cnt; j++) {
+        w_min = weight[j] < w_min ? weight[j] : w_min;
+        w_max = weight[j] > w_max ? weight[j] : w_max;
+    }
+    base = w_min + gain[KVQ_POLAR_MAX_BITS - 1];
+    span = w_max + gain[0] - base;
+    if (span >= ((int64_t)1 << 26))
+        return 0;
+    for (v = 0; v < n_vec; v++) {
+        const __m512i w = _mm512_mask_blend_epi32(
+            0xFF00, _mm512_set1_epi32((int)(uint32_t)(weight[2 * v] - base)),
+            _mm512_set1_epi32((int)(uint32_t)(weight[2 * v + 1] - base)));
+        /* 64 key + 63 - flat index: lane l of vector v is index 16 v + l */
+        kv[v] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(w, gain2), 6),
+                                 _mm512_sub_epi32(lane_down, _mm512_set1_epi32(16 * v - 48)));
+        _mm512_storeu_si512((void*)(key + 16 * v), kv[v]);
+        rank[v] = _mm512_setzero_si512();
+    }
+    for (i = 0; i < 16 * n_vec; i++) {
+        const __m512i b = _mm512_set1_epi32((int)key[i]);
+        for (v = 0; v < n_vec; v++)
+            rank[v] = _mm512_mask_add_epi32(rank[v], _mm512_cmpgt_epu32_mask(b, kv[v]), rank[v],
+                                            one);
+    }
+    for (v = 0; v < n_vec; v++) {
+        const uint32_t win = _mm512_cmplt_epu32_mask(rank[v], v_total);
+        width[2 * v] = (uint8_t)__builtin_popcount(win & 0xFFu);
+        width[2 * v + 1] = (uint8_t)__builtin_popcount(win >> 8);
+    }
+    return 1;
+}
+
+__attribute__((target("avx512f"))) static void
+kvq_polar_allocate_bits_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                               int64_t total, uint32_t* rel, uint8_t* width)
+{
+    const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
+    uint32_t cand[2 * KVQ_POLAR_FEW];
+    int64_t lo, hi, c_lo, c_hi, t = 0, c = 0, w_sum = 0, step = 0, j0;
+    int64_t w_min, w_max, base, span, lift[KVQ_POLAR_MAX_BITS];
+    int halve = 0, m = 0, k;
+    __m512i v_min = _mm512_set1_epi32(INT32_MAX), v_max = _mm512_set1_epi32(INT32_MIN);
+    __m512i v_sum = _mm512_setzero_si512();
+    uint32_t thr;
+    /* the weights into rel first, in whole vectors (a masked load of data just stored is slow on
+     * some CPUs); the lanes past cnt repeat weight[0] */
+    for (j0 = 0; j0 + 16 <= cnt; j0 += 16)
+        _mm512_storeu_si512((void*)(rel + j0), _mm512_loadu_si512((const void*)(weight + j0)));
+    for (k = (int)j0; k < j0 + 16; k++)
+        rel[k] = (uint32_t)weight[k < cnt ? k : 0];
+    for (j0 = 0; j0 < cnt; j0 += 16) {
+        const __mmask16 live = cnt - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cnt - j0)) - 1u);
+        const __m512i w = _mm512_loadu_si512((const void*)(rel + j0));
+        v_min = _mm512_mask_min_epi32(v_min, live, v_min, w);
+        v_max = _mm512_mask_max_epi32(v_max, live, v_max, w);
+        v_sum = _mm512_add_epi64(v_sum, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(w)));
+        v_sum = _mm512_add_epi64(v_sum, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(w, 1)));
+    }
+    w_min = _mm512_reduce_min_epi32(v_min);
+    w_max = _mm512_reduce_max_epi32(v_max);
+    w_sum = _mm512_reduce_add_epi64(v_sum);
+    base = w_min + gain[KVQ_POLAR_MAX_BITS - 1];
+    span = w_max + gain[0] - base;
+    for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+        lift[k] = (int64_t)gain[k] - gain[KVQ_POLAR_MAX_BITS - 1];
+    {
+        const __m512i v_base = _mm512_set1_epi32((int)(uint32_t)w_min);
+        for (j0 = 0; j0 < cnt; j0 += 16)
+            _mm512_storeu_si512((void*)(rel + j0),
+                                _mm512_sub_epi32(_mm512_loadu_si512((const void*)(rel + j0)),
+                                                 v_base));
+    }
+    lo = 0;
+    hi = span + 1;
+    c_lo = n_keys;
+    c_hi = 0;
+    while (hi - lo > 1 && c_lo - c_hi > KVQ_POLAR_FEW) {
+        const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
+        if (step == 0)
+            t = w_sum / cnt - base + ((int64_t)gain[a - 1] + gain[a]) / 2;
+        else if (step == 1)
+            t += (int64_t)((double)(c - total) * (double)((int64_t)gain[a - 1] - gain[a])
+                           / (double)cnt);
+        else if (halve)
+            t = lo + (hi - lo) / 2;
+        else
+            t = lo + (int64_t)((double)(hi - lo) * (double)(c_lo - total + 1)
+                               / (double)(c_lo - c_hi + 1));
+        t = t <= lo ? lo + 1 : (t >= hi ? hi - 1 : t);
+        c = kvq_polar_count_ge_avx512(rel, cnt, lift, t);
+        if (c >= total) {
+            halve = 2 * (t - lo) < hi - lo;
+            lo = t;
+            c_lo = c;
+        } else {
+            halve = 2 * (hi - t) < hi - lo;
+            hi = t;
+            c_hi = c;
+        }
+        halve = step >= 2 && !halve;
+        step++;
+    }
+    if (hi - lo == 1) {
+        thr = (uint32_t)lo;
+    } else {
+        /* the c_lo - c_hi (<= 16) keys in [lo, hi): keys - lo below hi - lo, unsigned */
+        const __m512i v_width = _mm512_set1_epi32((int)(uint32_t)(hi - lo));
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++) {
+            const __m512i off = _mm512_set1_epi32((int)(uint32_t)(lift[k] - lo));
+            for (j0 = 0; j0 < cnt; j0 += 16) {
+                const __mmask16 live =
+                    cnt - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cnt - j0)) - 1u);
+                const __m512i key_lo = _mm512_add_epi32(_mm512_loadu_si512((const void*)(rel + j0)),
+                                                        off);
+                const __mmask16 in = _mm512_mask_cmplt_epu32_mask(live, key_lo, v_width);
+                /* compressed in a register, stored whole (a compress to memory is slow on
+                 * some CPUs); cand has room for 16 past the last kept */
+                _mm512_storeu_si512((void*)(cand + m),
+                                    _mm512_maskz_compress_epi32(
+                                        in, _mm512_add_epi32(key_lo, _mm512_set1_epi32((int)(uint32_t)lo))));
+                m += __builtin_popcount(in);
+            }
+        }
+        thr = kvq_polar_select_avx512(cand, m, total - c_hi, &c_hi);
+    }
+    kvq_polar_widths_avx512((const int32_t*)rel, cnt, gain, base - w_min, thr, total - c_hi,
+                            width);
+}
+#endif
+
 /* Every key above thr wins; `need` of the keys equal to it win, in index order (an angle has at
  * most one key equal to thr: its keys strictly decrease). */
 KVQ_POLAR_CLONES
@@ -272,12 +448,6 @@ static void kvq_polar_widths(const int32_t* weight, int64_t cnt, const int32_t* 
 {
     int64_t j;
     int k;
-#if KVQ_POLAR_COLLECT_AVX512
-    if (cnt >= 8 && !kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
-        kvq_polar_widths_avx512(weight, cnt, gain, base, thr, need, width);
-        return;
-    }
-#endif
     for (j = 0; j < cnt; j++) {
         const uint32_t wj = (uint32_t)(weight[j] - base);
         uint8_t above = 0;
@@ -333,6 +503,20 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
         memset(width, total > 0 ? KVQ_POLAR_MAX_BITS : 0, (size_t)cnt);
         return;
     }
+    if (cnt == 1) {
+        /* one angle holds every key, strictly decreasing: it wins its first `total` */
+        width[0] = (uint8_t)total;
+        return;
+    }
+#if KVQ_POLAR_AVX512
+    if (!kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
+        if (cnt <= KVQ_POLAR_RANK_MAX_CNT && (cnt & (cnt - 1)) == 0
+            && kvq_polar_allocate_ranked_avx512(weight, cnt, gain, total, width))
+            return;
+        kvq_polar_allocate_bits_avx512(weight, cnt, gain, total, keys, width);
+        return;
+    }
+#endif
     kvq_polar_weight_stats(weight, cnt, &w_min, &w_max, &w_sum);
     base = w_min + gain[KVQ_POLAR_MAX_BITS - 1];
     span = w_max + gain[0] - base;          /* < 2^32: the tables are bounded far below */
@@ -378,13 +562,6 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
         /* the c_lo - c_hi keys in [lo, hi); the threshold is the (total - c_hi)-th largest */
         int i;
         m = kvq_polar_collect(keys, n_keys, (uint32_t)lo, (uint32_t)(hi - lo), cand);
-#if KVQ_POLAR_COLLECT_AVX512
-        if (!kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
-            thr = kvq_polar_select_avx512(cand, m, total - c_hi, &c_hi);
-            kvq_polar_widths(weight, cnt, gain, base, thr, total - c_hi, width);
-            return;
-        }
-#endif
         for (i = 1; i < m; i++) {   /* insertion sort, largest first */
             const uint32_t v = cand[i];
             int p = i;
