@@ -188,12 +188,16 @@ KVQ_INLINE int kvq_polar_forward_pair(const float *x, int64_t j, double *r2, flo
  * bound assumes); a quotient that still underflows moves by at most 2^-150, inside the 2^-140
  * absolute pad. Pairs with a zero or a non-finite element are handled as in the
  * double path (libm decides them; a non-finite value redoes the level). */
-KVQ_INLINE kvq_v16f kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
+/* (AVX-512's target on the helpers too: Clang lets 64-byte vectors pass only between functions
+ * compiled for it) */
+__attribute__((target("avx512f"))) KVQ_INLINE kvq_v16f
+kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
 {
     return (kvq_v16f)((m & (kvq_v16i)a) | (~m & (kvq_v16i)b));
 }
 
-KVQ_INLINE kvq_v16f kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
+__attribute__((target("avx512f"))) KVQ_INLINE kvq_v16f
+kvq_atan2_approx16f(kvq_v16f a, kvq_v16f c)
 {
     const kvq_v16i abs_mask = (kvq_v16i){0} + 0x7fffffff;
     const kvq_v16f ax = (kvq_v16f)((kvq_v16i)a & abs_mask), ac = (kvq_v16f)((kvq_v16i)c & abs_mask);
