@@ -21,6 +21,7 @@
 #include <string.h>
 #include "consumers_multi.h"
 #include "consumers_ggml_more.h"
+#include "consumers_polar.h"
 #include "fp8ops.h"
 #include "polar_encode.h"
 
@@ -324,6 +325,22 @@ static int encoders(void)
     return bad;
 }
 
+/* Every kernel consumers.pyx dispatches to, by name: a build without x86 SIMD (aarch64, or
+ * -DKVQ_NO_SIMD here) must alias each to a portable kernel, or the extension fails to compile. */
+static const void* const dispatched[] = {
+    (const void*)kvq_f32_dotm_avx2, (const void*)kvq_f32_axpym_avx2,
+    (const void*)kvq_f32_dotm_avx512, (const void*)kvq_f32_axpym_avx512,
+    (const void*)kvq_kv8_dotm_avx2, (const void*)kvq_kv8_axpym_avx2,
+    (const void*)kvq_kv8_dotm_avx512, (const void*)kvq_kv8_axpym_avx512,
+    (const void*)kvq_tq_dotm_avx2, (const void*)kvq_tq_axpym_avx2,
+    (const void*)kvq_tq_dotm_avx512, (const void*)kvq_tq_axpym_avx512,
+    (const void*)kvq_tq_dotm_avx512vbmi, (const void*)kvq_tq_axpym_avx512vbmi,
+    (const void*)kvq_ggml_dotm_avx2, (const void*)kvq_ggml_axpym_avx2,
+    (const void*)kvq_ggml_dotm_avx512, (const void*)kvq_ggml_axpym_avx512,
+    (const void*)kvq_polar_dot_avx512, (const void*)kvq_polar_axpy_avx512,
+    (const void*)kvq_gm_dot_avx512, (const void*)kvq_gm_axpy_avx512,
+};
+
 int main(int argc, char** argv)
 {
     const int64_t T = 300;   /* blocks of 16 rows and a tail */
@@ -333,6 +350,8 @@ int main(int argc, char** argv)
     float* side = malloc(sizeof(float) * T * 128);   /* up to n / 4 scales per row */
     float* x = malloc(sizeof(float) * T * 512);
     digest_mode = argc > 1 && strcmp(argv[1], "--digest") == 0;
+    for (di = 0; di < (int)(sizeof dispatched / sizeof dispatched[0]); di++)
+        bad |= dispatched[di] == NULL;
     kvq_e4m3_init();
     printf("vectors=%d\n", KVQ_PORTABLE_VECTORS);
     for (di = 0; di < (int)(sizeof dims / sizeof dims[0]); di++) {

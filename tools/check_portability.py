@@ -10,6 +10,7 @@ Two parts, each run when its tools are installed and reported as skipped otherwi
    portable one) and prints a hash of every output; every build must print the hashes of the
    plain-C build on this machine, case by case. A control build for aarch64 with FMA
    contraction allowed (the compiler's default there) shows that the comparison can fail.
+   The extension modules' C (Cython's output) is also compiled for aarch64 (not run).
 2. ``--clang-build``: the package built with ``CC=clang`` in a scratch copy of the working tree
    and a scratch virtualenv (this Python, its site packages visible), then the default test
    suite run there (``-x -q -m "not slow"``). Takes several minutes.
@@ -145,6 +146,52 @@ def check_headers(work):
     return ok
 
 
+# the directives of setup.py (they change the generated C, not what it needs from the target)
+CYTHON_DIRECTIVES = "boundscheck=False,wraparound=False,cdivision=True,initializedcheck=False," \
+                    "nonecheck=False"
+
+
+def check_extensions_for_aarch64(work):
+    """Part 1b: every extension module's C (Cython's output) compiled for aarch64 (an object
+    file, not linked or run: this machine has no aarch64 Python), with this Python's and numpy's
+    headers (both LP64 little-endian). Catches what only the modules use, such as a dispatch
+    name without its non-x86 alias. Returns True when every module compiled (or it was
+    skipped)."""
+    print("== the extension modules' C for aarch64 (compiled, not run) ==")
+    cross = shutil.which("aarch64-linux-gnu-gcc")
+    if cross is None or not _host_is_x86():
+        print("  skipped: " + ("not an x86-64 host" if cross else "no aarch64-linux-gnu-gcc"))
+        return True
+    try:
+        import sysconfig
+
+        import numpy
+    except ImportError:
+        print("  skipped: numpy is not installed")
+        return True
+    includes = ["-I", str(KERNELS), "-I", sysconfig.get_paths()["include"], "-I",
+                numpy.get_include()]
+    ok = True
+    for pyx in sorted(KERNELS.glob("*.pyx")):
+        c_file = work / f"{pyx.stem}.c"
+        made = subprocess.run([sys.executable, "-m", "cython", "-3", "-X", CYTHON_DIRECTIVES,
+                               "-I", str(ROOT), "-I", str(KERNELS), str(pyx), "-o", str(c_file)],
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            print(f"  {pyx.name}: Cython failed\n    {made.stderr.strip()[-500:]}")
+            ok = False
+            continue
+        built = subprocess.run([cross, "-c", "-O0", "-fPIC", "-fopenmp", *EXACT,
+                                "-DNPY_NO_DEPRECATED_API=NPY_1_7_API_VERSION", *includes,
+                                str(c_file), "-o", str(work / f"{pyx.stem}.o")],
+                               capture_output=True, text=True)
+        errors = [ln for ln in built.stderr.splitlines() if "error" in ln]
+        print(f"  {pyx.name}: " + ("compiled" if built.returncode == 0 else
+                                   "FAILED\n    " + "\n    ".join(errors[:6])))
+        ok &= built.returncode == 0
+    return ok
+
+
 def _copy_tree(dst):
     """The working tree's tracked files (with their uncommitted edits) into dst."""
     files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True,
@@ -215,6 +262,7 @@ def main(argv=None):
         sys.exit(f"check_portability: {work} is not empty; pass an empty or new --work")
     try:
         ok = check_headers(work)
+        ok &= check_extensions_for_aarch64(work)
         if args.clang_build:
             ok &= clang_build(work, shlex.split(args.pytest_args))
         else:
