@@ -31,7 +31,7 @@ cdef extern from "rowops.h":
 
 def compiler():
     """The compiler that built the kernels and its version, e.g. ``'gcc 12.2.0'``."""
-    return KVQ_COMPILER.decode()
+    return KVQ_COMPILER.decode().strip()   # Clang's version string ends in a blank
 
 
 def encoder_search_tree():
