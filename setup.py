@@ -1,7 +1,9 @@
 """Build the Cython kernels of kvquant.
 
-Every ``kvquant/_kernels/*.pyx`` becomes an extension module. OpenMP is used when the compiler
-accepts ``-fopenmp`` (probed below); without it the kernels build and run single-threaded.
+Every ``kvquant/_kernels/*.pyx`` becomes an extension module, built by the compiler setuptools
+picks (``$CC`` when set: GCC and Clang both work, ``CC=clang``). OpenMP is used when that compiler
+builds and links a program with ``-fopenmp`` (probed below; Clang needs LLVM's libomp, Debian's
+``libomp-dev``); without it the kernels build and run single-threaded, and the build says so.
 Flags: ``-O3``, never ``-ffast-math`` (NaN handling and rounding are part of the formats) and
 ``-ffp-contract=off`` (no silent FMA: the same rounding with or without -march=native).
 Set ``KVQUANT_NATIVE=1`` to add ``-march=native`` (faster on the build machine, not portable).
@@ -45,9 +47,10 @@ def _compiler_accepts_openmp(compiler_cmd):
 
 class BuildExt(build_ext):
     def build_extensions(self):
-        compiler = getattr(self.compiler, "compiler_so", None) or ["cc"]
+        # the whole command (a wrapper such as `ccache clang` included) with its flags
+        compiler = list(getattr(self.compiler, "compiler_so", None) or ["cc"])
         use_openmp = os.environ.get("KVQUANT_NO_OPENMP") != "1" and _compiler_accepts_openmp(
-            [compiler[0]]
+            compiler
         )
         # no contraction into FMA: results must not depend on -march (and match the numpy references)
         extra_compile = ["-O3", "-fno-fast-math", "-ffp-contract=off"]

@@ -136,6 +136,7 @@ def cmd_info(args):
     print(f"kvquant {kvquant.__version__}")
     print(f"openmp: {'on' if _build_info.openmp_enabled() else 'off'} "
           f"(default threads {_build_info.openmp_max_threads()})")
+    print(f"kernels compiled by {_build_info.compiler()}")
     return 0
 
 

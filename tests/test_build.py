@@ -2,6 +2,7 @@
 import importlib
 import importlib.machinery
 import os
+import platform
 import shutil
 import subprocess
 
@@ -24,12 +25,13 @@ def test_codecs_use_the_compiled_kernels():
 
 
 def _compiler_has_openmp(tmp_path):
-    cc = shutil.which("cc") or shutil.which("gcc")
+    # the compiler setup.py used: $CC when set (e.g. CC=clang), else the system's
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return False
     src = tmp_path / "probe.c"
     src.write_text("#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
-    res = subprocess.run([cc, "-fopenmp", str(src), "-o", str(tmp_path / "probe")],
+    res = subprocess.run([*cc.split(), "-fopenmp", str(src), "-o", str(tmp_path / "probe")],
                          capture_output=True)
     return res.returncode == 0
 
@@ -39,6 +41,15 @@ def test_openmp_is_on_where_the_compiler_has_it(tmp_path):
     if os.environ.get("KVQUANT_NO_OPENMP") == "1":
         pytest.skip("built with KVQUANT_NO_OPENMP=1")
     assert _build_info.openmp_enabled() == _compiler_has_openmp(tmp_path)
+
+
+def test_the_build_names_its_compiler():
+    from kvquant._kernels import _build_info
+    name = _build_info.compiler()
+    assert name.split()[0] in ("gcc", "clang") and any(c.isdigit() for c in name), name
+    # the encoders' search tree is written with GCC's variable shuffles (rowops.h)
+    assert _build_info.encoder_search_tree() == (name.startswith("gcc")
+                                                 and platform.machine() in ("x86_64", "AMD64"))
 
 
 def test_missing_build_fails_loudly(tmp_path):

@@ -3,7 +3,8 @@ every fp8 e4m3 code through each path's decoders against ml_dtypes, scores and c
 reduction order of kvquant/_kernels/simd.h computed step by step in numpy float32 (bit for bit),
 and the kernels' headers built on their own without intrinsics (-DKVQ_NO_SIMD), without vector
 extensions (-DKVQ_NO_VECTOR_EXT) and for x86's baseline ISA, where the vector kernels must give the
-bits of the families' scalar one-query kernels.
+bits of the families' scalar one-query kernels, the encoders' row kernels of every lane width the
+same bits, and every build the same hashes of every output.
 """
 import os
 import platform
@@ -165,26 +166,58 @@ def _compiler():
 # x86 builds compile the vector kernels only with SSSE3 (simd.h); any CPU with AVX2 has it
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 VECTOR_FLAGS = ["-mssse3"] if X86 else []
+BUILDS = {
+    "vector-extensions": (["-DKVQ_NO_SIMD", *VECTOR_FLAGS], 1),
+    "plain-c": (["-DKVQ_NO_SIMD", "-DKVQ_NO_VECTOR_EXT", *VECTOR_FLAGS], 0),
+    "baseline-isa": (["-DKVQ_NO_SIMD"], 0 if X86 else 1),
+}
 
 
-@pytest.mark.parametrize("flags,vectors", [
-    (["-DKVQ_NO_SIMD", *VECTOR_FLAGS], 1),
-    (["-DKVQ_NO_SIMD", "-DKVQ_NO_VECTOR_EXT", *VECTOR_FLAGS], 0),
-    (["-DKVQ_NO_SIMD"], 0 if X86 else 1),
-], ids=["vector-extensions", "plain-c", "baseline-isa"])
-def test_the_portable_kernels_build_alone_and_match_the_scalar_kernels(flags, vectors, tmp_path):
-    cc = _compiler()
-    if cc is None:
-        pytest.skip("no C compiler on PATH")
-    if X86 and vectors and consumers.cpu_simd() == "portable":
+@pytest.fixture(scope="module")
+def check_runs(tmp_path_factory):
+    """``run(build)``: portable_kernels_check.c built as BUILDS[build] says and run with
+    --digest, once per module; returns its stdout lines."""
+    done = {}
+
+    def run(build):
+        if build not in done:
+            cc = _compiler()
+            if cc is None:
+                pytest.skip("no C compiler on PATH")
+            exe = tmp_path_factory.mktemp(build) / "check"
+            # -O0 keeps the compile short; the rounding is the same at any level
+            # (-ffp-contract=off)
+            made = subprocess.run([cc, "-O0", "-ffp-contract=off", "-fno-fast-math",
+                                   *BUILDS[build][0], "-I", KERNELS, CHECK_C, "-o", str(exe),
+                                   "-lm"], capture_output=True, text=True)
+            assert made.returncode == 0, made.stderr[-3000:]
+            ran = subprocess.run([str(exe), "--digest"], capture_output=True, text=True)
+            assert ran.returncode == 0 and ran.stdout.split("\n")[-2] == "OK", ran.stdout[-3000:]
+            done[build] = ran.stdout.splitlines()
+        return done[build]
+
+    return run
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_the_portable_kernels_build_alone_and_match_the_scalar_kernels(build, check_runs):
+    # each build compares its vector kernels with the scalar ones (and, on x86, the encoders'
+    # 4-, 8- and 16-lane kernels with each other): it exits 0 and prints OK only when they agree
+    if X86 and BUILDS[build][1] and consumers.cpu_simd() == "portable":
         pytest.skip("this x86 CPU may lack SSSE3 (no AVX2)")
-    exe = tmp_path / "check"
-    # -O0 keeps the compile short; the rounding is the same at any level (-ffp-contract=off)
-    build = subprocess.run([cc, "-O0", "-ffp-contract=off", "-fno-fast-math", *flags,
-                            "-I", KERNELS, CHECK_C, "-o", str(exe), "-lm"],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    lines = run.stdout.split()
-    assert lines[0] == f"vectors={vectors}", lines[0]
-    assert run.returncode == 0 and lines[-1] == "OK", run.stdout[-3000:]
+    lines = check_runs(build)
+    assert lines[0] == f"vectors={BUILDS[build][1]}", lines[0]
+    assert lines[-1] == "OK"
+
+
+def test_every_build_of_the_kernels_hashes_the_same_outputs(check_runs):
+    # the plain-C build runs only scalar loops (consumers and encoders): the vector builds must
+    # hash the same outputs case by case (tools/check_portability.py compares the same lines
+    # across compilers and CPUs)
+    if X86 and consumers.cpu_simd() == "portable":
+        pytest.skip("this x86 CPU may lack SSSE3 (no AVX2)")
+    digests = {b: [ln for ln in check_runs(b) if ln.startswith("digest ")] for b in BUILDS}
+    plain = digests["plain-c"]
+    assert len(plain) > 100 and len(set(ln.split()[1] for ln in plain)) == len(plain)
+    for build, lines in digests.items():
+        assert lines == plain, (build, [a for a, b in zip(lines, plain) if a != b][:5])

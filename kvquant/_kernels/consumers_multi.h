@@ -232,6 +232,8 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define kvq_kv8_axpym_avx512 kvq_kv8_axpym_portable
 #define kvq_tq_dotm_avx512 kvq_tq_dotm_portable
 #define kvq_tq_axpym_avx512 kvq_tq_axpym_portable
+#define kvq_tq_dotm_avx512vbmi kvq_tq_dotm_portable
+#define kvq_tq_axpym_avx512vbmi kvq_tq_axpym_portable
 #define kvq_ggml_dotm_avx512 kvq_ggml_dotm_portable
 #define kvq_ggml_axpym_avx512 kvq_ggml_axpym_portable
 #define kvq_f32_dotm_avx2 kvq_f32_dotm_portable

@@ -74,9 +74,10 @@ typedef float kvq_v8f __attribute__((vector_size(32)));
 typedef int32_t kvq_v8i __attribute__((vector_size(32)));
 
 /* The angle in float arithmetic (its bound: the comment of the AVX-512 forward level below),
- * one definition for 8 lanes (every vector path's kvq_polar_forward_level) and 16 (AVX-512). */
-#define KVQ_DEFINE_ATAN2F(NAME, VF, VI, SEL)                                                     \
-    KVQ_INLINE VF NAME(VF a, VF c)                                                               \
+ * one definition for 8 lanes (every vector path's kvq_polar_forward_level) and 16 (AVX-512);
+ * ATTR: the instance's target attribute, if any. */
+#define KVQ_DEFINE_ATAN2F(NAME, VF, VI, SEL, ATTR)                                               \
+    ATTR KVQ_INLINE VF NAME(VF a, VF c)                                                          \
     {                                                                                            \
         const VI abs_mask = (VI){0} + 0x7fffffff;                                                \
         const VF ax = (VF)((VI)a & abs_mask), ac = (VF)((VI)c & abs_mask);                       \
@@ -107,7 +108,7 @@ KVQ_INLINE kvq_v8f kvq_sel8f(kvq_v8i m, kvq_v8f a, kvq_v8f b)
     return (kvq_v8f)((m & (kvq_v8i)a) | (~m & (kvq_v8i)b));
 }
 
-KVQ_DEFINE_ATAN2F(kvq_atan2_approx8f, kvq_v8f, kvq_v8i, kvq_sel8f)
+KVQ_DEFINE_ATAN2F(kvq_atan2_approx8f, kvq_v8f, kvq_v8i, kvq_sel8f, )
 #endif
 
 /* One level of the forward transform: r[j] = hypotf(x[2j], x[2j+1]) and [lo[j], hi[j]] around
@@ -198,12 +199,16 @@ KVQ_INLINE int kvq_polar_forward_pair(const float *x, int64_t j, double *r2, flo
  * bound assumes); a quotient that still underflows moves by at most 2^-150, inside the 2^-140
  * absolute pad. Pairs with a zero or a non-finite element are handled as in the
  * double path (libm decides them; a non-finite value redoes the level). */
-KVQ_INLINE kvq_v16f kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
+/* (AVX-512's target on the helpers too: Clang lets 64-byte vectors pass only between functions
+ * compiled for it) */
+__attribute__((target("avx512f"))) KVQ_INLINE kvq_v16f
+kvq_sel16f(kvq_v16i m, kvq_v16f a, kvq_v16f b)
 {
     return (kvq_v16f)((m & (kvq_v16i)a) | (~m & (kvq_v16i)b));
 }
 
-KVQ_DEFINE_ATAN2F(kvq_atan2_approx16f, kvq_v16f, kvq_v16i, kvq_sel16f)
+KVQ_DEFINE_ATAN2F(kvq_atan2_approx16f, kvq_v16f, kvq_v16i, kvq_sel16f,
+                  __attribute__((target("avx512f"))))
 
 /* The brackets of 16 pairs (a, c) (the AVX-512 path of kvq_polar_forward_level). Compiled for
  * AVX-512 itself: GCC would otherwise lower its float compares lane by lane before inlining. */

@@ -5,7 +5,7 @@
  * give the same bits: they differ in speed only. */
 #ifndef KVQ_ROWOPS_H
 #define KVQ_ROWOPS_H
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__GNUC__) || defined(__clang__)
 /* the 16-lane helpers below are always inlined: the ABI note about passing them is moot */
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
@@ -55,24 +55,22 @@ static double kvq_sum_squares(const float *x, int64_t n, int in_index_order)
  * wider than the target's registers to scalar code for its compares and permutations. The
  * 16-float vectors here are one AVX-512 register: the AVX-512-only kernels (the search tree
  * below, polar_encode.h) use them. Loads and stores go through memcpy (no alignment assumed).
- * Without the extensions (KVQ_VEC 0) the scalar loops run instead: the same float operations on
- * the same operands, so the same bits. */
-#if (defined(__GNUC__) && __GNUC__ >= 12) || defined(__clang__)
+ * Without the extensions (KVQ_VEC 0; -DKVQ_NO_VECTOR_EXT forces it, as in simd.h) the scalar loops
+ * run instead: the same float operations on the same operands, so the same bits. */
+#if !defined(KVQ_NO_VECTOR_EXT) && ((defined(__GNUC__) && __GNUC__ >= 12) || defined(__clang__))
 #define KVQ_VEC 1
 typedef float kvq_v16f __attribute__((vector_size(64)));
 typedef int32_t kvq_v16i __attribute__((vector_size(64)));
 
-KVQ_INLINE kvq_v16f kvq_load16(const float *p)
-{
-    kvq_v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-KVQ_INLINE void kvq_store16(float *p, kvq_v16f v)
-{
-    memcpy(p, &v, sizeof v);
-}
+/* Macros, not functions: they serve kernels of every target (the AVX-512 ones and the 8-lane
+ * baseline loops of polar_encode.h), and Clang rejects passing a 64-byte vector between functions
+ * of different targets (an ABI change), even inlined. */
+#define kvq_load16(p) __extension__({ kvq_v16f v16_; memcpy(&v16_, (p), sizeof v16_); v16_; })
+#define kvq_store16(p, v)                                                                      \
+    do {                                                                                       \
+        const kvq_v16f v16_ = (v);                                                             \
+        memcpy((p), &v16_, sizeof v16_);                                                       \
+    } while (0)
 
 #else
 #define KVQ_VEC 0

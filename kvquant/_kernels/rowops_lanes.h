@@ -50,14 +50,17 @@ typedef uint8_t KVQ_LN(kvq_vb) __attribute__((vector_size(KVQ_LW)));
         v = KVQ_LBLEND(v + p_, p_ - v, h);                                                      \
     } while (0)
 
-KVQ_INLINE KVQ_LN(kvq_vf) KVQ_LN(kvq_lload)(const float *p)
+/* The load and store carry the instance's target too: Clang rejects passing a vector wider than
+ * the caller's or callee's registers between functions of different targets (an ABI change),
+ * even always inlined. */
+KVQ_LTARGET KVQ_INLINE KVQ_LN(kvq_vf) KVQ_LN(kvq_lload)(const float *p)
 {
     KVQ_LN(kvq_vf) v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-KVQ_INLINE void KVQ_LN(kvq_lstore)(float *p, KVQ_LN(kvq_vf) v)
+KVQ_LTARGET KVQ_INLINE void KVQ_LN(kvq_lstore)(float *p, KVQ_LN(kvq_vf) v)
 {
     memcpy(p, &v, sizeof v);
 }

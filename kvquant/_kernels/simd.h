@@ -69,6 +69,18 @@
 #define KVQ_SIMD_AVX512 2
 #define KVQ_SIMD_AVX512VBMI 3
 
+#if KVQ_HAVE_X86_SIMD
+#include <cpuid.h>
+/* F16C from CPUID leaf 1 (ECX bit 29): Clang before 16 rejects "f16c" in __builtin_cpu_supports
+ * (a build error), and GCC and Clang both ship <cpuid.h>. Its instructions use the AVX register
+ * state, which the avx2 / avx512f checks below have already found enabled by the OS. */
+static int kvq_cpu_has_f16c(void)
+{
+    unsigned int a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
 static int kvq_cpu_simd_level(void)
 {
 #if KVQ_HAVE_X86_SIMD
@@ -76,9 +88,9 @@ static int kvq_cpu_simd_level(void)
     /* libgcc's checks include the OS's support for the AVX-512 register state (XCR0). */
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
             && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-            && __builtin_cpu_supports("f16c"))
+            && kvq_cpu_has_f16c())
         return __builtin_cpu_supports("avx512vbmi") ? KVQ_SIMD_AVX512VBMI : KVQ_SIMD_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx2") && kvq_cpu_has_f16c())
         return KVQ_SIMD_AVX2;
 #endif
     return KVQ_SIMD_PORTABLE;
@@ -344,7 +356,9 @@ static inline __mmask16 kvq_mask16(int64_t rem)
  * keeps the scalar kernels of each family (which define the bits) query by query; so does an x86
  * build for the baseline ISA (SSE2), where the byte shuffles have no instruction and the
  * compiler's emulation is slower than the scalar kernels (measured: 0.07-0.28x numpy against
- * 0.4-0.8x): the vector kernels need SSSE3 there (-march=x86-64-v2 or later, KVQUANT_MARCH). */
+ * 0.4-0.8x): the vector kernels need SSSE3 there (-march=x86-64-v2 or later, KVQUANT_MARCH).
+ * tools/check_portability.py builds these headers with GCC and Clang for x86-64 and aarch64
+ * (NEON) and compares the bits of every output (docs/portability.md). */
 #if !defined(KVQ_NO_VECTOR_EXT) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)) \
     && (!(defined(__x86_64__) || defined(__i386__)) || defined(__SSSE3__))
 #define KVQ_PORTABLE_VECTORS 1
