@@ -177,16 +177,16 @@ def _numpy_step(X, Q, scale):
     if Q.shape[0] == 1:                 # one query: matrix-vector products
         s = X @ Q[0]
         s *= scale
-        return (softmax(s) @ X)[None]
+        return (softmax(s, out=s) @ X)[None]
     S = X @ Q.T                         # (T, m)
     S *= scale
-    return softmax(S.T) @ X             # (m, d)
+    return softmax(S.T, out=S.T) @ X    # (m, d)
 
 
 def _codec_step(codec, enc, Q, scale, n_threads):
     S = codec.scores(enc, Q, n_threads)
     S *= scale
-    return codec.context(enc, softmax(S), n_threads)
+    return codec.context(enc, softmax(S, out=S), n_threads)
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

@@ -24,10 +24,15 @@ from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import RowStream, StreamStore  # noqa: F401 (RowStream: a KV head)
 
 
-def softmax(scores):
-    """Softmax over the last axis in float32 (max subtracted; rows of -inf give weight 0)."""
+def softmax(scores, out=None):
+    """Softmax over the last axis in float32 (max subtracted; rows of -inf give weight 0).
+
+    ``out`` (it may be ``scores`` itself) takes the weights without a new array: at long
+    contexts a decode step's temporaries cost as much as its arithmetic. The same bits either way.
+    """
     m = scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores - m)
+    e = np.subtract(scores, m, out=out)
+    np.exp(e, out=e)
     e /= e.sum(axis=-1, keepdims=True)
     return e
 
@@ -313,7 +318,7 @@ class QuantizedKVCache:
             rows = slice(h * group, (h + 1) * group)
             s = self.stream(layer, keys, h).scores(q[rows], n_threads, length, start)
             s *= scale
-            w = softmax(s)
+            w = softmax(s, out=s)
             out[rows] = self.stream(layer, values, h).context(w, n_threads, start)
         return out
 
@@ -374,7 +379,7 @@ class QuantizedKVCache:
                     if sliding_window is not None:
                         future |= rows <= pos[:, None] - sliding_window
                     np.copyto(S, np.float32(-np.inf), where=future[:, None, :])
-                    P = softmax(S)
+                    P = softmax(S, out=S)
                     ctx = P @ V[start:visible]
                     if sv.recent:
                         lo, band = _window_band(sv, pos, visible, start)
