@@ -142,6 +142,14 @@ def copies_for(nbytes, cache_bytes, factor=COLD_CACHE_FACTOR):
     return max(1, -(-factor * int(cache_bytes) // max(1, int(nbytes))))
 
 
+def copies_of(rows, n):
+    """``rows`` and ``n - 1`` copies of it (a float32 array, or EncodedRows: codes and side)."""
+    if isinstance(rows, np.ndarray):
+        return [rows] + [rows.copy() for _ in range(n - 1)]
+    return [rows] + [dataclasses.replace(rows, codes=rows.codes.copy(), side=rows.side.copy())
+                     for _ in range(n - 1)]
+
+
 def plausibility_flags(name, seconds, limit_seconds):
     """What is implausible in one method's times.
 
@@ -315,11 +323,10 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     copies = {"numpy": copies_for(X.nbytes, cache_bytes) if cold else 1}
     copies.update({spec: copies_for(enc.codes.nbytes + enc.side.nbytes, cache_bytes) if cold
                    else 1 for spec, codec, enc in encoded})
-    X_rows = [X] + [X.copy() for _ in range(copies["numpy"] - 1)]
+    X_rows = copies_of(X, copies["numpy"])
     methods = [_Method("numpy", nt, controller, X_rows, Q, scale) for nt in threads]
     for spec, codec, enc in encoded:
-        enc_rows = [enc] + [dataclasses.replace(enc, codes=enc.codes.copy(), side=enc.side.copy())
-                            for _ in range(copies[spec] - 1)]
+        enc_rows = copies_of(enc, copies[spec])
         methods += [_Method(spec, nt, controller, enc_rows, Q, scale, codec) for nt in threads]
     buf = (np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if bandwidth_buffer is None
            else bandwidth_buffer)

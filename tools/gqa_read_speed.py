@@ -16,7 +16,6 @@ cold rows; a model's forward evicts each layer's rows before its next step). Pri
     python tools/gqa_read_speed.py --dims 64,128 --queries 1,3 --threads 2 --cold
 """
 import argparse
-import dataclasses
 import time
 
 import numpy as np
@@ -55,7 +54,7 @@ def main(argv=None):
 
     from kvquant import get_codec
     from kvquant._kernels import consumers
-    from kvquant.bench import copies_for, last_level_cache_bytes
+    from kvquant.bench import copies_for, copies_of, last_level_cache_bytes
 
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     T, nt = args.rows, args.threads
@@ -67,10 +66,7 @@ def main(argv=None):
             ap.error("--cold needs the last-level cache size: pass a positive --cache-mib")
 
     def copies(rows, nbytes):
-        n = copies_for(nbytes, cache) if args.cold else 1
-        return [rows] + [rows.copy() if isinstance(rows, np.ndarray) else
-                         dataclasses.replace(rows, codes=rows.codes.copy(), side=rows.side.copy())
-                         for _ in range(n - 1)]
+        return copies_of(rows, copies_for(nbytes, cache) if args.cold else 1)
 
     print(f"path {consumers.get_simd()} (CPU runs up to {consumers.cpu_simd()}), T={T}, "
           f"{nt} threads, {args.clock} clock, "

@@ -176,6 +176,55 @@ static int kvq_polar_collect(const uint32_t* key, int64_t m, uint32_t lo, uint32
     return found;
 }
 
+/* The threshold search of kvq_polar_allocate_bits (both paths): its bracket [lo, hi) with
+ * count(>= lo) = c_lo >= total > c_hi = count(>= hi), the last probe t and its count c. */
+typedef struct {
+    int64_t lo, hi, c_lo, c_hi, t, c, step;
+    int halve;
+} kvq_polar_search;
+
+/* The next probe, strictly inside the bracket: first between the a-th and (a+1)-th bit of a
+ * mean angle (a the mean width), then a step by the expected slope, then interpolation, or
+ * halving as kvq_polar_search_take set it. The threshold found is exact whatever the probes. */
+static inline int64_t kvq_polar_search_probe(kvq_polar_search* s, int64_t total, int64_t cnt,
+                                             int64_t w_sum, int64_t base, const int32_t* gain)
+{
+    const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
+    int64_t t = s->t;
+    if (s->step == 0)
+        t = w_sum / cnt - base + ((int64_t)gain[a - 1] + gain[a]) / 2;
+    else if (s->step == 1)
+        t += (int64_t)((double)(s->c - total) * (double)((int64_t)gain[a - 1] - gain[a])
+                       / (double)cnt);
+    else if (s->halve)
+        t = s->lo + (s->hi - s->lo) / 2;
+    else   /* where the count would cross `total` if it fell linearly over the bracket */
+        t = s->lo + (int64_t)((double)(s->hi - s->lo) * (double)(s->c_lo - total + 1)
+                              / (double)(s->c_lo - s->c_hi + 1));
+    s->t = t <= s->lo ? s->lo + 1 : (t >= s->hi ? s->hi - 1 : t);
+    return s->t;
+}
+
+/* The probe's count c narrows the bracket. */
+static inline void kvq_polar_search_take(kvq_polar_search* s, int64_t c, int64_t total)
+{
+    int shrank_little;
+    s->c = c;
+    if (c >= total) {
+        shrank_little = 2 * (s->t - s->lo) < s->hi - s->lo;
+        s->lo = s->t;
+        s->c_lo = c;
+    } else {
+        shrank_little = 2 * (s->hi - s->t) < s->hi - s->lo;
+        s->hi = s->t;
+        s->c_hi = c;
+    }
+    /* from the third probe on, a probe that cut the bracket by at least half is followed by
+     * halving (the search's rule as it stands) */
+    s->halve = s->step >= 2 && !shrank_little;
+    s->step++;
+}
+
 #if KVQ_POLAR_AVX512
 /* kvq_polar_widths under AVX-512: 16 angles a vector, each angle's next key (weight plus the
  * gain of its width) by a permute, so that the ties are found in the same pass. `weight` is
@@ -348,9 +397,9 @@ kvq_polar_allocate_bits_avx512(const int32_t* weight, int64_t cnt, const int32_t
 {
     const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
     uint32_t cand[2 * KVQ_POLAR_FEW];
-    int64_t lo, hi, c_lo, c_hi, t = 0, c = 0, w_sum = 0, step = 0, j0;
+    int64_t lo, hi, c_hi, w_sum = 0, j0;
     int64_t w_min, w_max, base, span, lift[KVQ_POLAR_MAX_BITS];
-    int halve = 0, m = 0, k;
+    int m = 0, k;
     __m512i v_min = _mm512_set1_epi32(INT32_MAX), v_max = _mm512_set1_epi32(INT32_MIN);
     __m512i v_sum = _mm512_setzero_si512();
     uint32_t thr;
@@ -382,35 +431,15 @@ kvq_polar_allocate_bits_avx512(const int32_t* weight, int64_t cnt, const int32_t
                                 _mm512_sub_epi32(_mm512_loadu_si512((const void*)(rel + j0)),
                                                  v_base));
     }
-    lo = 0;
-    hi = span + 1;
-    c_lo = n_keys;
-    c_hi = 0;
-    while (hi - lo > 1 && c_lo - c_hi > KVQ_POLAR_FEW) {
-        const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
-        if (step == 0)
-            t = w_sum / cnt - base + ((int64_t)gain[a - 1] + gain[a]) / 2;
-        else if (step == 1)
-            t += (int64_t)((double)(c - total) * (double)((int64_t)gain[a - 1] - gain[a])
-                           / (double)cnt);
-        else if (halve)
-            t = lo + (hi - lo) / 2;
-        else
-            t = lo + (int64_t)((double)(hi - lo) * (double)(c_lo - total + 1)
-                               / (double)(c_lo - c_hi + 1));
-        t = t <= lo ? lo + 1 : (t >= hi ? hi - 1 : t);
-        c = kvq_polar_count_ge_avx512(rel, cnt, lift, t);
-        if (c >= total) {
-            halve = 2 * (t - lo) < hi - lo;
-            lo = t;
-            c_lo = c;
-        } else {
-            halve = 2 * (hi - t) < hi - lo;
-            hi = t;
-            c_hi = c;
-        }
-        halve = step >= 2 && !halve;
-        step++;
+    {
+        kvq_polar_search srch = {0, span + 1, n_keys, 0, 0, 0, 0, 0};
+        while (srch.hi - srch.lo > 1 && srch.c_lo - srch.c_hi > KVQ_POLAR_FEW)
+            kvq_polar_search_take(&srch, kvq_polar_count_ge_avx512(
+                rel, cnt, lift, kvq_polar_search_probe(&srch, total, cnt, w_sum, base, gain)),
+                total);
+        lo = srch.lo;
+        hi = srch.hi;
+        c_hi = srch.c_hi;
     }
     if (hi - lo == 1) {
         thr = (uint32_t)lo;
@@ -495,8 +524,8 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
 {
     const int64_t n_keys = KVQ_POLAR_MAX_BITS * cnt;
     uint32_t cand[KVQ_POLAR_FEW + 1];   /* kvq_polar_collect writes one slot past the last kept */
-    int64_t lo, hi, c_lo, c_hi, t = 0, c = 0, w_sum = 0, step = 0;
-    int halve = 0, m;
+    int64_t lo, hi, c_hi, w_sum = 0;
+    int m;
     int64_t w_min, w_max, base, span;
     uint32_t thr;
     if (total >= n_keys || total <= 0) {
@@ -521,40 +550,15 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
     base = w_min + gain[KVQ_POLAR_MAX_BITS - 1];
     span = w_max + gain[0] - base;          /* < 2^32: the tables are bounded far below */
     kvq_polar_make_keys(weight, cnt, gain, base, keys);
-    /* invariant: count(>= lo) = c_lo >= total > c_hi = count(>= hi) */
-    lo = 0;
-    hi = span + 1;
-    c_lo = n_keys;
-    c_hi = 0;
-    while (hi - lo > 1 && c_lo - c_hi > KVQ_POLAR_FEW) {
-        if (step == 0) {
-            /* between the a-th and (a+1)-th bit of a mean angle, a the mean width */
-            const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
-            t = w_sum / cnt - base + ((int64_t)gain[a - 1] + gain[a]) / 2;
-        } else if (step == 1) {
-            const int a = total / cnt < 1 ? 1 : (total / cnt > 7 ? 7 : (int)(total / cnt));
-            t += (int64_t)((double)(c - total) * (double)((int64_t)gain[a - 1] - gain[a])
-                           / (double)cnt);
-        } else if (halve) {
-            t = lo + (hi - lo) / 2;
-        } else {
-            /* where the count would cross `total` if it fell linearly over the bracket */
-            t = lo + (int64_t)((double)(hi - lo) * (double)(c_lo - total + 1)
-                               / (double)(c_lo - c_hi + 1));
-        }
-        t = t <= lo ? lo + 1 : (t >= hi ? hi - 1 : t);
-        c = kvq_polar_count_ge(keys, n_keys, (uint32_t)t);
-        if (c >= total) {
-            halve = 2 * (t - lo) < hi - lo;
-            lo = t;
-            c_lo = c;
-        } else {
-            halve = 2 * (hi - t) < hi - lo;
-            hi = t;
-            c_hi = c;
-        }
-        halve = step >= 2 && !halve;   /* that step shrank the bracket by less than half */
-        step++;
+    {
+        kvq_polar_search srch = {0, span + 1, n_keys, 0, 0, 0, 0, 0};
+        while (srch.hi - srch.lo > 1 && srch.c_lo - srch.c_hi > KVQ_POLAR_FEW)
+            kvq_polar_search_take(&srch, kvq_polar_count_ge(
+                keys, n_keys, (uint32_t)kvq_polar_search_probe(&srch, total, cnt, w_sum, base,
+                                                               gain)), total);
+        lo = srch.lo;
+        hi = srch.hi;
+        c_hi = srch.c_hi;
     }
     if (hi - lo == 1) {
         thr = (uint32_t)lo;
