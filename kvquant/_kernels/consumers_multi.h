@@ -148,12 +148,16 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_TREE1(a) kvq_tree16_avx512(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
 #define MV_SUMS16(a, dst, scale) kvq_sums16_avx512(a, dst, scale)
+#define MV_SUMS16_FROM_FIRST(a, dst, scale) kvq_sums16_from_first_avx512(a, dst, scale)
 #define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx512(side, ns, sq, dst)
 #define MV_E4M3(c, how) kvq_e4m3_16(c, how)
 #define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_avx512(c, len)
 #define MV_TQ_CONSTS kvq_tq_consts
 #define MV_TQ_INIT(K, table, b) kvq_tq_consts_init(K, table, b)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16(g, K, b, wide)
+#define MV_TQ_CODES16(g, K, b, wide) kvq_tq_codes16(g, K, b, wide)   /* b = 2..4 (narrow) */
+#define MV_TQ_LEVELS(K) ((K)->t0)
+#define MV_LOOKUP16(codes, table) _mm512_permutexvar_ps(codes, table)
 #define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values(blk, q4, lo, hi)
 #define MV_FP16(b) kvq_fp16_value_f16c(b)
 /* queries per pass and rows per pass for M queries: R * M <= 8 accumulators (of 32 registers) */
@@ -179,10 +183,14 @@ KVQ_MQ_BY_QUERY(tq, avx512q, kvq_tq_dot_avx512, kvq_tq_axpy_avx512)
 #define MV_TREE1(a) kvq_tree16_avx512(a)
 #define MV_TREE4(a, b, c, d, out) _mm_storeu_ps(out, kvq_tree16x4_avx512(a, b, c, d))
 #define MV_SUMS16(a, dst, scale) kvq_sums16_avx512(a, dst, scale)
+#define MV_SUMS16_FROM_FIRST(a, dst, scale) kvq_sums16_from_first_avx512(a, dst, scale)
 #define MV_TQ_STEPS16(side, ns, sq, dst) kvq_tq_steps16_avx512(side, ns, sq, dst)
 #define MV_TQ_CONSTS kvq_tq_consts_vbmi
 #define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_vbmi(K, table, b)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_vbmi(g, K, b, wide)
+#define MV_TQ_CODES16(g, K, b, wide) kvq_tq_codes16_vbmi(g, K, b, wide)
+#define MV_TQ_LEVELS(K) ((K)->base.t0)
+#define MV_LOOKUP16(codes, table) _mm512_permutexvar_ps(codes, table)
 #define KVQ_MQ_PASS 8
 #define KVQ_MQ_ROWS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
 #define KVQ_MQ_CTX_ROWS 4   /* rows per load and store of the context accumulators */

@@ -7,13 +7,18 @@
  * elements, each (row, query) sum keeping simd.h's lane order. Contexts: R rows at a time; per 16
  * elements each query's accumulator is loaded once and adds the R rows in row order.
  *
- * Narrow tq rows (n <= KVQ_MQ_NARROW_MAX, in the builds that set KVQ_MQ_NARROW: those with 32
- * vector registers): for one query the query stays in registers and sixteen rows' score sums are
- * reduced straight from them; for up to KVQ_MQ_NARROW_QUERIES queries the whole context stays in
- * registers for the call. The same operations in the same order, fewer loads and stores: at
- * d = 64 the few vector operations per 16 codes make those count (one query: 3% of the scores'
- * time, 6% of the context's; three queries: 11% of the context's). The same for kv8's context
- * measured no faster (its per-row check for special codes stays).
+ * Narrow rows (n <= KVQ_MQ_NARROW_MAX, in the builds that set KVQ_MQ_NARROW: those with 32
+ * vector registers), where the few vector operations per 16 codes make every other one count:
+ * - one query's scores (tq and kv8): the query stays in registers, sixteen rows' sums are reduced
+ *   straight from them, and each row's lanes begin at their first product, +0 being added to the
+ *   sums instead (kvq_sums16_from_first_avx512: the same bits, one add per 16 rows, not per row);
+ * - tq's context of up to KVQ_MQ_NARROW_QUERIES queries stays in registers for the call; for one
+ *   query (2 to 4 bits) each row multiplies its coefficient into the 16 levels once and the codes
+ *   look their products up (the same products: one multiply a row instead of n / 16).
+ * The bits of the wide kernels. Single-thread C timings at d = 64 on a Zen 4 (Zen 4 runs
+ * AVX-512 on 256-bit units): one query, tq4 scores 3.57 -> 3.35 ns a row, tq4 context
+ * 3.31 -> 2.63, kv8 scores 4.49 -> 4.37; three queries, tq4 context 7.17 -> 6.35. A narrow kv8
+ * context measured no faster (its per-row check for special codes stays).
  */
 #define KVQ_MQ_NARROW_MAX 64
 
@@ -321,13 +326,88 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_layout)(const kvq_par
     }
 }
 
+#if KVQ_MQ_NARROW
+/* Scores of one query over narrow kv8 rows of NS = n / 16 vectors with one scale per row: the
+ * query (and its 2^120 fold when RAW) stays in registers, sixteen rows are checked for special
+ * codes before any is summed (one branch: a branch per row cost ~15%) and their sums are reduced
+ * together. A block holding special codes is summed row by row. The sums of kv8_dot_rows. */
+KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_narrow)(const kvq_params* p,
+                                                                 const uint8_t* codes,
+                                                                 const float* side, int64_t r0,
+                                                                 int64_t r1, const float* q,
+                                                                 const float* qraw, float* out,
+                                                                 const int NS, const int RAW)
+{
+    const int64_t cb = p->code_bytes, ns = p->n_side;
+    MV qv[KVQ_MQ_NARROW_MAX / 16], qf[KVQ_MQ_NARROW_MAX / 16], acc[KVQ_MQ_BLOCK], a;
+    const uint8_t* c;
+    int64_t t;
+    int s, k, special;
+    for (s = 0; s < NS; s++) {
+        qv[s] = MV_LOAD(q + 16 * s);
+        qf[s] = RAW ? MV_LOAD(qraw + 16 * s) : qv[s];
+    }
+#define KVQ_MQ_KV8_NARROW_PLAIN(T)                                                            \
+    c = codes + (T) * cb;                                                                     \
+    if (RAW) {                                                                                \
+        a = MV_MUL(qf[0], MV_E4M3(c, KVQ_E4M3_RAW));   /* lanes from their first product */   \
+        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qf[s], MV_E4M3(c + 16 * s, KVQ_E4M3_RAW))); \
+    } else {                                                                                  \
+        a = MV_MUL(qv[0], MV_E4M3(c, KVQ_E4M3_PLAIN));                                        \
+        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qv[s], MV_E4M3(c + 16 * s, KVQ_E4M3_PLAIN))); \
+    }
+#define KVQ_MQ_KV8_NARROW_SUM(T)                                                              \
+    if (MV_E4M3_SPECIAL(codes + (T) * cb, 16 * NS)) {                                         \
+        c = codes + (T) * cb;                                                                 \
+        a = MV_MUL(qv[0], MV_E4M3(c, KVQ_E4M3_ANY));                                          \
+        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qv[s], MV_E4M3(c + 16 * s, KVQ_E4M3_ANY))); \
+    } else {                                                                                  \
+        KVQ_MQ_KV8_NARROW_PLAIN(T)                                                            \
+    }
+    for (t = r0; t + KVQ_MQ_BLOCK <= r1; t += KVQ_MQ_BLOCK) {
+        for (k = 0; k < KVQ_MQ_BLOCK; k++) kvq_prefetch(codes + (t + k) * cb + KVQ_PREFETCH_BYTES);
+        special = 0;
+        for (k = 0; k < KVQ_MQ_BLOCK; k++)
+            special |= MV_E4M3_SPECIAL(codes + (t + k) * cb, 16 * NS);
+        if (special)
+            for (k = 0; k < KVQ_MQ_BLOCK; k++) { KVQ_MQ_KV8_NARROW_SUM(t + k) acc[k] = a; }
+        else
+            for (k = 0; k < KVQ_MQ_BLOCK; k++) { KVQ_MQ_KV8_NARROW_PLAIN(t + k) acc[k] = a; }
+        MV_SUMS16_FROM_FIRST(acc, out + t, side + t);   /* one scale per row: n_side is 1 */
+    }
+    for (; t < r1; t++) {
+        KVQ_MQ_KV8_NARROW_SUM(t)
+        out[t] = (MV_TREE1(a) + 0.0f) * side[t * ns];
+    }
+#undef KVQ_MQ_KV8_NARROW_SUM
+#undef KVQ_MQ_KV8_NARROW_PLAIN
+}
+#endif
+
 KVQ_MQ_TARGET static void KVQ_MQ(kv8_dotm)(const kvq_params* p, const uint8_t* codes,
                                           const float* side, int64_t r0, int64_t r1,
                                           const float* Q, int m, float* out, int64_t ldo)
 {
-    if (!kvq_mq_kv8_layout_ok(p))
+    if (!kvq_mq_kv8_layout_ok(p)) {
         KVQ_MQ_FALLBACK(kv8_dotm)(p, codes, side, r0, r1, Q, m, out, ldo);
-    else if (p->group == p->dim)
+        return;
+    }
+#if KVQ_MQ_NARROW
+    if (m == 1 && p->dim <= KVQ_MQ_NARROW_MAX && p->group == p->dim) {
+        float qraw[KVQ_MQ_NARROW_MAX];
+        int64_t i;
+        const int raw = kvq_mq_foldable(Q, p->dim);
+        if (raw)
+            for (i = 0; i < p->dim; i++) qraw[i] = Q[i] * 0x1p120f;   /* exact */
+#define KVQ_MQ_CALL(NS)                                                                       \
+        if (raw) KVQ_MQ(kv8_dot_narrow)(p, codes, side, r0, r1, Q, qraw, out, NS, 1);        \
+        else KVQ_MQ(kv8_dot_narrow)(p, codes, side, r0, r1, Q, NULL, out, NS, 0)
+        KVQ_MQ_NARROW_SWITCH(p->dim, KVQ_MQ_CALL)
+#undef KVQ_MQ_CALL
+        return;
+    }
+#endif
+    if (p->group == p->dim)
         KVQ_MQ(kv8_dot_layout)(p, codes, side, r0, r1, Q, m, out, ldo, 0);
     else
         KVQ_MQ(kv8_dot_layout)(p, codes, side, r0, r1, Q, m, out, ldo, 1);
@@ -496,8 +576,8 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_narrow)(const kvq_para
     int s, k;
     for (s = 0; s < NS; s++) qv[s] = MV_LOAD(q + 16 * s);
 #define KVQ_MQ_NARROW_SUM(T, WIDE)                                                            \
-    a = MV_ZERO();                                                                            \
-    for (s = 0; s < NS; s++)                                                                  \
+    a = MV_MUL(qv[0], MV_TQ_LEV16(codes + (T) * cb, K, b, WIDE));   /* lanes from their first */ \
+    for (s = 1; s < NS; s++)                                                                  \
         a = MV_ADD(a, MV_MUL(qv[s], MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE)));
     for (t = r0; t + KVQ_MQ_BLOCK <= r1 && t + KVQ_MQ_BLOCK <= wide_end; t += KVQ_MQ_BLOCK) {
         kvq_prefetch(codes + t * cb + KVQ_PREFETCH_BYTES);
@@ -506,12 +586,12 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_narrow)(const kvq_para
             acc[k] = a;
         }
         MV_TQ_STEPS16(side + t * p->n_side, p->n_side, p->sqrtf_n, step);
-        MV_SUMS16(acc, out + t, step);
+        MV_SUMS16_FROM_FIRST(acc, out + t, step);
     }
     for (; t < r1; t++) {
         if (t < wide_end) { KVQ_MQ_NARROW_SUM(t, 1) }
         else { KVQ_MQ_NARROW_SUM(t, 0) }
-        out[t] = MV_TREE1(a) * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        out[t] = (MV_TREE1(a) + 0.0f) * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
     }
 #undef KVQ_MQ_NARROW_SUM
 }
@@ -535,10 +615,19 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_axpy_narrow)(const kvq_par
     for (j = 0; j < M; j++)
         for (s = 0; s < NS; s++) a[j * NS + s] = MV_LOAD(acc + j * n + 16 * s);
 #define KVQ_MQ_NARROW_ADD(T, CFJ, WIDE)                                                       \
-    for (s = 0; s < NS; s++) v[s] = MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE);      \
-    for (j = 0; j < M; j++) {                                                                 \
-        cv = MV_SET1(CFJ);                                                                    \
-        for (s = 0; s < NS; s++) a[j * NS + s] = MV_ADD(a[j * NS + s], MV_MUL(cv, v[s]));     \
+    if (M == 1 && b >= 2 && b <= 4) {                                                         \
+        /* one query: the row's coefficient times the levels once, then each element looks its \
+         * product up (the product it would compute; one multiply a row instead of NS) */     \
+        j = 0;                                                                                \
+        cv = MV_MUL(MV_SET1(CFJ), MV_TQ_LEVELS(K));                                           \
+        for (s = 0; s < NS; s++)                                                              \
+            a[s] = MV_ADD(a[s], MV_LOOKUP16(MV_TQ_CODES16(codes + (T) * cb + s * gb, K, b, WIDE), cv)); \
+    } else {                                                                                  \
+        for (s = 0; s < NS; s++) v[s] = MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE);  \
+        for (j = 0; j < M; j++) {                                                             \
+            cv = MV_SET1(CFJ);                                                                \
+            for (s = 0; s < NS; s++) a[j * NS + s] = MV_ADD(a[j * NS + s], MV_MUL(cv, v[s])); \
+        }                                                                                     \
     }
     for (t = r0; t + KVQ_MQ_BLOCK <= r1 && t + KVQ_MQ_BLOCK <= wide_end; t += KVQ_MQ_BLOCK) {
         /* the coefficients w_jt step_t, sixteen at a time */
@@ -851,12 +940,16 @@ KVQ_MQ_TARGET static void KVQ_MQ(ggml_axpym)(const kvq_params* p, const uint8_t*
 #undef MV_TREE1
 #undef MV_TREE4
 #undef MV_SUMS16
+#undef MV_SUMS16_FROM_FIRST
 #undef MV_TQ_STEPS16
 #undef MV_E4M3
 #undef MV_E4M3_SPECIAL
 #undef MV_TQ_CONSTS
 #undef MV_TQ_INIT
 #undef MV_TQ_LEV16
+#undef MV_TQ_CODES16
+#undef MV_TQ_LEVELS
+#undef MV_LOOKUP16
 #undef MV_GGML_VALUES
 #undef MV_FP16
 #undef KVQ_MQ_PASS

@@ -335,6 +335,32 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_steps16_avx512(const floa
 }
 
 /* Levels of the 16 codes of one group (2b bytes at g). `wide` says that 16 bytes may be read. */
+/* The codes of one group (2b bytes at g, b = 2..7) in the low bits of their lanes, the higher
+ * bits holding later codes (hence the levels' periodic padding): what kvq_tq_lev16 looks up. */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512i kvq_tq_codes16(const uint8_t* g,
+                                                                const kvq_tq_consts* K,
+                                                                const int b, const int wide)
+{
+    __m512i x;
+    if (b == 2 || b == 4) {
+        /* the codes of lanes 0-7 and 8-15 lie in dwords 0 and 1 (b = 4) or all in dword 0: a
+         * broadcast and a shift per lane, no byte shuffle (nor a read past the group) */
+        uint32_t w;
+        memcpy(&w, g, 4);
+        x = _mm512_set1_epi32((int)w);
+        if (b == 4) {
+            memcpy(&w, g + 4, 4);
+            x = _mm512_mask_set1_epi32(x, (__mmask16)0xFF00, (int)w);
+        }
+        return _mm512_srlv_epi32(x, K->sh);
+    }
+    if (wide)
+        x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
+    else
+        x = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8((__mmask16)((1u << (2 * b)) - 1u), g));
+    return _mm512_srlv_epi32(_mm512_shuffle_epi8(x, K->ctl), K->sh);
+}
+
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
                                                              const kvq_tq_consts* K,
                                                              const int b, const int wide)
@@ -349,23 +375,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
     if (b == 8)
         return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)g)),
                                    K->table, 4);
-    if (b == 2 || b == 4) {
-        /* the codes of lanes 0-7 and 8-15 lie in dwords 0 and 1 (b = 4) or all in dword 0: a
-         * broadcast and a shift per lane, no byte shuffle (nor a read past the group) */
-        uint32_t w;
-        memcpy(&w, g, 4);
-        x = _mm512_set1_epi32((int)w);
-        if (b == 4) {
-            memcpy(&w, g + 4, 4);
-            x = _mm512_mask_set1_epi32(x, (__mmask16)0xFF00, (int)w);
-        }
-        return _mm512_permutexvar_ps(_mm512_srlv_epi32(x, K->sh), K->t0);
-    }
-    if (wide)
-        x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)g));
-    else
-        x = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8((__mmask16)((1u << (2 * b)) - 1u), g));
-    x = _mm512_srlv_epi32(_mm512_shuffle_epi8(x, K->ctl), K->sh);
+    x = kvq_tq_codes16(g, K, b, wide);
     if (b <= 4)
         return _mm512_permutexvar_ps(x, K->t0);
     if (b == 5)
@@ -397,13 +407,13 @@ KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE void kvq_tq_consts_init_vbmi(kvq_
     K->msh = _mm512_loadu_si512((const void*)msh);
 }
 
-KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const uint8_t* g,
-                                                                      const kvq_tq_consts_vbmi* K,
-                                                                      const int b, const int wide)
+/* kvq_tq_codes16 for b = 2..4 by one multishift. */
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512i kvq_tq_codes16_vbmi(const uint8_t* g,
+                                                                         const kvq_tq_consts_vbmi* K,
+                                                                         const int b,
+                                                                         const int wide)
 {
     __m512i x;
-    if (b == 1 || b > 4)
-        return kvq_tq_lev16(g, &K->base, b, wide);
     if (wide) {
         uint64_t u;
         memcpy(&u, g, 8);
@@ -411,7 +421,16 @@ KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const ui
     } else {
         x = _mm512_broadcastq_epi64(_mm_maskz_loadu_epi8((__mmask16)((1u << (2 * b)) - 1u), g));
     }
-    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(K->msh, x), K->base.t0);
+    return _mm512_multishift_epi64_epi8(K->msh, x);
+}
+
+KVQ_TARGET_AVX512VBMI static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16_vbmi(const uint8_t* g,
+                                                                      const kvq_tq_consts_vbmi* K,
+                                                                      const int b, const int wide)
+{
+    if (b == 1 || b > 4)
+        return kvq_tq_lev16(g, &K->base, b, wide);
+    return _mm512_permutexvar_ps(kvq_tq_codes16_vbmi(g, K, b, wide), K->base.t0);
 }
 
 /* ---- AVX2: 16 levels as two 8-lane registers ---- */

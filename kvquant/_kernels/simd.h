@@ -222,6 +222,19 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_sums16_avx512(const __m512* 
     _mm512_storeu_ps(dst, s);
 }
 
+/* kvq_sums16_avx512 of sums whose lanes began at their first product instead of 0 + it: adding
+ * +0 to each row's sum gives the bits of lanes begun at 0. (0 + p is p except that -0 becomes +0,
+ * so the two sums differ at most by the sign of a zero; sums begun at +0 are never -0, and
+ * s + 0 is s except that -0 becomes +0.) One add per sixteen rows instead of one per row. */
+KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_sums16_from_first_avx512(const __m512* a,
+                                                                           float* dst,
+                                                                           const float* scale)
+{
+    __m512 s = _mm512_add_ps(kvq_tree16x16_avx512(a), _mm512_setzero_ps());
+    if (scale) s = _mm512_mul_ps(s, _mm512_loadu_ps(scale));
+    _mm512_storeu_ps(dst, s);
+}
+
 /* ---- AVX2: 16 lanes as two 8-lane registers (lanes 0-7, 8-15) ---------------------------- */
 typedef struct { __m256 lo, hi; } kvq_v16x2;
 
