@@ -8,12 +8,14 @@ a table and writes CSV + JSON named by the parameters, e.g.
 under the current directory). The whole-array references (f32 copy, q8_0, q4_0)
 run on all the rows; the others (Python loops, large temporaries) on the first ``--ref-rows``.
 
-Read on a loaded machine through ratios taken in the same run: every timed encode call alternates
-with one call of a fixed numpy yardstick (the numpy q8_0 reference encoder on ``--yard-rows``
-rows), so both see the same load, and ``enc/yard`` (the codec's encode rate over the
-yardstick's) moves little when the machine is busy; ``x tq4`` is a tq<b> codec's encode time
-over tq4's at the same width (the encoders aim to stay within 1.5). Every codec, reference and
-the yardstick get an untimed warm-up call first.
+Read on a loaded machine through ratios taken in the same run: a fixed numpy yardstick (the
+numpy q8_0 reference encoder on ``--yard-rows`` rows) is timed in a block of ``--repeats`` calls
+right before and right after each codec's block of encode calls, so both see about the same load
+while every method is timed in its own block (a numpy call between two encode calls would leave
+BLAS and OpenMP workers spinning on the cores the encoder needs), and ``enc/yard`` (the codec's
+encode rate over the yardstick's median rate) moves little when the machine is busy; ``x tq4``
+is a tq<b> codec's encode time over tq4's at the same width (the encoders aim to stay within
+1.5). Every codec, reference and the yardstick get an untimed warm-up call first.
 
     python -m experiments.bench_codecs                           # d = 128, 512; 65536 rows
     python -m experiments.bench_codecs --rows 4096 --repeats 3   # a quick look
@@ -80,24 +82,29 @@ def numpy_reference(codec):
     return None
 
 
-def _median_time(fn, arg, repeats, yard=None):
-    """Median seconds of ``fn(arg)`` over ``repeats`` calls and its last output; with ``yard``
-    (a callable), each call is followed by one timed yardstick call, whose median is returned
-    too (else None)."""
-    times, yard_times, out = [], [], None
+def _median_time(fn, arg, repeats):
+    """Median seconds of ``fn(arg)`` over ``repeats`` calls, and its last output."""
+    times, out = [], None
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn(arg)
         times.append(time.perf_counter() - start)
-        if yard is not None:
-            start = time.perf_counter()
-            yard()
-            yard_times.append(time.perf_counter() - start)
-    return float(np.median(times)), out, (float(np.median(yard_times)) if yard_times else None)
+    return float(np.median(times)), out
+
+
+def _block_times(fn, repeats):
+    """Seconds of each of ``repeats`` calls of ``fn()`` in a row."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def yardstick(X_yard, threads):
-    """The fixed numpy workload every encode alternates with: q8_0's numpy reference encoder."""
+    """The fixed numpy workload timed around every codec's encode block: q8_0's numpy reference
+    encoder."""
     def run():
         with threadpool_limits(limits=threads):
             reference.q8_0_encode_rows(X_yard)
@@ -107,11 +114,15 @@ def yardstick(X_yard, threads):
 def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
     codec = get_codec(spec, d)
     codec.decode(codec.encode(X[:256], n_threads=threads), n_threads=threads)   # warm-up
-    if yard is not None:
+    yard_times = []
+    if yard is not None:   # its own block before the encoder's (warmed), and one after
         yard()
-    enc_s, enc, yard_s = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats,
-                                      yard)
-    dec_s, _, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
+        yard_times += _block_times(yard, repeats)
+    enc_s, enc = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats)
+    if yard is not None:
+        yard_times += _block_times(yard, repeats)
+    yard_s = float(np.median(yard_times)) if yard_times else None
+    dec_s, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
     row = {"codec": spec, "dim": d, "bytes_per_row": codec.bytes_per_row,
            "bits_per_value": codec.bits_per_value, "rows": X.shape[0],
            "encode_rows_per_s": X.shape[0] / enc_s, "decode_rows_per_s": X.shape[0] / dec_s,
@@ -125,8 +136,8 @@ def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
         X_ref = X if spec in FULL_SIZE_REFERENCES else X_ref
         with threadpool_limits(limits=threads):
             ref_decode(ref_encode(X_ref[:64]))                          # warm-up
-            ref_enc_s, ref_enc, _ = _median_time(ref_encode, X_ref, ref_repeats)
-            ref_dec_s, _, _ = _median_time(ref_decode, ref_enc, ref_repeats)
+            ref_enc_s, ref_enc = _median_time(ref_encode, X_ref, ref_repeats)
+            ref_dec_s, _ = _median_time(ref_decode, ref_enc, ref_repeats)
         row.update(ref_rows=X_ref.shape[0],
                    ref_encode_rows_per_s=X_ref.shape[0] / ref_enc_s,
                    ref_decode_rows_per_s=X_ref.shape[0] / ref_dec_s)
@@ -136,7 +147,8 @@ def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
 
 
 def add_ratios(rows, yard_rows):
-    """``encode_over_yard`` (the codec's encode rows/s over the yardstick's, timed alternately)
+    """``encode_over_yard`` (the codec's encode rows/s over the yardstick's, timed in blocks
+    around the codec's)
     and ``encode_time_over_tq4`` (tq<b> rows: encode time over tq4's at the same width)."""
     tq4 = {r["dim"]: r["encode_rows_per_s"] for r in rows if r["codec"] == "tq4"}
     for r in rows:
@@ -182,7 +194,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ref-repeats", type=int, default=3)
     p.add_argument("--yard-rows", type=int, default=4096,
-                   help="rows of the numpy yardstick timed after every encode call (0: none)")
+                   help="rows of the numpy yardstick timed in a block before and after each "
+                        "codec's encode block (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="output folder (default: a folder named for the run, under the current "
@@ -209,7 +222,8 @@ def main(argv=None):
     meta = {"dims": dims, "rows": args.rows, "ref_rows": args.ref_rows, "threads": args.threads,
             "repeats": args.repeats, "ref_repeats": args.ref_repeats, "seed": args.seed,
             "yard_rows": args.yard_rows,
-            "yardstick": "numpy q8_0 reference encoder, one call after every timed encode",
+            "yardstick": "numpy q8_0 reference encoder, timed in a block of repeats before and "
+                         "after each codec's encode block (median of both)",
             "statistic": "median of repeats; rows/s = rows / seconds per call",
             "environment": environment()}
     out = args.out or stem

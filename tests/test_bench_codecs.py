@@ -1,6 +1,8 @@
 """experiments/bench_codecs.py: a tiny run writes its table and the ratios taken in the same run."""
 import json
 
+import numpy as np
+
 from experiments import bench_codecs
 
 
@@ -17,8 +19,34 @@ def test_tiny_run_writes_ratios(tmp_path, capsys):
     assert rows["tq6"]["encode_time_over_tq4"] > 0
     assert rows["polar4:alloc=level"]["encode_time_over_tq4"] is None
     for r in rows.values():
-        # the yardstick was timed beside every encode: its ratio is the codec's rate over it
+        # the yardstick was timed around every codec's encodes: its ratio is the codec's rate over it
         assert r["yard_s"] > 0
         expect = r["encode_rows_per_s"] / (result["yard_rows"] / r["yard_s"])
         assert abs(r["encode_over_yard"] - expect) <= 1e-9 * expect
     assert "enc/yard" in capsys.readouterr().out
+
+
+def test_the_yardstick_is_timed_in_its_own_blocks(monkeypatch):
+    """No yardstick call falls between two of a codec's encode calls: the encoder's block runs
+    alone, the yardstick's blocks (of --repeats calls) right before and right after it."""
+    events = []
+    real_get_codec = bench_codecs.get_codec
+
+    class Recorded:
+        def __init__(self, codec):
+            self.codec = codec
+
+        def __getattr__(self, name):
+            return getattr(self.codec, name)
+
+        def encode(self, X, n_threads=1):
+            events.append("e")
+            return self.codec.encode(X, n_threads=n_threads)
+
+    monkeypatch.setattr(bench_codecs, "get_codec",
+                        lambda spec, d: Recorded(real_get_codec(spec, d)))
+    X = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    row = bench_codecs.bench_one("tq4", 64, X, X[:16], 3, 1, 1, yard=lambda: events.append("y"))
+    # warm-up encode, warm-up yardstick, its block, the encoder's block, the yardstick's block
+    assert "".join(events) == "e" + "y" + "yyy" + "eee" + "yyy"
+    assert row["yard_s"] is not None and row["encode_rows_per_s"] > 0

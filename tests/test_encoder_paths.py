@@ -112,16 +112,23 @@ def test_polar_encoders_give_the_same_bytes_on_every_path(rng, simd_path, spec, 
     codec = get_codec(spec, d, nonfinite="inert")
     simd_path(PATHS[0])
     ref = codec.encode(X, n_threads=1)
+    ref_dec = codec.decode(ref, n_threads=1)
     for mode in PATHS:
         simd_path(mode)
-        for portable in (False, True):
+        # portable: the AVX-512 helpers stand aside; near off: the radius allocation always
+        # searches instead of trying its guess at the mean weight first
+        for portable, near in ((False, True), (False, False), (True, True)):
             polar_kernels.set_portable(portable)
+            polar_kernels.set_near_guess(near)
             try:
                 enc = codec.encode(X, n_threads=2)
+                dec = codec.decode(enc, n_threads=2)
             finally:
                 polar_kernels.set_portable(False)
-            assert np.array_equal(enc.codes, ref.codes), (mode, portable)
+                polar_kernels.set_near_guess(True)
+            assert np.array_equal(enc.codes, ref.codes), (mode, portable, near)
             assert np.array_equal(enc.side.view(np.uint32), ref.side.view(np.uint32)), mode
+            assert np.array_equal(dec.view(np.uint32), ref_dec.view(np.uint32)), (mode, near)
 
 
 @pytest.mark.skipif(len(PATHS) < 2, reason="this CPU runs only the portable path")
@@ -143,3 +150,24 @@ def test_the_environment_chooses_the_path_of_every_encoder():
         outs[mode] = lines[1:]
     for mode in PATHS[1:]:
         assert outs[mode] == outs[PATHS[0]], mode
+
+
+@pytest.mark.parametrize("spec", ["polar4", "polar4:alloc=level"])
+def test_polar_rows_in_any_grouping_give_the_same_bytes(rng, spec):
+    """The encoder sums the norms of a few rows side by side: every row count and thread split
+    (blocks cut short at a thread's or the array's end) gives each row's own bytes, and its
+    radius is the engine's (float) sqrt of the squares added in index order in double."""
+    d = 64
+    X = _rows(rng, 40, d)[13:]                            # finite rows of many scales
+    codec = get_codec(spec, d)
+    one = [codec.encode(X[i:i + 1], n_threads=1) for i in range(X.shape[0])]
+    for n in (1, 2, 3, 5, 6, 7, 9, 27):
+        for threads in (1, 2, 3):
+            enc = codec.encode(X[:n], n_threads=threads)
+            for i in range(n):
+                assert np.array_equal(enc.codes[i], one[i].codes[0]), (n, threads, i)
+                assert enc.side[i, 0].view(np.uint32) == one[i].side[0, 0].view(np.uint32)
+    norm2 = np.cumsum(X.astype(np.float64) ** 2, axis=1)[:, -1]
+    radius = np.sqrt(norm2).astype(np.float32)
+    assert np.array_equal(codec.encode(X, n_threads=2).side[:, 0].view(np.uint32),
+                          radius.view(np.uint32))

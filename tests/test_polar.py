@@ -307,11 +307,24 @@ def _greedy_widths(weight, gain, total):
     return np.bincount(angle[order[:max(total, 0)]], minlength=weight.size).astype(np.uint8)
 
 
-@pytest.mark.parametrize("cnt", [1, 2, 3, 4, 8, 16, 32, 64, 100, 256])
+def _run_allocation(weight, gain, total, portable, near):
+    polar_kernels.set_portable(portable)
+    polar_kernels.set_near_guess(near)
+    try:
+        width = np.empty(weight.size, np.uint8)
+        polar_kernels.allocate_bits(weight, gain, total, width)
+    finally:
+        polar_kernels.set_portable(False)
+        polar_kernels.set_near_guess(True)
+    return width
+
+
+@pytest.mark.parametrize("cnt", [1, 2, 3, 4, 8, 16, 32, 64, 100, 256, 512])
 def test_radius_allocation_is_the_greedy_on_both_paths(rng, cnt):
-    """The allocation (polarops.h: the portable bracket search; under AVX-512 the vector search,
-    the ranks of 2 or 4 angles, one angle directly) against a sort of all keys: weights with many
-    ties, spans narrow and wide (past the ranks' 2^26), every total from none to all."""
+    """The allocation (polarops.h: the portable bracket search; under AVX-512 the guess at the
+    mean weight, the vector search it falls back on (also run alone), the ranks of 2 angles, one
+    angle directly) against a sort of all keys: weights with many ties, spans narrow and wide
+    (past the ranks' 2^26 and the guess's int32 limit of 2^29), every total from none to all."""
     for trial in range(40):
         # strictly decreasing gains
         gain = np.ascontiguousarray(np.sort(rng.choice(2_000_000, 8, replace=False))[::-1]
@@ -323,16 +336,76 @@ def test_radius_allocation_is_the_greedy_on_both_paths(rng, cnt):
         else:
             weight = rng.integers(-400_000_000, 400_000_001, cnt).astype(np.int32)
         totals = {0, 1, 8 * cnt - 1, 8 * cnt, 8 * cnt + 5, int(rng.integers(0, 8 * cnt + 1))}
+        if trial % 8 == 7:
+            weight = rng.integers(-2**31, 2**31 - 1, cnt).astype(np.int32) // 2
         for total in sorted(totals):
             expect = _greedy_widths(weight, gain, total)
-            for portable in (True, False):
-                polar_kernels.set_portable(portable)
-                try:
-                    width = np.empty(cnt, np.uint8)
-                    polar_kernels.allocate_bits(weight, gain, total, width)
-                finally:
-                    polar_kernels.set_portable(False)
-                assert np.array_equal(width, expect), (cnt, trial, total, portable)
+            for portable, near in ((True, True), (False, True), (False, False)):
+                width = _run_allocation(weight, gain, total, portable, near)
+                assert np.array_equal(width, expect), (cnt, trial, total, portable, near)
+
+
+def _codec_like_level(rng, cnt, spread):
+    """A level's weights and gains as the encoder meets them: the gains of a real codebook,
+    weights spread like the sub-radii of Gaussian rows (2^16 log2 r^2: a few 10^5)."""
+    gains = get_codec("polar4", 128).codebooks.gains
+    level = int(rng.integers(1, 8))
+    gain = np.ascontiguousarray(gains[level], np.int32)
+    weight = np.round(rng.normal(-2e5 * level, spread, cnt)).astype(np.int32)
+    return weight, gain
+
+
+@pytest.mark.parametrize("cnt", [2, 4, 8, 16, 32, 64, 128, 256])
+def test_the_guess_at_the_mean_decides_typical_levels_exactly(rng, cnt):
+    """The AVX-512 allocation from the guess at the mean weight alone (allocate_near): on levels
+    like the encoder's (real gains, weights spread like Gaussian rows' sub-radii, the codec's
+    level totals) it gives the widths nearly always (else it leaves them to the search), and
+    whenever it gives them they are the greedy's."""
+    width = np.empty(cnt, np.uint8)
+    decided = 0
+    n_trials = 120
+    for trial in range(n_trials):
+        weight, gain = _codec_like_level(rng, cnt, float(rng.choice([3e4, 1e5, 2e5])))
+        # the codec's level totals: bits x angles, level 1 with a few spare bits on top
+        total = int(rng.integers(2, 7)) * cnt + int(rng.integers(0, max(1, cnt // 8)))
+        got = polar_kernels.allocate_near(weight, gain, total, width)
+        if got == -1:
+            pytest.skip("the guess at the mean runs under AVX-512 only")
+        if got == 1:
+            decided += 1
+            assert np.array_equal(width, _greedy_widths(weight, gain, total)), (trial, total)
+    assert decided >= 0.9 * n_trials, decided
+
+
+def test_the_guess_at_the_mean_declines_what_it_cannot_decide(rng):
+    """Levels where the keys next to the guess are not each angle's nearest two (a gain step of
+    1, equal weights), weights past its int32 limit: allocate_near either leaves the level to
+    the search (0) or gives the greedy's widths, and it does leave some; the full allocation
+    (which then searches) is the greedy's on all of them."""
+    cnt = 64
+    width = np.empty(cnt, np.uint8)
+    outcomes = set()
+    for trial in range(200):
+        weight, gain = _codec_like_level(rng, cnt, 1.5e5)
+        gain = gain.copy()
+        if trial % 2 == 0:
+            k = int(rng.integers(1, 8))
+            gain[k] = gain[k - 1] - 1                      # a gain step of one
+            gain[k + 1:] = np.minimum(gain[k + 1:], gain[k] - 1 - np.arange(7 - k))
+        else:
+            weight[:] = weight[0] + rng.integers(0, 3, cnt) * (gain[3] - gain[4])   # ties
+        total = int(rng.integers(1, 8 * cnt))
+        got = polar_kernels.allocate_near(weight, gain, total, width)
+        if got == -1:
+            pytest.skip("the guess at the mean runs under AVX-512 only")
+        outcomes.add(got)
+        expect = _greedy_widths(weight, gain, total)
+        if got == 1:
+            assert np.array_equal(width, expect), (trial, total)
+        assert np.array_equal(_run_allocation(weight, gain, total, False, True), expect)
+    assert outcomes == {0, 1}
+    big = np.full(cnt, 2**29, np.int32)
+    assert polar_kernels.allocate_near(big, gain, 100, width) == 0
 
 
 def _boundary_angle_rows(codec, rng, n_rows):

@@ -22,6 +22,9 @@ cdef extern from "polarops.h" nogil:
     void kvq_polar_scratch_free(kvq_polar_scratch* s)
     void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const int32_t* gain,
                                  int64_t total, uint32_t* keys, uint8_t* width)
+    int kvq_polar_allocate_near(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                                int64_t total, uint8_t* width)
+    int kvq_polar_near_off
     void kvq_polar_child_weights(const int32_t* weight, int64_t cnt, const uint8_t* width,
                                  const uint8_t* code, const int32_t* log2_cos2,
                                  const int32_t* log2_sin2, int32_t* child)

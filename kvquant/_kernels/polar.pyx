@@ -37,6 +37,7 @@ from kvquant._kernels._common cimport (
 
 cdef extern from "rowops.h" nogil:
     double kvq_sum_squares(const float* x, Py_ssize_t n, int in_index_order)
+    void kvq_sum_squares_rows(const float* x, Py_ssize_t m, Py_ssize_t n, double* out)
     void kvq_rotate_scale_row(const float* x, const float* signs, Py_ssize_t n, float inv_sqrt_n,
                               float to_unit, float* y)
     int kvq_code_lookup(const float* table, float v)
@@ -64,7 +65,8 @@ cdef extern from "polar_encode.h" nogil:
 # The radius allocation and the row rebuild are shared with the attention consumers
 # (consumers_polar.h): one implementation, the same bits.
 from kvquant._kernels._polarops cimport (
-    kvq_polar_allocate_bits, kvq_polar_child_weights, kvq_polar_layout, kvq_polar_live,
+    kvq_polar_allocate_bits, kvq_polar_allocate_near, kvq_polar_child_weights, kvq_polar_layout,
+    kvq_polar_live, kvq_polar_near_off,
     kvq_polar_rebuild_row, kvq_polar_scratch, kvq_polar_scratch_alloc, kvq_polar_scratch_free,
     polar_layout)
 
@@ -76,6 +78,7 @@ cdef enum:
 cdef enum:
     MAX_ANGLE_BITS = 8
     MAX_LEVELS = 31
+    NORM_ROWS = 4     # rows whose norms the encoder sums side by side (kvq_sum_squares_rows)
 
 # Float constants as typed floats: an untyped literal such as 0.5 is a C double and would pull
 # the engine's float expressions into double precision.
@@ -239,6 +242,8 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
     cdef uint32_t* keys
     cdef int32_t* next_w
     cdef uint8_t* row
+    cdef double* norms
+    cdef Py_ssize_t* norms_first
     if n_rows == 0:
         return
     _follow_simd()
@@ -265,12 +270,19 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
         weight = <int32_t*>malloc(n * sizeof(int32_t))
         child = <int32_t*>malloc(n * sizeof(int32_t))
         keys = <uint32_t*>malloc(MAX_ANGLE_BITS * n * sizeof(uint32_t))
+        # the norms of this thread's next NORM_ROWS rows, from row norms_first[0]
+        norms = <double*>malloc(NORM_ROWS * sizeof(double))
+        norms_first = <Py_ssize_t*>malloc(sizeof(Py_ssize_t))
+        norms_first[0] = -NORM_ROWS
         for r in prange(n_rows, schedule="static"):
             row = &codes[r, 0]
             memset(row, 0, code_bytes)
-            # the engine's norm (double sum in index order) and rotation (signs, butterflies,
-            # x 1/sqrtf(n); the extra x 1.0f changes no bit)
-            norm2 = kvq_sum_squares(&X[r, 0], n, 1)
+            # the engine's norm (double sum in index order; NORM_ROWS rows side by side) and
+            # rotation (signs, butterflies, x 1/sqrtf(n); the extra x 1.0f changes no bit)
+            if r < norms_first[0] or r >= norms_first[0] + NORM_ROWS:
+                norms_first[0] = r
+                kvq_sum_squares_rows(&X[r, 0], min(<Py_ssize_t>NORM_ROWS, n_rows - r), n, norms)
+            norm2 = norms[r - norms_first[0]]
             radius = live_radius(norm2, &status[r])   # assigned here: private per thread
             if radius == 0.0:
                 # zero, tiny or non-finite norm: an inert row (zero codes, radius 0)
@@ -344,6 +356,8 @@ def encode_rows(const float[:, ::1] X,                 # IN  (n_rows, n), n a po
         free(weight)
         free(child)
         free(keys)
+        free(norms)
+        free(norms_first)
 
 
 # -- decode ----------------------------------------------------------------------------------
@@ -491,6 +505,29 @@ def allocate_bits(const int32_t[::1] weight,   # IN  (cnt,) a level's weights (2
         raise MemoryError()
     kvq_polar_allocate_bits(&weight[0], cnt, &gain[0], total, keys, &width[0])
     free(keys)
+
+
+def allocate_near(const int32_t[::1] weight,   # IN  (cnt,) a level's weights
+                  const int32_t[::1] gain,     # IN  (8,) strictly decreasing
+                  Py_ssize_t total,            # bits of the level
+                  uint8_t[::1] width):         # OUT (cnt,) set only when it returns 1
+    """The AVX-512 allocation from the guess at the mean weight alone (polarops.h), for tests:
+    1 when it gave the widths, 0 when it leaves the level to the search, -1 when it cannot run
+    here (no AVX-512 build or CPU, cnt not a power of two in [2, 256], total outside
+    (0, 8 cnt))."""
+    if weight.shape[0] != width.shape[0] or gain.shape[0] != MAX_ANGLE_BITS:
+        raise ValueError("allocate_near: width must match weight, and gain hold 8 values")
+    if weight.shape[0] == 0:
+        return -1
+    return kvq_polar_allocate_near(&weight[0], weight.shape[0], &gain[0], total, &width[0])
+
+
+def set_near_guess(bint on):
+    """False: this module's AVX-512 allocation (encoder and decoder) always runs its bracket
+    search instead of first trying the guess at the mean weight; True: the default. For tests:
+    both must give the same bits."""
+    global kvq_polar_near_off
+    kvq_polar_near_off = 0 if on else 1
 
 
 # -- the engine's grids, exposed for tests ---------------------------------------------------

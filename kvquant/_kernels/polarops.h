@@ -21,6 +21,9 @@
  * and under its set_portable, for the tests that check both give the same bits; each module
  * holds its own copy). */
 static int kvq_polar_portable = 0;
+/* Nonzero: the AVX-512 allocation skips its guess from the mean (kvq_polar_allocate_near_avx512)
+ * and always runs its search (polar.pyx's set_near_guess, for the tests of both). */
+static int kvq_polar_near_off = 0;
 #define KVQ_POLAR_TAB 256         /* entries per (level, width) row of the angle tables */
 
 /* the codec's modes (kvquant.codecs.polar MODE_*) */
@@ -219,8 +222,10 @@ static inline void kvq_polar_search_take(kvq_polar_search* s, int64_t c, int64_t
         s->hi = s->t;
         s->c_hi = c;
     }
-    /* from the third probe on, a probe that cut the bracket by at least half is followed by
-     * halving (the search's rule as it stands) */
+    /* from the third probe on, a probe that cut the bracket by at least half is followed by one
+     * halving (a safeguard against slow interpolation; on the encoder's levels of Gaussian rows
+     * it rarely fires: 2.82 counting passes a search at d = 128, polar4, as many as without
+     * it, and 2.89 when halving follows the probes that cut less than half instead) */
     s->halve = s->step >= 2 && !shrank_little;
     s->step++;
 }
@@ -338,12 +343,13 @@ kvq_polar_count_ge_avx512(const uint32_t* rel, int64_t cnt, const int64_t* lift,
     return c + (int64_t)(uint32_t)_mm512_reduce_add_epi32(acc);
 }
 
-/* The allocation of a level of 2 or 4 angles under AVX-512 (0 < total < MAX_BITS * cnt), by
- * ranks: with key' = 64 key + 63 - (8 j + k) the keys are distinct and ordered as the greedy takes
- * them (larger first, ties to the lower index), so key' wins when fewer than `total` keys' are
- * above it; each key' is compared with all (cheaper than the search up to 4 angles). Needs
- * span < 2^26 (key' < 2^32): returns 0 (and does nothing) otherwise. */
-#define KVQ_POLAR_RANK_MAX_CNT 4
+/* The allocation of a level of 2 angles under AVX-512 (0 < total < MAX_BITS * cnt), by ranks:
+ * with key' = 64 key + 63 - (8 j + k) the keys are distinct and ordered as the greedy takes them
+ * (larger first, ties to the lower index), so key' wins when fewer than `total` keys' are above
+ * it; each key' is compared with all (at 2 angles cheaper than kvq_polar_allocate_near_avx512,
+ * at 4 dearer: 18 and 26 ns against 69 and 30 ns a level on the encoder's levels). Needs span <
+ * 2^26 (key' < 2^32): returns 0 (and does nothing) otherwise. */
+#define KVQ_POLAR_RANK_MAX_CNT 2
 __attribute__((target("avx512f"))) static int
 kvq_polar_allocate_ranked_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain,
                                  int64_t total, uint8_t* width)
@@ -469,6 +475,274 @@ kvq_polar_allocate_bits_avx512(const int32_t* weight, int64_t cnt, const int32_t
 }
 #endif
 
+#if KVQ_POLAR_AVX512
+/* kvq_polar_allocate_near_avx512 handles levels up to this many angles (16 vectors of them). */
+#define KVQ_POLAR_NEAR_MAX_CNT 256
+/* |weights| and |gains| below this: every key, bound and threshold below is an exact int32. */
+#define KVQ_POLAR_NEAR_LIMIT ((int32_t)1 << 29)
+
+/* The s-th smallest (1 <= s <= m) of the m values in lanes [0, m) of v, m <= 16: the largest
+ * value with fewer than s values below it (each lane counts the others by 15 rotations). */
+__attribute__((target("avx512f"))) static int32_t
+kvq_polar_rank_select_avx512(__m512i v, int m, int64_t s)
+{
+    const __mmask16 live = (__mmask16)((1u << m) - 1u);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i below = _mm512_setzero_si512();
+    v = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), live, v);   /* never below a live one */
+#define KVQ_POLAR_ROT(SH)                                                                        \
+    below = _mm512_mask_add_epi32(below, _mm512_cmplt_epi32_mask(_mm512_alignr_epi32(v, v, SH), v), \
+                                  below, one)
+    KVQ_POLAR_ROT(1); KVQ_POLAR_ROT(2); KVQ_POLAR_ROT(3); KVQ_POLAR_ROT(4); KVQ_POLAR_ROT(5);
+    KVQ_POLAR_ROT(6); KVQ_POLAR_ROT(7); KVQ_POLAR_ROT(8); KVQ_POLAR_ROT(9); KVQ_POLAR_ROT(10);
+    KVQ_POLAR_ROT(11); KVQ_POLAR_ROT(12); KVQ_POLAR_ROT(13); KVQ_POLAR_ROT(14); KVQ_POLAR_ROT(15);
+#undef KVQ_POLAR_ROT
+    return _mm512_mask_reduce_max_epi32(
+        live & _mm512_cmplt_epi32_mask(below, _mm512_set1_epi32((int)s)), v);
+}
+
+/* The s-th smallest (1 <= s) of the live lanes of nv vectors of values; 0 when it cannot tell
+ * (s above the live count, a bracket it cannot narrow in 16 probes): then *ok is 0. `lo` is at or
+ * below every live value, `spread` the expected distance from the smallest to the largest. The
+ * values in a bracket [lo, hi) are counted by compares at probes aimed by that spread (then
+ * twice, four times as far while no probe is above s values), by interpolation, and after 8
+ * probes by halving; once it holds at most 16 values they are gathered into one vector
+ * (compresses) and ranked there. */
+__attribute__((target("avx512f"))) static int32_t
+kvq_polar_select_small_avx512(const __m512i* val, const __mmask16* live, int nv, int64_t s,
+                              int64_t lo, int64_t spread, int* ok)
+{
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int64_t m_live = 0, hi = (int64_t)INT32_MAX + 1, c_lo = 0, c_hi, x, c;
+    __m512i pack = _mm512_setzero_si512();
+    int v, pos = 0, iter;
+    *ok = 0;
+    for (v = 0; v < nv; v++)
+        m_live += __builtin_popcount(live[v]);
+    if (s > m_live || m_live == 0)
+        return 0;
+    c_hi = m_live;
+    for (iter = 0; c_hi - c_lo > 16; iter++) {
+        /* aim the probe at rank s + 7 while the bracket's floor is near s, else at s - 8 */
+        const int64_t want = s - c_lo <= 8 ? s + 7 : s - 8;
+        if (iter >= 16)
+            return 0;
+        if (hi > (int64_t)INT32_MAX)   /* no ceiling yet: as if evenly spread, reaching further */
+            x = lo + 1 + ((spread * (want - c_lo) / m_live) << (iter < 20 ? iter : 20));
+        else if (iter < 8)
+            x = lo + 1 + (hi - lo) * (want - c_lo) / (c_hi - c_lo);
+        else
+            x = lo + (hi - lo) / 2;   /* safeguard: plain halving */
+        x = x <= lo ? lo + 1 : (x >= hi ? hi - 1 : x);
+        if (x > (int64_t)INT32_MAX)
+            return 0;
+        {
+            const __m512i vx = _mm512_set1_epi32((int)x);
+            c = 0;
+            for (v = 0; v < nv; v++)
+                c += __builtin_popcount(_mm512_mask_cmplt_epi32_mask(live[v], val[v], vx));
+        }
+        if (c < s) {
+            lo = x;
+            c_lo = c;
+        } else {
+            hi = x;
+            c_hi = c;
+        }
+    }
+    /* the c_hi - c_lo (<= 16) live values in [lo, hi) into the first lanes of pack */
+    {
+        const __m512i vlo = _mm512_set1_epi32((int)lo);
+        const __m512i vhi = _mm512_set1_epi32((int)(hi > (int64_t)INT32_MAX ? INT32_MAX : hi));
+        for (v = 0; v < nv; v++) {
+            __mmask16 in = _mm512_mask_cmpge_epi32_mask(live[v], val[v], vlo);
+            int p;
+            if (hi <= (int64_t)INT32_MAX)
+                in &= _mm512_cmplt_epi32_mask(val[v], vhi);
+            p = __builtin_popcount(in);
+            if (p != 0) {
+                const __m512i comp = _mm512_maskz_compress_epi32(in, val[v]);
+                pack = _mm512_mask_permutexvar_epi32(
+                    pack, (__mmask16)(((1u << p) - 1u) << pos),
+                    _mm512_sub_epi32(iota, _mm512_set1_epi32(pos)), comp);
+                pos += p;
+            }
+        }
+    }
+    *ok = 1;
+    return kvq_polar_rank_select_avx512(pack, pos, s - c_lo);
+}
+
+/* The widths of nv vectors (cnt angles) narrowed to bytes, in whole 16-byte stores. */
+__attribute__((target("avx512f"))) static inline void
+kvq_polar_store_widths(const __m512i* wd, int nv, int64_t cnt, uint8_t* width)
+{
+    int v;
+    for (v = 0; v < nv; v++) {
+        /* narrowed in a register and copied (a narrowing store to memory is slow on some CPUs) */
+        const __m128i w8 = _mm512_cvtepi32_epi8(wd[v]);
+        if (cnt >= 16)
+            _mm_storeu_si128((__m128i*)(width + 16 * v), w8);
+        else {
+            uint8_t b8[16];
+            _mm_storeu_si128((__m128i*)b8, w8);
+            memcpy(width, b8, (size_t)cnt);
+        }
+    }
+}
+
+/* The allocation of a level (2 <= cnt <= KVQ_POLAR_NEAR_MAX_CNT, a power of two; 0 < total <
+ * MAX_BITS * cnt) from its first guess, under AVX-512; the widths of kvq_polar_allocate_bits.
+ * Keys are weight + gain as int32 (returns 0, doing nothing useful, when a weight or gain is too
+ * large for that, or when it cannot decide: the search then runs).
+ * The guess t0 (the mean weight plus a mean angle's gain between its a-th and (a+1)-th bit, a the
+ * level's mean width) gives every angle its width w at t0 in one pass, and c0 = the count of keys
+ * >= t0 (their sum). Near t0 the keys are those of each angle next to it: its last key taken,
+ * M = weight + gain[w - 1] >= t0, and its first key left, N = weight + gain[w] < t0. With c0 =
+ * total the keys >= t0 are the winners; with c0 > total the threshold (the total-th largest key)
+ * is the (c0 - total + 1)-th smallest M, with c0 < total the (total - c0)-th largest N, unless
+ * an angle's second key from t0 comes first. So that value is only a candidate T: the last pass
+ * counts the keys above it and equal to it, and T is the threshold exactly when count(> T) <
+ * total <= count(>= T); then every key above T wins and `need` of those equal to it, in index
+ * order. */
+__attribute__((target("avx512f"))) static int
+kvq_polar_allocate_near_avx512(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                               int64_t total, uint8_t* width)
+{
+    const int nv = (int)((cnt + 15) >> 4), log2_cnt = __builtin_ctzll((unsigned long long)cnt);
+    const __mmask16 last = cnt >= 16 ? 0xFFFF : (__mmask16)((1u << cnt) - 1u);
+    const __m512i v_gain = _mm512_maskz_loadu_epi32(0xFF, gain);   /* lanes 0..7 */
+    const __m512i one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(KVQ_POLAR_MAX_BITS);
+    __m512i w[KVQ_POLAR_NEAR_MAX_CNT / 16], wd[KVQ_POLAR_NEAR_MAX_CNT / 16];
+    __m512i val[KVQ_POLAR_NEAR_MAX_CNT / 16];
+    __mmask16 live[KVQ_POLAR_NEAR_MAX_CNT / 16], tie[KVQ_POLAR_NEAR_MAX_CNT / 16];
+    __m512i v_sum = _mm512_setzero_si512(), v_min, v_max, v_c = _mm512_setzero_si512();
+    int64_t w_sum, t0, c0, s, need;
+    int32_t thr;
+    int a, k, v, ok, take;
+    for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+        if (gain[k] >= KVQ_POLAR_NEAR_LIMIT || gain[k] <= -KVQ_POLAR_NEAR_LIMIT)
+            return 0;
+    v_min = v_max = _mm512_setzero_si512();
+    for (v = 0; v < nv; v++) {
+        w[v] = _mm512_maskz_loadu_epi32(v == nv - 1 ? last : 0xFFFF, weight + 16 * v);
+        v_min = _mm512_min_epi32(v_min, w[v]);
+        v_max = _mm512_max_epi32(v_max, w[v]);
+        v_sum = _mm512_add_epi64(v_sum, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(w[v])));
+        v_sum = _mm512_add_epi64(v_sum, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(w[v], 1)));
+    }
+    if (_mm512_reduce_min_epi32(v_min) <= -KVQ_POLAR_NEAR_LIMIT
+        || _mm512_reduce_max_epi32(v_max) >= KVQ_POLAR_NEAR_LIMIT)
+        return 0;
+    w_sum = _mm512_reduce_add_epi64(v_sum);
+    a = (int)(total >> log2_cnt);
+    a = a < 1 ? 1 : (a > KVQ_POLAR_MAX_BITS - 1 ? KVQ_POLAR_MAX_BITS - 1 : a);
+    t0 = (w_sum >> log2_cnt) + (((int64_t)gain[a - 1] + gain[a]) >> 1);
+    /* pass 1: the widths at t0 (key >= t0 as weight >= t0 - gain) and their sum */
+    {
+        __m512i b[KVQ_POLAR_MAX_BITS];
+        for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+            b[k] = _mm512_set1_epi32((int)(t0 - gain[k]));
+        for (v = 0; v < nv; v++) {
+            __m512i c = _mm512_setzero_si512();
+            for (k = 0; k < KVQ_POLAR_MAX_BITS; k++)
+                c = _mm512_mask_add_epi32(c, _mm512_cmpge_epi32_mask(w[v], b[k]), c, one);
+            wd[v] = c;
+            v_c = _mm512_mask_add_epi32(v_c, v == nv - 1 ? last : 0xFFFF, v_c, c);
+        }
+        c0 = _mm512_reduce_add_epi32(v_c);
+    }
+    if (c0 == total) {   /* the keys >= t0 are the winners */
+        kvq_polar_store_widths(wd, nv, cnt, width);
+        return 1;
+    }
+    /* the candidate: an M (c0 > total) or -N (c0 < total, so that both are smallest-first) */
+    take = c0 > total;
+    {
+        const __m512i shift = take ? _mm512_set1_epi32(-1) : _mm512_setzero_si512();
+        for (v = 0; v < nv; v++) {
+            const __mmask16 lane = v == nv - 1 ? last : 0xFFFF;
+            const __m512i g = _mm512_permutexvar_epi32(_mm512_add_epi32(wd[v], shift), v_gain);
+            const __m512i key = _mm512_add_epi32(w[v], g);
+            if (take) {
+                live[v] = lane & _mm512_cmpge_epi32_mask(wd[v], one);
+                val[v] = key;
+            } else {
+                live[v] = lane & _mm512_cmplt_epi32_mask(wd[v], eight);
+                val[v] = _mm512_sub_epi32(_mm512_setzero_si512(), key);
+            }
+        }
+        s = take ? c0 - total + 1 : total - c0;
+        /* M >= t0 and -N >= 1 - t0; the M (N) lie within about one gain step of t0 */
+        thr = kvq_polar_select_small_avx512(val, live, nv, s, take ? t0 : 1 - t0,
+                                            (int64_t)gain[a - 1] - gain[a], &ok);
+        if (!ok)
+            return 0;
+    }
+    /* Every other key of an angle is at least the smallest gain step from its M (N): with the
+     * candidate that close to t0, the keys at or past it are the M (N) alone, and the widths
+     * follow from theirs at t0: an angle loses (take) or gains its bit when its value is below
+     * the candidate; of those equal to it, the first `need` keep (win) theirs. */
+    {
+        int64_t min_step = (int64_t)gain[0] - gain[1], n_below = 0, n_eq = 0;
+        const __m512i v_thr = _mm512_set1_epi32(thr);
+        __mmask16 below[KVQ_POLAR_NEAR_MAX_CNT / 16];
+        for (k = 2; k < KVQ_POLAR_MAX_BITS; k++)
+            min_step = (int64_t)gain[k - 1] - gain[k] < min_step ? (int64_t)gain[k - 1] - gain[k]
+                                                                 : min_step;
+        if (take ? (int64_t)thr >= t0 + min_step : -(int64_t)thr < t0 - min_step)
+            return 0;
+        for (v = 0; v < nv; v++) {
+            below[v] = _mm512_mask_cmplt_epi32_mask(live[v], val[v], v_thr);
+            tie[v] = _mm512_mask_cmpeq_epi32_mask(live[v], val[v], v_thr);
+            n_below += __builtin_popcount(below[v]);
+            n_eq += __builtin_popcount(tie[v]);
+        }
+        need = take ? n_below + n_eq - s + 1 : s - n_below;
+        if (need < 1 || need > n_eq)
+            return 0;
+        for (v = 0; v < nv; v++) {
+            __mmask16 drop = below[v];
+            if (take && need == n_eq)          /* every tie keeps its bit */
+                ;
+            else if (take)
+                drop |= tie[v];                /* the ties drop, then the first `need` get it back */
+            else if (need == n_eq)
+                drop |= tie[v];                /* (take == 0: drop means gain) */
+            wd[v] = take ? _mm512_mask_sub_epi32(wd[v], drop, wd[v], one)
+                         : _mm512_mask_add_epi32(wd[v], drop, wd[v], one);
+        }
+        kvq_polar_store_widths(wd, nv, cnt, width);
+        if (need != n_eq)
+            for (v = 0; v < nv && need > 0; v++) {
+                uint32_t t = tie[v];
+                while (t != 0 && need > 0) {
+                    width[16 * v + __builtin_ctz(t)]++;
+                    need--;
+                    t &= t - 1u;
+                }
+            }
+        return 1;
+    }
+}
+#endif
+
+/* kvq_polar_allocate_near_avx512 alone, for tests: 1 when it gave the widths, 0 when it left the
+ * level to the search, -1 when it cannot run here (no AVX-512, or cnt not a power of two in
+ * [2, KVQ_POLAR_NEAR_MAX_CNT], or total outside (0, MAX_BITS * cnt)). */
+static int kvq_polar_allocate_near(const int32_t* weight, int64_t cnt, const int32_t* gain,
+                                   int64_t total, uint8_t* width)
+{
+#if KVQ_POLAR_AVX512
+    if (__builtin_cpu_supports("avx512f") && cnt >= 2 && cnt <= KVQ_POLAR_NEAR_MAX_CNT
+        && (cnt & (cnt - 1)) == 0 && total > 0 && total < KVQ_POLAR_MAX_BITS * cnt)
+        return kvq_polar_allocate_near_avx512(weight, cnt, gain, total, width);
+#else
+    (void)weight; (void)cnt; (void)gain; (void)total; (void)width;
+#endif
+    return -1;
+}
+
 /* Every key above thr wins; `need` of the keys equal to it win, in index order (an angle has at
  * most one key equal to thr: its keys strictly decrease). */
 KVQ_POLAR_CLONES
@@ -515,8 +789,11 @@ static void kvq_polar_weight_stats(const int32_t* weight, int64_t cnt, int64_t* 
  * The threshold t (the total-th largest key) is the largest t with at least `total` keys >= t.
  * It is bracketed by exact counts: a first guess from the mean weight and the level's mean
  * width, a step by the expected slope (about one key per angle per gain step), then
- * interpolation, halving whenever a step shrank the bracket by less than half; once the
- * bracket holds at most KVQ_POLAR_FEW keys they are sorted. Whatever the path, t is exact.
+ * interpolation, with one halving after each probe (from the third) that cut the bracket by at
+ * least half (kvq_polar_search_take); once the bracket holds at most KVQ_POLAR_FEW keys they
+ * are sorted. Under AVX-512 a level of up to KVQ_POLAR_NEAR_MAX_CNT angles first tries
+ * kvq_polar_allocate_near_avx512 (the keys next to the first guess), which nearly always
+ * decides; the search runs when it does not. Whatever the path, t is exact.
  * Integer arithmetic only: encoder, decoder and consumers agree. `keys` is scratch for
  * MAX_BITS * cnt values. */
 static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const int32_t* gain,
@@ -541,6 +818,9 @@ static void kvq_polar_allocate_bits(const int32_t* weight, int64_t cnt, const in
     if (!kvq_polar_portable && __builtin_cpu_supports("avx512f")) {
         if (cnt <= KVQ_POLAR_RANK_MAX_CNT && (cnt & (cnt - 1)) == 0
             && kvq_polar_allocate_ranked_avx512(weight, cnt, gain, total, width))
+            return;
+        if (!kvq_polar_near_off && cnt <= KVQ_POLAR_NEAR_MAX_CNT && (cnt & (cnt - 1)) == 0
+            && kvq_polar_allocate_near_avx512(weight, cnt, gain, total, width))
             return;
         kvq_polar_allocate_bits_avx512(weight, cnt, gain, total, keys, width);
         return;

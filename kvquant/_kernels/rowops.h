@@ -49,6 +49,31 @@ static double kvq_sum_squares(const float *x, int64_t n, int in_index_order)
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
+/* kvq_sum_squares(x + i n, n, 1) of the m (1..4) consecutive rows of n floats at x, into out[i]:
+ * the engine's order, one chain of adds a row, the chains side by side (one row's chain alone
+ * waits on every add). The same bits as row by row. */
+KVQ_CLONES
+static void kvq_sum_squares_rows(const float *x, int64_t m, int64_t n, double *out)
+{
+    const float *x1 = x + (m > 1 ? n : 0), *x2 = x + (m > 2 ? 2 * n : 0);
+    const float *x3 = x + (m > 3 ? 3 * n : 0);
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        s0 += (double)x[i] * (double)x[i];
+        s1 += (double)x1[i] * (double)x1[i];
+        s2 += (double)x2[i] * (double)x2[i];
+        s3 += (double)x3[i] * (double)x3[i];
+    }
+    out[0] = s0;
+    if (m > 1)
+        out[1] = s1;
+    if (m > 2)
+        out[2] = s2;
+    if (m > 3)
+        out[3] = s3;
+}
+
 /* ---- vectors ---------------------------------------------------------------------------------
  * GCC (12+) and Clang vector extensions. The row kernels of every path are written once, at the
  * register width of each path (rowops_lanes.h, included per path below): GCC compiles a vector
