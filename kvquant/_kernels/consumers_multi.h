@@ -105,7 +105,8 @@ static inline int kvq_mq_kv8_coefs(const float* W, int64_t ldw, int64_t t, int m
 #define MV_E4M3(c, how) kvq_e4m3_16_portable(c, how)
 #define MV_E4M3_SPECIAL(c, len) kvq_e4m3_special_portable(c, len)
 #define MV_TQ_CONSTS kvq_tq_consts_portable
-#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_portable(K, table, b)
+/* the body calls it where its kvq_params `p` is in scope: 1- and 2-bit codes take byte_levels */
+#define MV_TQ_INIT(K, table, b) kvq_tq_consts_init_portable(K, table, p->byte_levels, b)
 #define MV_TQ_LEV16(g, K, b, wide) kvq_tq_lev16_portable(g, K, b, wide)
 #define MV_GGML_VALUES(blk, q4, lo, hi) kvq_ggml_values_portable(blk, q4, lo, hi)
 #define MV_FP16(b) kvq_fp16_value(b)

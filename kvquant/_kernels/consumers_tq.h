@@ -185,36 +185,44 @@ static void kvq_tq_axpy_portable(const kvq_params* p, const uint8_t* codes, cons
 
 #if KVQ_PORTABLE_VECTORS
 /* ---- the portable path's vector decoders (simd.h's vector extensions, any ISA) ----
- * Up to 4 bits the 16 (periodic) levels are split into four byte planes and each plane is looked
- * up by a byte shuffle with variable indices (GCC's __builtin_shuffle: one pshufb with SSSE3, one
- * tbl on ARM); the four looked-up bytes of each lane are then interleaved back into floats.
- * Clang has no variable shuffle builtin (and the interleave assumes little-endian): there, and
- * for other widths, a table load per code. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__BYTE_ORDER__) \
-    && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define KVQ_TQ_BYTE_SHUFFLE 1
+ * 1, 2 and 4 bits: the 8/b levels of a code byte are one row of byte_levels (kvq_tq_prepare), so
+ * a group is four 4-lane loads (1 and 2 bits) or eight 2-lane ones (4 bits on x86: measured
+ * faster there than byte-plane lookups, which queue on the cores' one shuffle port). 3 bits, and
+ * 4 bits elsewhere (ARM has tbl and shuffles to spare: fewer instructions): the 16 (periodic)
+ * levels are split into four byte planes, each looked up for the 16 codes at once by simd.h's
+ * kvq_pvb_lookup16, and the four bytes of each lane are interleaved back into floats (this
+ * assumes little-endian). 5 to 7 bits: the codes are cut into bytes by vector shuffles and
+ * multiplies, then a table load per code; 8 bits (and 3 to 7 on big-endian CPUs): a table load
+ * per code. Only integer moves pick the levels, so every way gives the table's floats, and the
+ * products and sums that follow are the scalar kernels'. Each way is written so that GCC and
+ * Clang both keep it in vector registers (Clang 14 kept the former per-code loop a loop through a
+ * stack array: 4-5x slower than GCC's build). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define KVQ_TQ_BYTE_PLANES 1
 #else
-#define KVQ_TQ_BYTE_SHUFFLE 0
+#define KVQ_TQ_BYTE_PLANES 0
 #endif
 
 typedef struct {
-    kvq_pvb plane[4];     /* byte k of levels 0..15 (periodic below 16 levels) */
-    const float* table;   /* 256 levels indexed by any byte whose low bits are the code */
+    kvq_pvb plane[4];         /* byte k of levels 0 .. 15 (periodic below 16 levels) */
+    const float* table;       /* 256 levels indexed by any byte whose low bits are the code */
+    const float* byte_levels; /* 1, 2 and 4 bits: the 8/b levels of byte e at (8/b) e */
 } kvq_tq_consts_portable;
 
 KVQ_INLINE void kvq_tq_consts_init_portable(kvq_tq_consts_portable* K, const float* table256,
-                                            int b)
+                                            const float* byte_levels, int b)
 {
     uint8_t bytes[4][16];
     uint32_t u;
     int e, k;
-    (void)b;
+    K->table = table256;
+    K->byte_levels = byte_levels;
+    if (b != 3 && b != 4) return;
     for (e = 0; e < 16; e++) {
         memcpy(&u, &table256[e], 4);
         for (k = 0; k < 4; k++) bytes[k][e] = (uint8_t)(u >> (8 * k));
     }
     for (k = 0; k < 4; k++) memcpy(&K->plane[k], bytes[k], 16);
-    K->table = table256;
 }
 
 /* dst[k] = kvq_tq_step(side[k ns], sqrtf_n) for k = 0..15 (the same compares and correctly
@@ -235,41 +243,110 @@ KVQ_INLINE void kvq_tq_steps16_portable(const float* side, int64_t ns, float sqr
     }
 }
 
-/* Levels of the 16 codes of one group (2b bytes at g, never read past). */
+/* Byte j = code j of the group's 2b bytes at g in its low b bits (the bits above it are the next
+ * code's: the lookups ignore them), for b = 3 .. 7. Each 16-bit lane takes the two bytes holding
+ * its code (a constant byte shuffle) and a multiply by 2^(8 - shift) moves the code to the lane's
+ * high byte (a per-lane shift that every ISA has). `wide`: 16 bytes may be read at g. */
+#define KVQ_TQ_O(B, j) ((B * (j)) >> 3)   /* the code's first byte */
+#define KVQ_TQ_PICK2(B, j) KVQ_TQ_O(B, j), KVQ_TQ_O(B, j) + 1
+/* bytes o, o + 1 of codes 8h .. 8h + 7 for the literal width B */
+#define KVQ_TQ_PICK(x, B, h)                                                                     \
+    KVQ_SHUFFLE(kvq_pvb, x, x, KVQ_TQ_PICK2(B, 8 * (h)), KVQ_TQ_PICK2(B, 8 * (h) + 1),             \
+                KVQ_TQ_PICK2(B, 8 * (h) + 2), KVQ_TQ_PICK2(B, 8 * (h) + 3),                        \
+                KVQ_TQ_PICK2(B, 8 * (h) + 4), KVQ_TQ_PICK2(B, 8 * (h) + 5),                        \
+                KVQ_TQ_PICK2(B, 8 * (h) + 6), KVQ_TQ_PICK2(B, 8 * (h) + 7))
+#define KVQ_TQ_PICKB(x, b, h)                                                                    \
+    (b == 3 ? KVQ_TQ_PICK(x, 3, h) : b == 5 ? KVQ_TQ_PICK(x, 5, h)                                \
+     : b == 6 ? KVQ_TQ_PICK(x, 6, h) : KVQ_TQ_PICK(x, 7, h))
+#define KVQ_TQ_M(j) ((uint16_t)(256u >> ((b * (j)) & 7)))   /* 2^(8 - its bit offset) */
+KVQ_INLINE kvq_pvb kvq_tq_codes16_portable(const uint8_t* g, const int b, const int wide)
+{
+    /* codes 8 .. 15 start 8b bits later: the same bit offsets */
+    const kvq_pvh mul = {KVQ_TQ_M(0), KVQ_TQ_M(1), KVQ_TQ_M(2), KVQ_TQ_M(3),
+                         KVQ_TQ_M(4), KVQ_TQ_M(5), KVQ_TQ_M(6), KVQ_TQ_M(7)};
+    uint8_t buf[16];
+    kvq_pvb x;
+    kvq_pvh lo, hi;
+    if (wide) {
+        memcpy(&x, g, 16);
+    } else {   /* the group only (a code's second byte may lie past it: zero) */
+        memset(buf, 0, 16);
+        memcpy(buf, g, 2 * b);
+        memcpy(&x, buf, 16);
+    }
+    lo = (kvq_pvh)KVQ_TQ_PICKB(x, b, 0) * mul;
+    hi = (kvq_pvh)KVQ_TQ_PICKB(x, b, 1) * mul;
+    return KVQ_SHUFFLE(kvq_pvb, (kvq_pvb)lo, (kvq_pvb)hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                       23, 25, 27, 29, 31);
+}
+#undef KVQ_TQ_M
+#undef KVQ_TQ_PICKB
+#undef KVQ_TQ_PICK
+#undef KVQ_TQ_PICK2
+#undef KVQ_TQ_O
+
+/* The levels of the codes in the low 4 bits of idx (the bits above are ignored) from the byte
+ * planes, as floats in element order. */
+KVQ_INLINE kvq_pv kvq_tq_planes16_portable(kvq_pvb idx, const kvq_tq_consts_portable* K)
+{
+    const kvq_pvb p0 = kvq_pvb_lookup16(K->plane[0], idx), p1 = kvq_pvb_lookup16(K->plane[1], idx);
+    const kvq_pvb p2 = kvq_pvb_lookup16(K->plane[2], idx), p3 = kvq_pvb_lookup16(K->plane[3], idx);
+    kvq_pvh a0, a1, b0, b1;
+    kvq_pv r;
+    /* bytes 0,1 and 2,3 of lanes 0-7 (a0, b0) and 8-15 (a1, b1) as 16-bit pairs */
+    a0 = (kvq_pvh)KVQ_SHUFFLE(kvq_pvb, p0, p1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                              22, 7, 23);
+    a1 = (kvq_pvh)KVQ_SHUFFLE(kvq_pvb, p0, p1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+                              14, 30, 15, 31);
+    b0 = (kvq_pvh)KVQ_SHUFFLE(kvq_pvb, p2, p3, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                              22, 7, 23);
+    b1 = (kvq_pvh)KVQ_SHUFFLE(kvq_pvb, p2, p3, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+                              14, 30, 15, 31);
+    /* the two pairs of each lane side by side: lanes 0-3, 4-7, 8-11, 12-15 */
+    r.q[0] = (kvq_pv4)KVQ_SHUFFLE(kvq_pvh, a0, b0, 0, 8, 1, 9, 2, 10, 3, 11);
+    r.q[1] = (kvq_pv4)KVQ_SHUFFLE(kvq_pvh, a0, b0, 4, 12, 5, 13, 6, 14, 7, 15);
+    r.q[2] = (kvq_pv4)KVQ_SHUFFLE(kvq_pvh, a1, b1, 0, 8, 1, 9, 2, 10, 3, 11);
+    r.q[3] = (kvq_pv4)KVQ_SHUFFLE(kvq_pvh, a1, b1, 4, 12, 5, 13, 6, 14, 7, 15);
+    return r;
+}
+
+/* Levels of the 16 codes of one group (2b bytes at g; `wide`: 16 bytes may be read at g). */
 KVQ_INLINE kvq_pv kvq_tq_lev16_portable(const uint8_t* g, const kvq_tq_consts_portable* K,
                                         const int b, const int wide)
 {
     float v[16];
     int j;
-    (void)wide;
-#if KVQ_TQ_BYTE_SHUFFLE
-    if (b == 4) {
-        /* code 2k is the low nibble of byte k, code 2k + 1 its high nibble */
-        const kvq_pvb lo8 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-        const kvq_pvb hi8 = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-        const kvq_pvh lo4 = {0, 8, 1, 9, 2, 10, 3, 11}, hi4 = {4, 12, 5, 13, 6, 14, 7, 15};
-        kvq_pvb x, idx, p0, p1, p2, p3;
-        kvq_pvh a0, a1, b0, b1;
+    if (b == 1 || b == 2) {   /* lanes 4j .. 4j + 3 from the row of byte jb / 2 */
+        const int per = 8 / b;
         kvq_pv r;
+        for (j = 0; j < 4; j++)
+            memcpy(&r.q[j], K->byte_levels + per * g[j * b / 2] + 4 * (j % (per / 4)), 16);
+        return r;
+    }
+#if KVQ_TQ_BYTE_PLANES && !(defined(__x86_64__) || defined(__i386__))
+    if (b == 4) {   /* code 2k is the low nibble of byte k, code 2k + 1 its high nibble */
+        kvq_pvb x;
         uint64_t g8;
         memcpy(&g8, g, 8);
         x = (kvq_pvb)(kvq_pvq){g8, 0};
-        idx = __builtin_shuffle(x & 15, x >> 4, lo8);
-        p0 = __builtin_shuffle(K->plane[0], idx);
-        p1 = __builtin_shuffle(K->plane[1], idx);
-        p2 = __builtin_shuffle(K->plane[2], idx);
-        p3 = __builtin_shuffle(K->plane[3], idx);
-        /* bytes 0,1 and 2,3 of lanes 0-7 (a0, b0) and 8-15 (a1, b1) as 16-bit pairs */
-        a0 = (kvq_pvh)__builtin_shuffle(p0, p1, lo8);
-        a1 = (kvq_pvh)__builtin_shuffle(p0, p1, hi8);
-        b0 = (kvq_pvh)__builtin_shuffle(p2, p3, lo8);
-        b1 = (kvq_pvh)__builtin_shuffle(p2, p3, hi8);
-        /* the two pairs of each lane side by side: lanes 0-3, 4-7, 8-11, 12-15 */
-        r.q[0] = (kvq_pv4)__builtin_shuffle(a0, b0, lo4);
-        r.q[1] = (kvq_pv4)__builtin_shuffle(a0, b0, hi4);
-        r.q[2] = (kvq_pv4)__builtin_shuffle(a1, b1, lo4);
-        r.q[3] = (kvq_pv4)__builtin_shuffle(a1, b1, hi4);
+        return kvq_tq_planes16_portable(KVQ_SHUFFLE(kvq_pvb, x & 15, x >> 4, 0, 16, 1, 17, 2, 18,
+                                                    3, 19, 4, 20, 5, 21, 6, 22, 7, 23), K);
+    }
+#endif
+    if (b == 4) {   /* lanes 4j .. 4j + 3 from the rows (two levels) of bytes 2j and 2j + 1 */
+        kvq_pv r;
+        for (j = 0; j < 4; j++) {   /* two 8-byte loads into one vector (movq + movhps, ld1) */
+            memcpy(&r.q[j], K->byte_levels + 2 * g[2 * j], 8);
+            memcpy((char*)&r.q[j] + 8, K->byte_levels + 2 * g[2 * j + 1], 8);
+        }
         return r;
+    }
+#if KVQ_TQ_BYTE_PLANES
+    if (b == 3) return kvq_tq_planes16_portable(kvq_tq_codes16_portable(g, 3, wide), K);
+    if (b != 8) {   /* 5 to 7 bits: the table takes any byte whose low bits are the code */
+        const kvq_pvb c = kvq_tq_codes16_portable(g, b, wide);
+        for (j = 0; j < 16; j++) v[j] = K->table[c[j]];
+        return kvq_pv_load(v);
     }
 #endif
     if (b == 8) {

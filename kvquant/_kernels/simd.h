@@ -400,6 +400,39 @@ typedef struct { kvq_pv4 q[4]; } kvq_pv;                   /* 16 lanes: q[k] hol
                            4 * (q) + 2, 4 * (q) + 2, 4 * (q) + 3, 4 * (q) + 3, 4 * (q) + 3,      \
                            4 * (q) + 3))
 
+/* r[i] = tab[idx[i] mod 16], i = 0..15: a byte table lookup with variable indices (one pshufb
+ * with SSSE3, one tbl on ARM). GCC's __builtin_shuffle takes the indices modulo 16 itself. Clang
+ * has no variable shuffle builtin: for x86 the lanes written out one by one are what its code
+ * generator turns into pshufb (a loop over them is not: that stays sixteen byte loads); for
+ * aarch64 Clang 14 does not, so there the lookup is NEON's tbl, the one intrinsic of the path. */
+#if defined(__clang__) && defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+KVQ_INLINE kvq_pvb kvq_pvb_lookup16(kvq_pvb tab, kvq_pvb idx)
+{
+#if !defined(__clang__)
+    return __builtin_shuffle(tab, idx);
+#elif defined(__aarch64__)
+    return (kvq_pvb)vqtbl1q_u8((uint8x16_t)tab, (uint8x16_t)(idx & 15));
+#else
+    kvq_pvb r;
+    idx &= 15;
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+x"(idx));   /* and the indices one vector (see below) */
+#endif
+    r[0] = tab[idx[0]];   r[1] = tab[idx[1]];   r[2] = tab[idx[2]];   r[3] = tab[idx[3]];
+    r[4] = tab[idx[4]];   r[5] = tab[idx[5]];   r[6] = tab[idx[6]];   r[7] = tab[idx[7]];
+    r[8] = tab[idx[8]];   r[9] = tab[idx[9]];   r[10] = tab[idx[10]]; r[11] = tab[idx[11]];
+    r[12] = tab[idx[12]]; r[13] = tab[idx[13]]; r[14] = tab[idx[14]]; r[15] = tab[idx[15]];
+#if defined(__x86_64__) || defined(__i386__)
+    /* empty asms keep the indices and the lanes one vector each: merged into the shuffles
+     * around them they would no longer be a lookup, and become sixteen byte loads again */
+    __asm__("" : "+x"(r));
+#endif
+    return r;
+#endif
+}
+
 /* KVQ_PVB_TOP4 for a quarter k that is a constant after inlining (the shuffle takes literals). */
 KVQ_INLINE kvq_pv4u kvq_pvb_top4(kvq_pvb x, const int k)
 {
