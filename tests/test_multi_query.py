@@ -205,3 +205,33 @@ def test_narrow_rows_for_one_query_give_the_portable_bits(spec, dim, rng, simd_p
                     got = codec.scores(enc, q, n_threads=nt), codec.context(enc, w, n_threads=nt)
                     for a, b in zip(ref, got):
                         assert np.array_equal(as_bits(a), as_bits(b)), (path, T, magnitude, nt)
+
+
+@pytest.mark.parametrize("spec,dim", [("kv8", 32), ("kv8", 64), ("kv8", 128), ("tq2", 32),
+                                      ("tq4", 64), ("tq4", 128)])
+def test_non_finite_queries_and_weights_give_each_path_the_same_values(spec, dim, rng,
+                                                                        simd_path):
+    """A NaN or infinite query element or weight: every path puts NaN in the same places and the
+    same bits everywhere else (a NaN's payload and sign are no path's promise: which operand's
+    NaN an add passes on is the compiler's choice)."""
+    codec, enc = _encoded(spec, dim, 40, rng)
+    q = gaussian_rows(rng, 3, dim)
+    q[0, 1], q[1, 2], q[2, 0] = np.nan, np.inf, -np.inf
+    w = rng.random((3, enc.n_rows)).astype(np.float32)
+    w[0, 5], w[1, 17], w[2, 33] = np.nan, np.inf, -np.inf
+
+    def reads():
+        return ([codec.scores(enc, q[j]) for j in range(3)] + [codec.scores(enc, q)]
+                + [codec.context(enc, w[j]) for j in range(3)] + [codec.context(enc, w)])
+
+    simd_path("portable")
+    ref = reads()
+    assert any(np.isnan(a).any() for a in ref)
+    if spec == "kv8":   # (tq's rotation turns an infinite query into NaN)
+        assert any(np.isinf(a).any() for a in ref)
+    for path in PATHS[1:]:
+        simd_path(path)
+        for k, (a, b) in enumerate(zip(ref, reads())):
+            assert np.array_equal(np.isnan(a), np.isnan(b)), (path, k)
+            live = ~np.isnan(a)
+            assert np.array_equal(as_bits(a[live]), as_bits(b[live])), (path, k)

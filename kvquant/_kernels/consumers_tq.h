@@ -411,9 +411,9 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_tq_steps16_avx512(const floa
     _mm512_storeu_ps(dst, _mm512_maskz_div_ps(ok, r, _mm512_set1_ps(sqrtf_n)));
 }
 
-/* Levels of the 16 codes of one group (2b bytes at g). `wide` says that 16 bytes may be read. */
 /* The codes of one group (2b bytes at g, b = 2..7) in the low bits of their lanes, the higher
- * bits holding later codes (hence the levels' periodic padding): what kvq_tq_lev16 looks up. */
+ * bits holding later codes (hence the levels' periodic padding): what kvq_tq_lev16 looks up.
+ * `wide` says that 16 bytes may be read at g. */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512i kvq_tq_codes16(const uint8_t* g,
                                                                 const kvq_tq_consts* K,
                                                                 const int b, const int wide)
@@ -438,6 +438,7 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512i kvq_tq_codes16(const uint8_t*
     return _mm512_srlv_epi32(_mm512_shuffle_epi8(x, K->ctl), K->sh);
 }
 
+/* Levels of the 16 codes of one group (2b bytes at g). `wide` says that 16 bytes may be read. */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE __m512 kvq_tq_lev16(const uint8_t* g,
                                                              const kvq_tq_consts* K,
                                                              const int b, const int wide)

@@ -225,7 +225,9 @@ KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_sums16_avx512(const __m512* 
 /* kvq_sums16_avx512 of sums whose lanes began at their first product instead of 0 + it: adding
  * +0 to each row's sum gives the bits of lanes begun at 0. (0 + p is p except that -0 becomes +0,
  * so the two sums differ at most by the sign of a zero; sums begun at +0 are never -0, and
- * s + 0 is s except that -0 becomes +0.) One add per sixteen rows instead of one per row. */
+ * s + 0 is s except that -0 becomes +0.) One add per sixteen rows instead of one per row. As on
+ * every path, a NaN's payload and sign are not part of the bits: which operand's NaN an add
+ * passes on is the compiler's choice (it may swap the operands of a commutative add). */
 KVQ_TARGET_AVX512 static KVQ_ALWAYS_INLINE void kvq_sums16_from_first_avx512(const __m512* a,
                                                                            float* dst,
                                                                            const float* scale)
