@@ -45,6 +45,24 @@ static float next_unit(void)   /* uniform in [-1, 1) */
     return (float)(next_u32() >> 8) * (2.0f / 16777216.0f) - 1.0f;
 }
 
+/* Random ggml rows (T rows of cb bytes, nb blocks of bb bytes): random bytes, then each block's
+ * leading fp16 values (its scale, and its min where it has one), `drawn` of them drawn and the
+ * first `kept` stored. */
+static void random_ggml_rows(uint8_t* codes, int64_t T, int64_t cb, int64_t nb, int64_t bb,
+                             int drawn, int kept)
+{
+    int64_t i, k;
+    int j;
+    for (i = 0; i < T * cb; i++) codes[i] = (uint8_t)next_u32();
+    for (i = 0; i < T; i++)
+        for (k = 0; k < nb; k++) {
+            uint16_t h[2];
+            for (j = 0; j < drawn; j++)
+                h[j] = (uint16_t)((0x2000u + next_u32() % 0x1800u) | (next_u32() & 0x8000u));
+            memcpy(codes + i * cb + k * bb, h, 2 * (size_t)kept);
+        }
+}
+
 static int digest_mode = 0;
 
 #define FNV_START 0xcbf29ce484222325ull
@@ -411,13 +429,7 @@ int main(int argc, char** argv)
             if (n % 32) continue;
             memset(&p, 0, sizeof p);
             p.n_rows = T; p.dim = n; p.code_bytes = nb * bb; p.bits = b;
-            for (i = 0; i < T * p.code_bytes; i++) codes[i] = (uint8_t)next_u32();
-            for (i = 0; i < T; i++)
-                for (k = 0; k < nb; k++) {
-                    const uint16_t h = (uint16_t)((0x2000u + next_u32() % 0x1800u)
-                                                  | (next_u32() & 0x8000u));
-                    memcpy(codes + i * p.code_bytes + k * bb, &h, 2);
-                }
+            random_ggml_rows(codes, T, p.code_bytes, nb, bb, 1, 1);
             bad |= compare(b == 4 ? "q4_0" : "q8_0", &p, codes, side, T, 1.0f,
                            kvq_ggml_dotm_portable, kvq_ggml_dotm_portableq,
                            kvq_ggml_axpym_portable, kvq_ggml_axpym_portableq);
@@ -429,14 +441,7 @@ int main(int argc, char** argv)
             if (n % 32) continue;
             memset(&p, 0, sizeof p);
             p.n_rows = T; p.dim = n; p.code_bytes = nb * bb; p.bits = b;
-            for (i = 0; i < T * p.code_bytes; i++) codes[i] = (uint8_t)next_u32();
-            for (i = 0; i < T; i++)
-                for (k = 0; k < nb; k++) {
-                    uint16_t h[2];
-                    h[0] = (uint16_t)((0x2000u + next_u32() % 0x1800u) | (next_u32() & 0x8000u));
-                    h[1] = (uint16_t)((0x2000u + next_u32() % 0x1800u) | (next_u32() & 0x8000u));
-                    memcpy(codes + i * p.code_bytes + k * bb, h, kvq_gm_has_min(b) ? 4 : 2);
-                }
+            random_ggml_rows(codes, T, p.code_bytes, nb, bb, 2, kvq_gm_has_min(b) ? 2 : 1);
             hash_reads("ggml", &p, codes, T, kvq_gm_dot_portable, kvq_gm_axpy_portable);
         }
     }

@@ -37,10 +37,12 @@ static double now_s(void)
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-/* from_first: each row's lanes begin at their first product, and +0 goes to the row's sum */
+/* The multishift loop. preloaded: `c` holds each group's 8 bytes already broadcast to 64 (the
+ * codes are loaded, not broadcast); from_first: each row's lanes begin at their first product,
+ * and +0 goes to the row's sum. */
 TGT static KVQ_ALWAYS_INLINE void scores_multishift_body(const uint8_t* c, int64_t T,
-                                                         const float* q,
-                                                         const float* lev, float* out,
+                                                         const float* q, const float* lev,
+                                                         float* out, const int preloaded,
                                                          const int from_first)
 {
     uint8_t msh[64];
@@ -55,10 +57,16 @@ TGT static KVQ_ALWAYS_INLINE void scores_multishift_body(const uint8_t* c, int64
         for (r = 0; r < 16; r++) {
             __m512 a = _mm512_setzero_ps();
             for (s = 0; s < 4; s++) {
-                uint64_t u;
-                memcpy(&u, c + (t + r) * 32 + 8 * s, 8);
+                __m512i x;
+                if (preloaded) {
+                    x = _mm512_loadu_si512(c + ((t + r) * 4 + s) * 64);
+                } else {
+                    uint64_t u;
+                    memcpy(&u, c + (t + r) * 32 + 8 * s, 8);
+                    x = _mm512_set1_epi64((long long)u);
+                }
                 const __m512 p = _mm512_mul_ps(qv[s], _mm512_permutexvar_ps(
-                    _mm512_multishift_epi64_epi8(M, _mm512_set1_epi64((long long)u)), t0));
+                    _mm512_multishift_epi64_epi8(M, x), t0));
                 a = from_first && s == 0 ? p : _mm512_add_ps(a, p);
             }
             acc[r] = a;
@@ -71,13 +79,19 @@ TGT static KVQ_ALWAYS_INLINE void scores_multishift_body(const uint8_t* c, int64
 TGT static void scores_multishift(const uint8_t* c, int64_t T, const float* q, const float* lev,
                                   float* out)
 {
-    scores_multishift_body(c, T, q, lev, out, 0);
+    scores_multishift_body(c, T, q, lev, out, 0, 0);
 }
 
 TGT static void scores_from_first(const uint8_t* c, int64_t T, const float* q, const float* lev,
                                   float* out)
 {
-    scores_multishift_body(c, T, q, lev, out, 1);
+    scores_multishift_body(c, T, q, lev, out, 0, 1);
+}
+
+TGT static void scores_preloaded(const uint8_t* wide, int64_t T, const float* q,
+                                 const float* lev, float* out)
+{
+    scores_multishift_body(wide, T, q, lev, out, 1, 0);
 }
 
 TGT static void scores_shift(const uint8_t* c, int64_t T, const float* q, const float* lev,
@@ -106,31 +120,6 @@ TGT static void scores_shift(const uint8_t* c, int64_t T, const float* q, const 
                 a = _mm512_add_ps(a, _mm512_mul_ps(qv[s], v));
             }
             acc[r] = _mm512_permutexvar_ps(B, a);
-        }
-        _mm512_storeu_ps(out + t, kvq_tree16x16_avx512(acc));
-    }
-}
-
-TGT static void scores_preloaded(const uint8_t* wide, int64_t T, const float* q,
-                                 const float* lev, float* out)
-{
-    uint8_t msh[64];
-    __m512 qv[4], acc[16];
-    int i, k, s, r;
-    for (i = 0; i < 16; i++)
-        for (k = 0; k < 4; k++) msh[4 * i + k] = (uint8_t)((4 * i + 8 * k) & 63);
-    const __m512i M = _mm512_loadu_si512(msh);
-    const __m512 t0 = _mm512_loadu_ps(lev);
-    for (s = 0; s < 4; s++) qv[s] = _mm512_loadu_ps(q + 16 * s);
-    for (int64_t t = 0; t + 16 <= T; t += 16) {
-        for (r = 0; r < 16; r++) {
-            __m512 a = _mm512_setzero_ps();
-            for (s = 0; s < 4; s++) {
-                const __m512i x = _mm512_loadu_si512(wide + ((t + r) * 4 + s) * 64);
-                const __m512 v = _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(M, x), t0);
-                a = _mm512_add_ps(a, _mm512_mul_ps(qv[s], v));
-            }
-            acc[r] = a;
         }
         _mm512_storeu_ps(out + t, kvq_tree16x16_avx512(acc));
     }
