@@ -338,14 +338,30 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     # before and after the timings: the better of the two (other jobs come and go)
     bandwidth = {nt: max(before[nt], read_bandwidth(nt, buf)) for nt in threads}
     bytes_per_row = {"numpy": 4 * dim, **{spec: codec.bytes_per_row for spec, codec in built}}
-    out = {"median": {}, "min": {}, "limit": {}, "bandwidth": bandwidth,
+    out = {"median": {}, "min": {}, "limit": {}, "round_medians": {}, "bandwidth": bandwidth,
            "bytes_per_row": bytes_per_row, "errors": errors, "copies": copies,
            "cache_bytes": cache_bytes if cold else None}
     for (name, nt), ts in times.items():
         out["median"].setdefault(name, {})[nt] = float(np.median(ts))
         out["min"].setdefault(name, {})[nt] = float(np.min(ts))
         out["limit"].setdefault(name, {})[nt] = step_bytes(bytes_per_row[name], T) / bandwidth[nt]
+        out["round_medians"].setdefault(name, {})[nt] = per_round_medians(ts, repeats, rounds)
     return out
+
+
+def per_round_medians(samples, repeats, rounds):
+    """The median of each round's samples: both schedules take ``repeats`` samples of a method
+    per round, in round order."""
+    if len(samples) != repeats * rounds:
+        raise ValueError(f"{len(samples)} samples are not {rounds} rounds of {repeats}")
+    return [float(np.median(samples[r * repeats:(r + 1) * repeats])) for r in range(rounds)]
+
+
+def round_speedups(cell, name, n_threads):
+    """numpy's median over the codec's in each round: a round's methods ran minutes apart at
+    most, so the spread of these ratios is what the machine's changing load did to the speedup."""
+    numpy_rounds = cell["round_medians"]["numpy"][n_threads]
+    return [a / b for a, b in zip(numpy_rounds, cell["round_medians"][name][n_threads])]
 
 
 def cell_rows(dim, T, queries, cell, codecs, threads):
@@ -371,6 +387,9 @@ def cell_rows(dim, T, queries, cell, codecs, threads):
             row[f"numpy_min_ms_{nt}t"] = 1e3 * mn["numpy"][nt]
             row[f"codec_min_ms_{nt}t"] = 1e3 * mn[spec][nt]
             row[f"speedup_min_{nt}t"] = mn["numpy"][nt] / mn[spec][nt]
+            per_round = round_speedups(cell, spec, nt)
+            row[f"speedup_rounds_lo_{nt}t"] = min(per_round)
+            row[f"speedup_rounds_hi_{nt}t"] = max(per_round)
         if len(threads) > 1:
             row["thread_scaling"] = med[spec][threads[0]] / med[spec][threads[-1]]
             row["numpy_thread_scaling"] = med["numpy"][threads[0]] / med["numpy"][threads[-1]]
@@ -446,7 +465,8 @@ def format_markdown(result):
         f"One decode step (scores, softmax, context) over T rows for m queries that share them; "
         f"{how} ({'wall clock' if clock == 'wall' else 'thread CPU time'}); consumers on the "
         f"{result['simd']} path; speedup = numpy f32 time / codec time on the same rows, queries "
-        "and thread count.",
+        "and thread count; rounds = the lowest and highest of the per-round speedups (numpy's "
+        "median over the codec's in one round): their spread is the machine's noise.",
         "Byte limit = bytes the step reads (every row twice: 2 T x B/row) / the read bandwidth "
         "measured in the same cell (numpy max over "
         f"{result['bandwidth_buffer_bytes'] >> 20} MiB): "
@@ -468,8 +488,9 @@ def format_markdown(result):
             "every call reads rows evicted since their last use, as in a model's forward "
             "(copies per method in the CSV)."]
     head = (f"| d | T | codec | m | B/row | numpy {hi}t ms | codec {hi}t ms | speedup {hi}t "
-            f"| byte limit {hi}t ms | of limit {hi}t | limit speedup | numpy of limit {hi}t |")
-    rule = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            f"| rounds {hi}t | byte limit {hi}t ms | of limit {hi}t | limit speedup "
+            f"| numpy of limit {hi}t |")
+    rule = "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"
     if lo != hi:
         head += (f" numpy {lo}t ms | codec {lo}t ms | speedup {lo}t | numpy {lo}t/{hi}t "
                  f"| codec {lo}t/{hi}t |")
@@ -481,7 +502,8 @@ def format_markdown(result):
         codec = r["codec"] + (" (exempt)" if r.get("speed_exempt") else "")
         line = (f"| {r['dim']} | {r['T']} | {codec} | {r['queries']} | {r['bytes_per_row']} | "
                 f"{r[f'numpy_ms_{hi}t']:.3f} | {r[f'codec_ms_{hi}t']:.3f} | "
-                f"**{r[f'speedup_{hi}t']:.2f}x** | {r[f'limit_ms_{hi}t']:.3f} | "
+                f"**{r[f'speedup_{hi}t']:.2f}x** | {r[f'speedup_rounds_lo_{hi}t']:.2f}-"
+                f"{r[f'speedup_rounds_hi_{hi}t']:.2f}x | {r[f'limit_ms_{hi}t']:.3f} | "
                 f"{r[f'fraction_{hi}t']:.2f} | {r['bytes_ratio']:.2f}x | "
                 f"{r[f'numpy_fraction_{hi}t']:.2f} |")
         if lo != hi:
@@ -539,7 +561,9 @@ def cmd_bench(args):
         if not args.json:
             hi = max(threads)
             print(f"  d={row['dim']:<4} m={row['queries']:<2} T={row['T']:<7} {row['codec']:<10} "
-                  f"speedup {row[f'speedup_{hi}t']:.2f}x at {hi} thread(s), "
+                  f"speedup {row[f'speedup_{hi}t']:.2f}x "
+                  f"(rounds {row[f'speedup_rounds_lo_{hi}t']:.2f}-"
+                  f"{row[f'speedup_rounds_hi_{hi}t']:.2f}x) at {hi} thread(s), "
                   f"{row[f'fraction_{hi}t']:.2f} of its byte limit"
                   + (f"  [{row['flags']}]" if row["flags"] else ""), flush=True)
 

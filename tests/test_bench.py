@@ -1,5 +1,6 @@
 """The attention bench's logic: byte accounting, byte limits, flags, the step it times, its
 files. Nothing here asserts a speed."""
+import contextlib
 import csv
 import json
 
@@ -82,9 +83,52 @@ def test_a_cell_times_the_real_work_and_derives_limits_from_its_bandwidth(schedu
         assert row["speedup_1t"] == pytest.approx(cell["median"]["numpy"][1]
                                                   / cell["median"][spec][1])
         assert row["bytes_ratio"] == pytest.approx(256 / cell["bytes_per_row"][spec])
+        per_round = [a / b for a, b in zip(cell["round_medians"]["numpy"][2],
+                                           cell["round_medians"][spec][2])]
+        assert len(per_round) == 2
+        assert (row["speedup_rounds_lo_2t"], row["speedup_rounds_hi_2t"]) == (min(per_round),
+                                                                              max(per_round))
         expected = bench.plausibility_flags(spec, cell["median"][spec], cell["limit"][spec]) \
             + bench.plausibility_flags("numpy", cell["median"]["numpy"], cell["limit"]["numpy"])
         assert row["flags"] == "; ".join(expected)
+
+
+@pytest.mark.parametrize("schedule", bench.SCHEDULES)
+def test_round_medians_keep_each_rounds_samples_apart(schedule, monkeypatch):
+    """A method that slows by 10 s a round (on a fake clock) has round medians 10 s apart, in
+    round order, under both schedules; the per-round speedups divide round by round."""
+    monkeypatch.setattr(bench, "COOL_DOWN_S", 0.0)
+    repeats, rounds, clock = 3, 4, [0.0]
+
+    class Stub:
+        n_threads, n_copies = 1, 1
+
+        def __init__(self, name, base):
+            self.name, self.base, self.calls = name, base, 0
+
+        def limited(self):
+            return contextlib.nullcontext()
+
+        def __call__(self):
+            # block: two warm-up calls and `repeats` timed ones a round; interleaved: one
+            # untimed call before each timed one
+            per_round = 2 + repeats if schedule == "block" else 2 * repeats
+            clock[0] += self.base + 10.0 * (self.calls // per_round)
+            self.calls += 1
+
+    methods = [Stub("numpy", 4.0), Stub("kv8", 1.0)]
+    if schedule == "block":
+        times = bench._time_blocks(methods, repeats, rounds, 0.0, lambda: clock[0])
+    else:
+        times = bench._time_interleaved(methods, repeats, rounds, lambda: clock[0])
+    numpy_rounds = bench.per_round_medians(times[("numpy", 1)], repeats, rounds)
+    kv8_rounds = bench.per_round_medians(times[("kv8", 1)], repeats, rounds)
+    assert numpy_rounds == [4.0, 14.0, 24.0, 34.0]
+    assert kv8_rounds == [1.0, 11.0, 21.0, 31.0]
+    cell = {"round_medians": {"numpy": {1: numpy_rounds}, "kv8": {1: kv8_rounds}}}
+    assert bench.round_speedups(cell, "kv8", 1) == pytest.approx([4.0, 14 / 11, 24 / 21, 34 / 31])
+    with pytest.raises(ValueError, match="4 rounds of 3"):
+        bench.per_round_medians(times[("kv8", 1)][:-1], repeats, rounds)
 
 
 def test_bad_parameters_are_named():

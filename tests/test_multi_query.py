@@ -172,12 +172,13 @@ NARROW = [("kv8", d) for d in (16, 32, 48, 64, 80)] + [
 
 @pytest.mark.parametrize("spec,dim", NARROW)
 def test_narrow_rows_for_one_query_give_the_portable_bits(spec, dim, rng, simd_path):
-    """Rows of at most 64 elements take the narrow kernels where the path has them (the query of
-    a one-query read in registers, whose lane sums begin at their first product, as every AVX-512
-    tq score sum does; tq's context of up to four): every row count around their blocks of 16,
-    inert rows, fp8 subnormal and NaN codes, forged radii, factors inside and beyond kv8's raw
-    decode, zero queries of either sign (products of -0, whose sums begun at 0 are +0), 1 to 5
-    queries, one and two threads; 80 (kv8) and 128 (tq) are the first widths past them."""
+    """Rows of at most 64 elements take the narrow kernels where the path has them (kv8's one
+    query in registers, tq's queries four at a time, whose lane sums begin at their first product,
+    as every AVX-512 tq score sum does; tq's context of up to four): every row count around their
+    blocks of 16, inert rows, fp8 subnormal and NaN codes, forged radii, factors inside and beyond
+    kv8's raw decode, zero queries of either sign (products of -0, whose sums begun at 0 are +0),
+    1 to 5 and 8 queries (passes of 4 and 1, 4 and 4), one and two threads; 80 (kv8) and 128 (tq)
+    are the first widths past them."""
     for T in (1, 2, 15, 16, 17, 33, 300):
         codec, enc = _encoded(spec, dim, max(T, 12), rng)
         enc = type(enc)(codes=enc.codes[:T].copy(), side=enc.side[:T].copy(), spec=enc.spec,
@@ -185,8 +186,8 @@ def test_narrow_rows_for_one_query_give_the_portable_bits(spec, dim, rng, simd_p
         if spec.startswith("tq") and "f16" not in spec:   # (f16 sides refuse forged values)
             for k, t in enumerate(t for t in (0, 5, 14, 15, 16, 17, 31) if t < T):
                 enc.side[t, 0] = FORGED_SIDES[k % len(FORGED_SIDES)]
-        for magnitude, m in ((1.0, 1), (1e3, 1), (1e-3, 1), (0.0, 1), (-0.0, 1), (1.0, 3),
-                             (-0.0, 3), (1e3, 4), (1.0, 5)):
+        for magnitude, m in ((1.0, 1), (1e3, 1), (1e-3, 1), (0.0, 1), (-0.0, 1), (1.0, 2),
+                             (1.0, 3), (-0.0, 3), (1e3, 4), (1.0, 5), (1.0, 8)):
             q = gaussian_rows(rng, m, dim) * np.float32(magnitude)
             w = rng.random((m, T)).astype(np.float32) * np.float32(magnitude)
             simd_path("portable")

@@ -344,42 +344,50 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_layout)(const kvq_par
 }
 
 #if KVQ_MQ_NARROW
-/* Scores of one query over narrow kv8 rows of NS = n / 16 vectors with one scale per row: the
- * query (and its 2^120 fold when RAW) stays in registers, sixteen rows are checked for special
- * codes before any is summed (one branch: a branch per row cost ~15%) and their sums are reduced
- * together. A block holding special codes is summed row by row. The sums of kv8_dot_rows. */
+/* Scores of M queries over narrow kv8 rows of NS = n / 16 vectors with one scale per row
+ * (M NS <= 16): the queries (their 2^120 folds when RAW) stay in registers, each row is decoded
+ * once for the M queries, sixteen rows are checked for special codes before any is summed (one
+ * branch: a branch per row cost ~15%) and each query's sums of the sixteen are reduced together.
+ * A block holding special codes is summed row by row, the queries then read from memory. The
+ * sums of kv8_dot_rows. */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_narrow)(const kvq_params* p,
                                                                  const uint8_t* codes,
                                                                  const float* side, int64_t r0,
-                                                                 int64_t r1, const float* q,
-                                                                 const float* qraw, float* out,
-                                                                 const int NS, const int RAW)
+                                                                 int64_t r1, const float* Q,
+                                                                 const float* Qraw, float* out,
+                                                                 int64_t ldo, const int NS,
+                                                                 const int M, const int RAW)
 {
-    const int64_t cb = p->code_bytes, ns = p->n_side;
-    MV qv[KVQ_MQ_NARROW_MAX / 16], qf[KVQ_MQ_NARROW_MAX / 16], acc[KVQ_MQ_BLOCK], a;
+    const int64_t cb = p->code_bytes, ns = p->n_side, n = p->dim;
+    const float* Qf = RAW ? Qraw : Q;
+    MV qf[KVQ_MQ_NARROW_QUERIES * KVQ_MQ_NARROW_MAX / 16], acc[KVQ_MQ_NARROW_QUERIES * KVQ_MQ_BLOCK];
+    MV v[KVQ_MQ_NARROW_MAX / 16], a;
     const uint8_t* c;
     int64_t t;
-    int s, k, special;
-    for (s = 0; s < NS; s++) {
-        qv[s] = MV_LOAD(q + 16 * s);
-        qf[s] = RAW ? MV_LOAD(qraw + 16 * s) : qv[s];
+    int s, k, j, special;
+    for (j = 0; j < M; j++)
+        for (s = 0; s < NS; s++) qf[j * NS + s] = MV_LOAD(Qf + j * n + 16 * s);
+    /* each query's sum from its first product: PUT stores it */
+#define KVQ_MQ_KV8_NARROW_DOTS(QV, PUT)                                                       \
+    for (j = 0; j < M; j++) {                                                                 \
+        a = MV_MUL(QV(0), v[0]);                                                              \
+        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(QV(s), v[s]));                          \
+        PUT;                                                                                  \
     }
-#define KVQ_MQ_KV8_NARROW_PLAIN(T)                                                            \
+#define KVQ_MQ_QF(s_) qf[j * NS + (s_)]
+#define KVQ_MQ_QMEM(s_) MV_LOAD(Q + j * n + 16 * (s_))
+#define KVQ_MQ_KV8_NARROW_PLAIN(T, PUT)                                                       \
     c = codes + (T) * cb;                                                                     \
-    if (RAW) {                                                                                \
-        a = MV_MUL(qf[0], MV_E4M3(c, KVQ_E4M3_RAW));   /* lanes from their first product */   \
-        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qf[s], MV_E4M3(c + 16 * s, KVQ_E4M3_RAW))); \
-    } else {                                                                                  \
-        a = MV_MUL(qv[0], MV_E4M3(c, KVQ_E4M3_PLAIN));                                        \
-        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qv[s], MV_E4M3(c + 16 * s, KVQ_E4M3_PLAIN))); \
-    }
-#define KVQ_MQ_KV8_NARROW_SUM(T)                                                              \
+    if (RAW) { for (s = 0; s < NS; s++) v[s] = MV_E4M3(c + 16 * s, KVQ_E4M3_RAW); }           \
+    else { for (s = 0; s < NS; s++) v[s] = MV_E4M3(c + 16 * s, KVQ_E4M3_PLAIN); }             \
+    KVQ_MQ_KV8_NARROW_DOTS(KVQ_MQ_QF, PUT)
+#define KVQ_MQ_KV8_NARROW_SUM(T, PUT)                                                         \
     if (MV_E4M3_SPECIAL(codes + (T) * cb, 16 * NS)) {                                         \
         c = codes + (T) * cb;                                                                 \
-        a = MV_MUL(qv[0], MV_E4M3(c, KVQ_E4M3_ANY));                                          \
-        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qv[s], MV_E4M3(c + 16 * s, KVQ_E4M3_ANY))); \
+        for (s = 0; s < NS; s++) v[s] = MV_E4M3(c + 16 * s, KVQ_E4M3_ANY);                    \
+        KVQ_MQ_KV8_NARROW_DOTS(KVQ_MQ_QMEM, PUT)                                              \
     } else {                                                                                  \
-        KVQ_MQ_KV8_NARROW_PLAIN(T)                                                            \
+        KVQ_MQ_KV8_NARROW_PLAIN(T, PUT)                                                       \
     }
     for (t = r0; t + KVQ_MQ_BLOCK <= r1; t += KVQ_MQ_BLOCK) {
         for (k = 0; k < KVQ_MQ_BLOCK; k++) kvq_prefetch(codes + (t + k) * cb + KVQ_PREFETCH_BYTES);
@@ -387,17 +395,24 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(kv8_dot_narrow)(const kvq_par
         for (k = 0; k < KVQ_MQ_BLOCK; k++)
             special |= MV_E4M3_SPECIAL(codes + (t + k) * cb, 16 * NS);
         if (special)
-            for (k = 0; k < KVQ_MQ_BLOCK; k++) { KVQ_MQ_KV8_NARROW_SUM(t + k) acc[k] = a; }
+            for (k = 0; k < KVQ_MQ_BLOCK; k++) {
+                KVQ_MQ_KV8_NARROW_SUM(t + k, acc[j * KVQ_MQ_BLOCK + k] = a)
+            }
         else
-            for (k = 0; k < KVQ_MQ_BLOCK; k++) { KVQ_MQ_KV8_NARROW_PLAIN(t + k) acc[k] = a; }
-        MV_SUMS16_FROM_FIRST(acc, out + t, side + t);   /* one scale per row: n_side is 1 */
+            for (k = 0; k < KVQ_MQ_BLOCK; k++) {
+                KVQ_MQ_KV8_NARROW_PLAIN(t + k, acc[j * KVQ_MQ_BLOCK + k] = a)
+            }
+        for (j = 0; j < M; j++)   /* one scale per row: n_side is 1 */
+            MV_SUMS16_FROM_FIRST(acc + j * KVQ_MQ_BLOCK, out + j * ldo + t, side + t);
     }
     for (; t < r1; t++) {
-        KVQ_MQ_KV8_NARROW_SUM(t)
-        out[t] = (MV_TREE1(a) + 0.0f) * side[t * ns];
+        KVQ_MQ_KV8_NARROW_SUM(t, out[j * ldo + t] = (MV_TREE1(a) + 0.0f) * side[t * ns])
     }
 #undef KVQ_MQ_KV8_NARROW_SUM
 #undef KVQ_MQ_KV8_NARROW_PLAIN
+#undef KVQ_MQ_QMEM
+#undef KVQ_MQ_QF
+#undef KVQ_MQ_KV8_NARROW_DOTS
 }
 #endif
 
@@ -410,17 +425,26 @@ KVQ_MQ_TARGET static void KVQ_MQ(kv8_dotm)(const kvq_params* p, const uint8_t* c
         return;
     }
 #if KVQ_MQ_NARROW
-    if (m == 1 && p->dim <= KVQ_MQ_NARROW_MAX && p->group == p->dim) {
-        float qraw[KVQ_MQ_NARROW_MAX];
+    if (p->dim <= KVQ_MQ_NARROW_MAX && p->group == p->dim) {
+        /* up to KVQ_MQ_NARROW_QUERIES queries a pass */
+        float qraw[KVQ_MQ_NARROW_QUERIES * KVQ_MQ_NARROW_MAX];
+        const float* Qj;
         int64_t i;
-        const int raw = kvq_mq_foldable(Q, p->dim);
-        if (raw)
-            for (i = 0; i < p->dim; i++) qraw[i] = Q[i] * 0x1p120f;   /* exact */
+        int j0, mm, raw;
+        for (j0 = 0; j0 < m; j0 += mm) {
+            mm = m - j0 < KVQ_MQ_NARROW_QUERIES ? m - j0 : KVQ_MQ_NARROW_QUERIES;
+            Qj = Q + j0 * p->dim;
+            raw = kvq_mq_foldable(Qj, mm * p->dim);
+            if (raw)
+                for (i = 0; i < mm * p->dim; i++) qraw[i] = Qj[i] * 0x1p120f;   /* exact */
 #define KVQ_MQ_CALL(NS)                                                                       \
-        if (raw) KVQ_MQ(kv8_dot_narrow)(p, codes, side, r0, r1, Q, qraw, out, NS, 1);        \
-        else KVQ_MQ(kv8_dot_narrow)(p, codes, side, r0, r1, Q, NULL, out, NS, 0)
-        KVQ_MQ_NARROW_SWITCH(p->dim, KVQ_MQ_CALL)
+            if (raw) KVQ_MQ(kv8_dot_narrow)(p, codes, side, r0, r1, Qj, qraw, out + j0 * ldo, \
+                                            ldo, NS, M_, 1);                                  \
+            else KVQ_MQ(kv8_dot_narrow)(p, codes, side, r0, r1, Qj, NULL, out + j0 * ldo,     \
+                                        ldo, NS, M_, 0)
+            KVQ_MQ_NARROW_EACH_M(mm, p->dim, KVQ_MQ_CALL)
 #undef KVQ_MQ_CALL
+        }
         return;
     }
 #endif
@@ -584,39 +608,47 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_rows)(const kvq_params
 }
 
 #if KVQ_MQ_NARROW
-/* Scores of one query over rows of NS = n / 16 vectors (narrow rows). */
+/* Scores of M queries over rows of NS = n / 16 vectors (narrow rows; M NS <= 16): the queries
+ * stay in registers, each row's codes are looked up once for the M queries, and each query's
+ * sums of a block of sixteen rows are reduced together (parked in acc between rows when M > 1). */
 KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_narrow)(const kvq_params* p,
                                                                 const uint8_t* codes,
                                                                 const float* side, int64_t r0,
-                                                                int64_t r1, const float* q,
-                                                                float* out,
+                                                                int64_t r1, const float* Q,
+                                                                float* out, int64_t ldo,
                                                                 const MV_TQ_CONSTS* K,
-                                                                const int b, const int NS)
+                                                                const int b, const int NS,
+                                                                const int M)
 {
-    const int64_t cb = p->code_bytes, gb = 2 * b;
+    const int64_t cb = p->code_bytes, gb = 2 * b, n = p->dim;
     const int64_t wide_end = p->n_rows - (16 + p->code_bytes - 1) / p->code_bytes;
     float step[KVQ_MQ_BLOCK];
-    MV qv[KVQ_MQ_NARROW_MAX / 16], acc[KVQ_MQ_BLOCK], a;
+    MV qv[KVQ_MQ_NARROW_QUERIES * KVQ_MQ_NARROW_MAX / 16], acc[KVQ_MQ_NARROW_QUERIES * KVQ_MQ_BLOCK];
+    MV v[KVQ_MQ_NARROW_MAX / 16], a;
     int64_t t;
-    int s, k;
-    for (s = 0; s < NS; s++) qv[s] = MV_LOAD(q + 16 * s);
-#define KVQ_MQ_NARROW_SUM(T, WIDE)                                                            \
-    a = MV_MUL(qv[0], MV_TQ_LEV16(codes + (T) * cb, K, b, WIDE));   /* lanes from their first */ \
-    for (s = 1; s < NS; s++)                                                                  \
-        a = MV_ADD(a, MV_MUL(qv[s], MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE)));
+    int s, k, j;
+    for (j = 0; j < M; j++)
+        for (s = 0; s < NS; s++) qv[j * NS + s] = MV_LOAD(Q + j * n + 16 * s);
+#define KVQ_MQ_NARROW_SUM(T, WIDE, PUT)                                                       \
+    for (s = 0; s < NS; s++) v[s] = MV_TQ_LEV16(codes + (T) * cb + s * gb, K, b, WIDE);      \
+    for (j = 0; j < M; j++) {                                                                 \
+        a = MV_MUL(qv[j * NS], v[0]);   /* lanes from their first product */                 \
+        for (s = 1; s < NS; s++) a = MV_ADD(a, MV_MUL(qv[j * NS + s], v[s]));                 \
+        PUT;                                                                                  \
+    }
     for (t = r0; t + KVQ_MQ_BLOCK <= r1 && t + KVQ_MQ_BLOCK <= wide_end; t += KVQ_MQ_BLOCK) {
         kvq_prefetch(codes + t * cb + KVQ_PREFETCH_BYTES);
         for (k = 0; k < KVQ_MQ_BLOCK; k++) {
-            KVQ_MQ_NARROW_SUM(t + k, 1)
-            acc[k] = a;
+            KVQ_MQ_NARROW_SUM(t + k, 1, acc[j * KVQ_MQ_BLOCK + k] = a)
         }
         MV_TQ_STEPS16(side + t * p->n_side, p->n_side, p->sqrtf_n, step);
-        MV_SUMS16_FROM_FIRST(acc, out + t, step);
+        for (j = 0; j < M; j++)
+            MV_SUMS16_FROM_FIRST(acc + j * KVQ_MQ_BLOCK, out + j * ldo + t, step);
     }
     for (; t < r1; t++) {
-        if (t < wide_end) { KVQ_MQ_NARROW_SUM(t, 1) }
-        else { KVQ_MQ_NARROW_SUM(t, 0) }
-        out[t] = (MV_TREE1(a) + 0.0f) * kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        const float st = kvq_tq_step(side[t * p->n_side], p->sqrtf_n);
+        if (t < wide_end) { KVQ_MQ_NARROW_SUM(t, 1, out[j * ldo + t] = (MV_TREE1(a) + 0.0f) * st) }
+        else { KVQ_MQ_NARROW_SUM(t, 0, out[j * ldo + t] = (MV_TREE1(a) + 0.0f) * st) }
     }
 #undef KVQ_MQ_NARROW_SUM
 }
@@ -686,10 +718,14 @@ KVQ_MQ_TARGET static KVQ_ALWAYS_INLINE void KVQ_MQ(tq_dot_bits)(const kvq_params
     int j0, mm;
     MV_TQ_INIT(&K, p->table, b);
 #if KVQ_MQ_NARROW
-    if (m == 1 && p->dim <= KVQ_MQ_NARROW_MAX) {
-#define KVQ_MQ_CALL(NS) KVQ_MQ(tq_dot_narrow)(p, codes, side, r0, r1, Q, out, &K, b, NS)
-        KVQ_MQ_NARROW_SWITCH(p->dim, KVQ_MQ_CALL)
+    if (p->dim <= KVQ_MQ_NARROW_MAX) {   /* up to KVQ_MQ_NARROW_QUERIES queries a pass */
+        for (j0 = 0; j0 < m; j0 += mm) {
+            mm = m - j0 < KVQ_MQ_NARROW_QUERIES ? m - j0 : KVQ_MQ_NARROW_QUERIES;
+#define KVQ_MQ_CALL(NS) KVQ_MQ(tq_dot_narrow)(p, codes, side, r0, r1, Q + j0 * p->dim,       \
+                                              out + j0 * ldo, ldo, &K, b, NS, M_)
+            KVQ_MQ_NARROW_EACH_M(mm, p->dim, KVQ_MQ_CALL)
 #undef KVQ_MQ_CALL
+        }
         return;
     }
 #endif
