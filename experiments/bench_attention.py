@@ -51,9 +51,12 @@ def verdict(result):
         r = rows.get((d, m, TARGET_T, spec))
         if r:
             got = r[f"speedup_{hi}t"]
+            lo_r, hi_r = r[f"speedup_rounds_lo_{hi}t"], r[f"speedup_rounds_hi_{hi}t"]
             lines.append(f"- {spec} at T={TARGET_T}, d={d}, m={m}, {hi} thread(s): {got:.2f}x "
-                         f"numpy f32 (target {target}x at 2 threads): "
-                         + ("met" if got >= target else "NOT met"))
+                         f"numpy f32, rounds {lo_r:.2f}-{hi_r:.2f}x (target {target}x at 2 "
+                         "threads): " + ("met" if got >= target else "NOT met")
+                         + ("" if lo_r >= target or hi_r < target else
+                            " (the rounds fall on both sides)"))
     # the default polar (per-row allocation) is exempt from the speed floor (bench.POLAR_NOTE)
     slow = [r for r in result["rows"] if r["T"] >= 32768 and r[f"speedup_{hi}t"] < 1.0
             and not r.get("speed_exempt")]

@@ -24,20 +24,27 @@ def test_a_step_cell_carries_limits_flags_and_the_exemption():
         assert isinstance(r["flags"], str)
 
 
-def _row(spec, d, m, T, speedup, exempt=False, flags=""):
+def _row(spec, d, m, T, speedup, exempt=False, flags="", rounds=None):
+    lo, hi = rounds or (speedup, speedup)
     return {"codec": spec, "dim": d, "queries": m, "T": T, "speedup_2t": speedup,
+            "speedup_rounds_lo_2t": lo, "speedup_rounds_hi_2t": hi,
             "speed_exempt": exempt, "flags": flags}
 
 
 def test_the_verdict_checks_each_target_on_its_own_row():
     rows = [_row("kv8", 512, 1, 131072, 3.7), _row("tq4", 512, 1, 131072, 5.9),
             _row("kv8", 64, 3, 131072, 3.0), _row("tq4", 64, 3, 131072, 6.0),
+            _row("tq4", 64, 1, 131072, 5.1, rounds=(4.7, 5.6)),
             _row("kv8", 64, 1, 32768, 0.5),          # not a target row, but below numpy
             _row("polar4", 64, 1, 131072, 0.05, exempt=True, flags="polar4 slower at 2t")]
     text = bench_attention.verdict({"threads": [1, 2], "rows": rows})
     lines = text.splitlines()
-    assert "kv8 at T=131072, d=512, m=1, 2 thread(s): 3.70x numpy f32 (target 3.6x" in lines[0]
+    assert ("kv8 at T=131072, d=512, m=1, 2 thread(s): 3.70x numpy f32, rounds 3.70-3.70x "
+            "(target 3.6x") in lines[0]
     assert lines[0].endswith(": met") and lines[1].endswith(": NOT met")      # tq4 5.9 < 6
+    # a median over the target whose rounds straddle it says so
+    assert any("tq4" in ln and "d=64, m=1" in ln and "rounds 4.70-5.60x" in ln
+               and ln.endswith(": met (the rounds fall on both sides)") for ln in lines)
     assert any("d=64, m=3" in ln and "kv8" in ln and ln.endswith(": met") for ln in lines)
     assert not any("d=128" in ln for ln in lines)                        # no row, no line
     slow = [ln for ln in lines if ln.startswith("- no codec slower")][0]
