@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from _experiments_env import ensure_importable, subprocess_env
 
@@ -150,7 +151,9 @@ def test_chunks_give_the_same_numbers_serially_and_in_worker_processes(tiny):
     rng = np.random.default_rng(9)
     chunks = [(0, rng.integers(0, 256, 65)), (100, rng.integers(0, 256, 41))]
     specs = ["f32", "kv8", "tq3", "polar4"]
-    with open_executor("serial") as ex:
+    # the workers hold BLAS to one thread; the serial run does too, since OpenBLAS's rounding
+    # may depend on its thread count (its Haswell kernel's does)
+    with open_executor("serial") as ex, threadpool_limits(1):
         serial = flip_runs.run_chunks(ex, tiny, specs, chunks)
     with open_executor(None, workers=2) as ex:
         pooled = flip_runs.run_chunks(ex, ("tiny-mla", None), specs, chunks, groups_per_chunk=2)
@@ -184,7 +187,8 @@ def test_a_dask_cluster_gives_the_serial_numbers(tiny):
 
 def test_the_protocol_is_the_same_in_worker_processes(tiny):
     specs = ["f32", "kv8", "tq2", "tq4/f32"]
-    serial = flip_runs.run_flips("tiny-mla", codecs=specs, model=tiny)
+    with threadpool_limits(1):   # the workers' BLAS thread count (see above)
+        serial = flip_runs.run_flips("tiny-mla", codecs=specs, model=tiny)
     pooled = flip_runs.run_flips("tiny-mla", codecs=specs, workers=2)
     assert "serial" in serial["meta"]["executor"] and "local" in pooled["meta"]["executor"]
     for a, b in zip(serial["rows"], pooled["rows"]):

@@ -187,8 +187,11 @@ def test_one_query_path_matches_the_per_query_loop(rng, k_type, v_type):
     for i in range(Q.shape[0]):
         for h in range(g):
             ref = one_query_reference(Q[i, h], K, V, scale, k_type, v_type, ~hidden[i])
-            # f16 sums: the same roundings in the same order; f32 sums: online vs at once
-            tol = dict(rtol=2e-3, atol=2e-3) if v_type == "f16" else dict(rtol=1e-5, atol=1e-6)
+            # f16 sums: the same roundings in the same order; f32 sums: online vs at once, each
+            # within T unit roundoffs of sum |w_t v_t| <= max |V| (weights sum to 1)
+            f32_atol = 2 * T * 2.0 ** -24 * float(np.abs(V).max())
+            tol = (dict(rtol=2e-3, atol=2e-3) if v_type == "f16"
+                   else dict(rtol=1e-5, atol=f32_atol))
             np.testing.assert_allclose(out[i, h], ref, **tol)
 
 
@@ -360,9 +363,13 @@ def test_gguf_model_prefill_equals_decoding_token_by_token(tiny_model, spec, rng
     steps = tiny_model.new_cache(spec)
     one_by_one = np.concatenate([tiny_model.forward(tokens[i:i + 1], steps)
                                  for i in range(tokens.size)])
-    np.testing.assert_allclose(at_once, one_by_one, rtol=1e-4, atol=1e-4)
+    # a prefill's projections (row blocks through BLAS) round unlike one row's, and a q4_0 or
+    # q8_0 code may then round the other way: 2e-4 on logits of size 40 with OpenBLAS's Haswell
+    # kernel, where quantizing the rows moves them by 4-40
+    np.testing.assert_allclose(at_once, one_by_one, rtol=1e-4,
+                               atol=2e-5 * np.abs(one_by_one).max())
     exact = tiny_model.forward(tokens, tiny_model.new_cache("f32"))
-    assert np.abs(at_once - exact).max() > 1e-3   # the rows were quantized
+    assert np.abs(at_once - exact).max() > 1e-1   # the rows were quantized
 
 
 def test_gguf_model_ggml_f16_is_close_to_f32_and_q4_0_is_not(tiny_model, rng):

@@ -62,10 +62,24 @@ def test_fixture_reads_back_as_written(tmp_path, name):
 
 
 def test_cache_outputs_are_bit_identical():
+    """What the compiled kernels compute alone is bit-identical to the fixture: every stream's
+    decode, and the plain label's (no f32 rows) scores, contexts and decode steps. A prefill's
+    decoded blocks and the f32 sink and recent rows of the other labels go through numpy's BLAS,
+    whose rounding depends on the kernel OpenBLAS picks for the CPU (its Haswell, Sandybridge
+    and Nehalem kernels moved them by up to 2e-7 of their largest value): those outputs agree
+    to float32 rounding."""
     with np.load(_fixture(fx.CACHE_FIXTURE)) as data:
         expected = {k: data[k] for k in data.files}
     got = fx.cache_outputs()
     assert sorted(got) == sorted(expected)
     for key, value in got.items():
         assert value.dtype == expected[key].dtype, key
-        assert np.array_equal(value, expected[key]), key
+        last = key.rsplit("/", 1)[-1]
+        kernels_alone = last in ("decode", "nbytes") or (key.startswith("plain/")
+                                                         and not last.startswith("prefill"))
+        if not kernels_alone:
+            scale = float(np.abs(expected[key]).max())
+            np.testing.assert_allclose(value, expected[key], rtol=0, atol=2e-6 * scale,
+                                       err_msg=key)
+        else:
+            assert np.array_equal(value, expected[key]), key

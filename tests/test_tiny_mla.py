@@ -261,7 +261,9 @@ def test_chunk_stats_agree_with_the_plain_formulas(model, monkeypatch):
     ref = model.forward(ids[:-1], model.new_cache("f32"))
     q = model.forward(ids[:-1], model.new_cache("tq3"))
     assert st["n"] == 40
-    np.testing.assert_allclose(st["specs"]["tq3"]["kld"], flips.kl_rows(ref, q), rtol=1e-9)
+    # chunk_stats forwards row blocks, whose logits round as the whole matrix's or not by
+    # OpenBLAS's kernel for the CPU (its Haswell kernel: 9e-7 of a KLD of 0.009)
+    np.testing.assert_allclose(st["specs"]["tq3"]["kld"], flips.kl_rows(ref, q), rtol=1e-5)
     np.testing.assert_allclose(st["specs"]["tq3"]["nll"], flips.nll_rows(q, ids[1:]).sum())
     np.testing.assert_allclose(st["nll_f32"], flips.nll_rows(ref, ids[1:]).sum())
     assert st["specs"]["f32"]["same"] == 40 and not st["specs"]["f32"]["kld"].any()
