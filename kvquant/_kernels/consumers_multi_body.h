@@ -21,8 +21,9 @@
  * 3.31 -> 2.63, kv8 scores 4.49 -> 4.37; three queries, tq4 context 7.17 -> 6.35 (and the wide
  * tq scores, whose lanes also begin at their first product under AVX-512: 7.46 -> 7.01). A
  * narrow kv8 context measured no faster (its per-row check for special codes stays). Several
- * queries' scores, one thread on a Zen 5 (full-width AVX-512), against the wide kernels: tq4 at
- * m = 3 6.7 -> 3.7 ns a row, m = 8 21 -> 9.5; kv8 at m = 3 7.7 -> 6.6.
+ * queries' scores, one thread on a Zen 5 (full-width AVX-512), against the wide kernels (builds
+ * alternated): tq4 at m = 3 5.1-6.8 -> 3.7-3.9 ns a row, m = 8 17-22 -> 9.7-10.1; kv8 at m = 3
+ * 6.3-6.7 -> 5.0-5.2, m = 8 15-19 -> 12-14.
  */
 #define KVQ_MQ_NARROW_MAX 64
 
