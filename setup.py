@@ -14,6 +14,7 @@ carry their own targets). The portable consumers' vector kernels need SSSE3 on x
 the baseline ISA (SSE2) keeps their scalar kernels.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -74,6 +75,27 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
+_HEADER_REF = re.compile(r'(?:cdef extern from|#include)\s+"([^"]+)"')
+_CIMPORT_REF = re.compile(r"from kvquant\._kernels\.(\w+) cimport")
+
+
+def _kernel_headers(source, seen=None):
+    """The kernel headers a .pyx/.pxd/.h reads, directly or through cimported .pxd and #include.
+
+    Each module rebuilds only when one of its own headers changes (a full rebuild of every
+    module takes minutes).
+    """
+    seen = set() if seen is None else seen
+    text = source.read_text()
+    refs = [KERNEL_DIR / name for name in _HEADER_REF.findall(text)]
+    refs += [KERNEL_DIR / f"{name}.pxd" for name in _CIMPORT_REF.findall(text)]
+    for ref in refs:
+        if ref.exists() and ref not in seen:
+            seen.add(ref)
+            _kernel_headers(ref, seen)
+    return seen
+
+
 def _extensions():
     from Cython.Build import cythonize
 
@@ -82,8 +104,9 @@ def _extensions():
             f"kvquant._kernels.{pyx.stem}",
             [str(pyx)],
             include_dirs=[str(KERNEL_DIR)],
-            # a header edit rebuilds the modules (setuptools only compares the sources otherwise)
-            depends=[str(h) for h in sorted(KERNEL_DIR.glob("*.h"))],
+            # a header edit rebuilds the modules that read it (setuptools only compares the
+            # sources otherwise)
+            depends=[str(h) for h in sorted(_kernel_headers(pyx)) if h.suffix == ".h"],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         )
         for pyx in sorted(KERNEL_DIR.glob("*.pyx"))
