@@ -141,7 +141,7 @@ class NumpyAttentionCache:
 
     def attend(self, layer, q, scale=None, n_threads=None):
         """q : (n_heads, head_dim) -> (n_heads, head_dim): numpy's X @ Q.T, softmax, W @ X."""
-        from kvquant.cache import softmax
+        from kvquant.reference import softmax
         T, G = self._lengths[layer], self.K.shape[1]
         group = q.shape[0] // G
         out = np.empty_like(q)

@@ -50,6 +50,7 @@ import numpy as np
 
 from kvquant import get_codec
 from kvquant.cache import softmax
+from kvquant.reference import softmax as numpy_softmax
 from kvquant._kernels import consumers
 
 DEFAULT_DIMS = (512, 64)
@@ -185,17 +186,16 @@ def _numpy_step(X, Q, scale):
     if Q.shape[0] == 1:                 # one query: matrix-vector products
         s = X @ Q[0]
         s *= scale
-        return (softmax(s, out=s) @ X)[None]
+        return (numpy_softmax(s, out=s) @ X)[None]
     # (m, T) rows in memory order: a softmax along a strided axis took numpy ~1.4x as long
     S = np.ascontiguousarray((X @ Q.T).T)
     S *= scale
-    return softmax(S, out=S) @ X        # (m, d)
+    return numpy_softmax(S, out=S) @ X        # (m, d)
 
 
 def _codec_step(codec, enc, Q, scale, n_threads):
     S = codec.scores(enc, Q, n_threads)
-    S *= scale
-    return codec.context(enc, softmax(S, out=S), n_threads)
+    return codec.context(enc, softmax(S, out=S, scale=scale, n_threads=n_threads), n_threads)
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

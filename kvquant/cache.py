@@ -18,23 +18,43 @@ in all; :meth:`reserve` avoids any copy when the final length is known.
 """
 import numpy as np
 
+from kvquant._kernels import softmax as _softmax
 from kvquant.codecs import Codec
 from kvquant._threads import resolve_n_threads
 from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import RowStream, StreamStore  # noqa: F401 (RowStream: a KV head)
 
 
-def softmax(scores, out=None):
-    """Softmax over the last axis in float32 (max subtracted; rows of -inf give weight 0).
+def softmax(scores, out=None, scale=1.0, n_threads=1):
+    """Softmax of ``scores * scale`` over the last axis, float32, compiled (softmax.h).
 
-    ``out`` (it may be ``scores`` itself) takes the weights without a new array: at long
-    contexts a decode step's temporaries cost as much as its arithmetic. The same bits either way.
+    The product and the division are numpy's float32 ones; exp is computed to within 1 ulp (not
+    numpy's bits) and the sum in a fixed order: the same bits for any thread count and vector
+    path. -inf entries get weight 0; a row with a NaN or +inf, or all -inf, becomes NaN (as
+    numpy's). ``out`` (it may be ``scores`` itself) takes the weights without a new array: at
+    long contexts a decode step's temporaries cost as much as its arithmetic.
+    :func:`kvquant.reference.softmax` is the plain numpy one.
+
+    Parameters
+    ----------
+    scores : ndarray of shape (..., n), float32 (other floats are converted)
+    scale : float
+        Multiplies the scores first (a float32 product, as ``scores * np.float32(scale)``).
+    n_threads : int or None
+        Threads at most (:func:`~kvquant._threads.resolve_n_threads`); small calls take one.
     """
-    m = scores.max(axis=-1, keepdims=True)
-    e = np.subtract(scores, m, out=out)
-    np.exp(e, out=e)
-    e /= e.sum(axis=-1, keepdims=True)
-    return e
+    scores = np.asarray(scores)
+    if scores.ndim == 0 or scores.shape[-1] == 0:
+        raise ValueError(f"softmax needs at least one score a row, got shape {scores.shape}")
+    in_place = (out is scores and scores.dtype == np.float32 and scores.flags.c_contiguous
+                and scores.flags.writeable)
+    work = scores if in_place else np.array(scores, dtype=np.float32, order="C")
+    n_threads = resolve_n_threads(n_threads, work=work.size)
+    _softmax.softmax_rows(work.reshape(-1, work.shape[-1]), np.float32(scale), n_threads)
+    if out is None or out is work:
+        return work
+    out[...] = work
+    return out
 
 
 class QuantizedKVCache:
@@ -317,8 +337,7 @@ class QuantizedKVCache:
         for h in range(self.n_kv_heads):
             rows = slice(h * group, (h + 1) * group)
             s = self.stream(layer, keys, h).scores(q[rows], n_threads, length, start)
-            s *= scale
-            w = softmax(s, out=s)
+            w = softmax(s, out=s, scale=scale, n_threads=n_threads)
             out[rows] = self.stream(layer, values, h).context(w, n_threads, start)
         return out
 
@@ -379,7 +398,7 @@ class QuantizedKVCache:
                     if sliding_window is not None:
                         future |= rows <= pos[:, None] - sliding_window
                     np.copyto(S, np.float32(-np.inf), where=future[:, None, :])
-                    P = softmax(S, out=S)
+                    P = softmax(S, out=S, n_threads=n_threads)
                     ctx = P @ V[start:visible]
                     if sv.recent:
                         lo, band = _window_band(sv, pos, visible, start)

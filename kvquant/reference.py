@@ -211,6 +211,17 @@ def engine_tq4_encode_rows(X, levels):
 # each sum, the query rotated once, the context summed in the rotated basis and unrotated once.
 # Tests hold the kernels to these and to decode-then-dot, within the engine's tolerances.
 
+def softmax(scores, out=None):
+    """numpy's float32 softmax over the last axis (max subtracted; -inf entries get weight 0):
+    the reference of the compiled one (kvquant/_kernels/softmax.h) and what the numpy baselines
+    of the benchmarks run. ``out`` (it may be ``scores`` itself) takes the weights."""
+    m = scores.max(axis=-1, keepdims=True)
+    e = np.subtract(scores, m, out=out)
+    np.exp(e, out=e)
+    e /= e.sum(axis=-1, keepdims=True)
+    return e
+
+
 def f32_scores(X, Q):
     """Q (m, d) . X (T, d)^T."""
     return np.asarray(Q, np.float64) @ np.asarray(X, np.float64).T

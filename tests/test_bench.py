@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvquant import bench, get_codec
-from kvquant.cache import softmax
+from kvquant.reference import softmax
 
 SMALL_BUFFER = np.ones(1 << 18, np.float32)   # 1 MiB: the bandwidth probe, fast in tests
 

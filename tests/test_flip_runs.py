@@ -69,13 +69,15 @@ def assert_same_numbers(new, old):
     """Equal to the rounding of float32 logits: BLAS may round a block of rows' logits
     differently from the whole matrix's (1e-5 on logits of size 50 here), and the float64 sums
     cancel near-zero KLDs: with OpenBLAS's Haswell kernel a KLD of 0.0083 moved by 8.5e-7
-    (1.03e-4 of itself), so each KLD may also move by a few 1e-6 absolute."""
-    assert new["nll_f32"] == pytest.approx(old["nll_f32"], rel=1e-8)
+    (1.03e-4 of itself), so each KLD may also move by a few 1e-6 absolute. Summed over 256
+    positions, logit differences of 1e-5 move a NLL of ~8500 by up to ~1e-4 (1.1e-8 of it
+    seen): NLLs agree to 1e-7."""
+    assert new["nll_f32"] == pytest.approx(old["nll_f32"], rel=1e-7)
     for spec, o in old["specs"].items():
         n = new["specs"][spec]
         assert n["same"] == o["same"] == int(n["same_at"].sum())
         np.testing.assert_allclose(n["kld"], o["kld"], rtol=1e-4, atol=4e-6)
-        assert n["nll"] == pytest.approx(o["nll"], rel=1e-8)
+        assert n["nll"] == pytest.approx(o["nll"], rel=1e-7)
 
 
 # -- the text metrics in row blocks ------------------------------------------------------------

@@ -21,6 +21,7 @@ have ``encode(text)`` (int64 ids), ``decode(ids)`` and ``decode_step``.
 """
 import numpy as np
 
+from kvquant.cache import softmax
 from kvquant.streams.spec import StreamSpec
 
 __all__ = [
@@ -77,18 +78,17 @@ def causal_mask(query_pos, n_rows):
 
 
 def masked_softmax(scores, hidden):
-    """Softmax of each row of ``scores`` (float32, in place) over the entries not ``hidden``.
+    """Softmax of each row of ``scores`` (float32, in place) over the entries not ``hidden``:
+    the cache's compiled softmax (:func:`kvquant.cache.softmax`), on one thread.
 
     Parameters
     ----------
     scores : ndarray of shape (n_q, n_rows), float32, already scaled
     hidden : ndarray of bool, same shape (see :func:`causal_mask`)
     """
-    scores[hidden] = -np.inf
-    scores -= scores.max(axis=1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=1, keepdims=True)
-    return scores
+    if hidden.any():
+        scores[hidden] = -np.inf
+    return softmax(scores, out=scores)
 
 
 def rms_norm(X, weight, eps):
