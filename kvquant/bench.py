@@ -2,10 +2,11 @@
 
 One step over T cached rows of width d for m queries that read the same rows (the query heads
 of one GQA group; m = 1 is a single head): scores ``S = Q X^T`` (times 1/sqrt(d)), a softmax per
-query, context ``W X``. Each codec runs through its compressed-domain consumers
-(``codec.scores(enc, Q)``, softmax, ``codec.context(enc, W)``); the baseline is numpy on the
-float32 rows doing the same (``X @ q`` and ``w @ X`` for one query, ``X @ Q.T`` and ``W @ X`` for
-m), with BLAS held to the same thread count.
+query, context ``W X``. Each codec runs as the cache attends: its compressed-domain consumers
+and the compiled softmax (``codec.scores(enc, Q)``, :func:`kvquant.cache.softmax`,
+``codec.context(enc, W)``); the baseline is numpy on the float32 rows doing the same (``X @ q``
+and ``w @ X`` for one query, ``X @ Q.T`` and ``W @ X`` for m, numpy's softmax), with BLAS held to
+the same thread count.
 
 **Fair timing.** Every method (numpy, each codec, at each thread count) is timed in a block of
 its own: the thread count set, untimed warm-up calls for at least ``warmup_s`` seconds, then
