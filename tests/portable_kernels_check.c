@@ -24,6 +24,7 @@
 #include "consumers_polar.h"
 #include "fp8ops.h"
 #include "polar_encode.h"
+#include "softmax.h"
 
 typedef void (*dotm_fn)(const kvq_params*, const uint8_t*, const float*, int64_t, int64_t,
                         const float*, int, float*, int64_t);
@@ -343,6 +344,43 @@ static int encoders(void)
     return bad;
 }
 
+/* softmax.h on every path this CPU runs (its 4-, 8- and 16-lane kernels; the scalar ones in the
+ * plain-C build) against the baseline path's bits; those hashed. Rows of several chunks and
+ * short tails, -inf entries, a row with a NaN and one of -inf only (NaNs compared as one
+ * pattern, as in the digests). */
+static int softmax_paths(void)
+{
+    const int64_t lengths[] = {1, 15, 17, 4096, 4097, 9000};
+    const int top = kvq_rowops_cpu_path();
+    int bad = 0, li, path;
+    for (li = 0; li < (int)(sizeof lengths / sizeof lengths[0]); li++) {
+        const int64_t n = lengths[li], m = 4;
+        float* S = malloc(sizeof(float) * m * n);
+        float* want = malloc(sizeof(float) * m * n);
+        float* got = malloc(sizeof(float) * m * n);
+        char label[64];
+        int64_t i;
+        for (i = 0; i < m * n; i++) S[i] = 12.0f * next_unit();
+        for (i = 0; i < n; i += 5) S[i] = -INFINITY;
+        S[n + n / 2] = NAN;
+        for (i = 0; i < n; i++) S[2 * n + i] = -INFINITY;
+        for (path = 0; path <= top; path++) {
+            float* out = path ? got : want;
+            memcpy(out, S, sizeof(float) * m * n);
+            bad |= kvq_softmax_rows(out, m, n, 0.3f, 1, path) != 0;
+            if (path && fnv_floats(1, got, m * n) != fnv_floats(1, want, m * n)) {
+                printf("softmax n=%lld: path %d differs from the baseline path\n", (long long)n,
+                       path);
+                bad = 1;
+            }
+        }
+        snprintf(label, sizeof label, "softmax/n=%lld", (long long)n);
+        put_digest(label, fnv_floats(0xcbf29ce484222325ull, want, m * n));
+        free(S); free(want); free(got);
+    }
+    return bad;
+}
+
 /* Every kernel consumers.pyx dispatches to, by name: a build without x86 SIMD (aarch64, or
  * -DKVQ_NO_SIMD here) must alias each to a portable kernel, or the extension fails to compile. */
 static const void* const dispatched[] = {
@@ -446,6 +484,7 @@ int main(int argc, char** argv)
         }
     }
     bad |= encoders();
+    bad |= softmax_paths();
     free(codes); free(side); free(x);
     printf("%s\n", bad ? "FAIL" : "OK");
     return bad;

@@ -80,7 +80,8 @@ KVQ_SM_INLINE float kvq_sm_exp1(float x)
 #else
 #define KVQ_SM_VEC 0
 #endif
-#if KVQ_SM_VEC && !defined(KVQ_NO_SIMD) && (defined(__x86_64__) || defined(_M_X64))
+/* the 8- and 16-lane instances carry their own targets (as rowops.h's encoders) */
+#if KVQ_SM_VEC && defined(__GNUC__) && (defined(__x86_64__) || defined(_M_X64))
 #define KVQ_SM_X86 1
 #else
 #define KVQ_SM_X86 0
