@@ -15,7 +15,8 @@ by a prefill). Methods, all in the same process and the same forward:
   head ``S = X @ Q.T``, softmax, ``W @ X`` (BLAS) for the 3 query heads that share it; run as
   numpy runs unaided (BLAS at its default thread count);
 - ``kv8``, ``tq4``, ``q4_0+rot``: the decoder's own :class:`~kvquant.cache.QuantizedKVCache`,
-  read by the codecs' consumers with ``CACHE_THREADS`` threads, under one *remedy*.
+  read by the codecs' consumers with the remedy's threads (``DECODE_ATTENTION_THREADS`` of
+  :mod:`kvquant.models.gguf_decoder`; its own decode setting is put aside for the run).
 
 The time spent inside ``cache.attend`` (every layer) is summed per step: the attention time;
 the step time is the whole forward. Beside the wall clock, the CPU time of the whole process
@@ -60,12 +61,13 @@ REMEDIES = {
                             None, None),
 }
 REMEDY_NOTES = {
-    "cache1": "attention on 1 thread (the decoders' CACHE_THREADS = 1 before this benchmark)",
+    "cache1": "attention on 1 thread (the decoders' decode steps until the compiled softmax)",
     "cache2": "attention on 2 threads, nothing else",
     "cache2+blas1-attend": "2 threads; BLAS held to 1 thread around each attention "
                            "(threadpoolctl)",
     "cache2+blas1": "2 threads; BLAS held to 1 thread for the whole step (the decode "
-                    "projections are matrix-vector products)",
+                    "projections are matrix-vector products; the decoders' decode steps since "
+                    "the compiled softmax)",
     "cache2+openblas-timeout": "2 threads; OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS's workers sleep "
                                "after 2^4 cycles instead of 2^28)",
     "cache2+omp-passive": "2 threads; OMP_WAIT_POLICY=passive (libgomp's workers sleep at once)",
@@ -249,13 +251,16 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
         return (time.perf_counter() - t0, cache.attend_s, cache.append_s,
                 time.process_time() - c0, cache.attend_cpu_s)
 
-    previous = gguf_decoder.CACHE_THREADS
+    # the remedy alone sets the threads: the decoders' own decode setting is put aside meanwhile
+    settings = ("CACHE_THREADS", "DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS")
+    previous = {key: getattr(gguf_decoder, key) for key in settings}
+    gguf_decoder.DECODE_BLAS_THREADS = None
     try:
         for r in range(rounds):
             k = r % len(names)
             for name in names[k:] + names[:k]:
                 codec = name != "numpy"
-                gguf_decoder.CACHE_THREADS = cache_threads if codec else previous
+                gguf_decoder.DECODE_ATTENTION_THREADS = cache_threads if codec else 1
                 limit = blas_step if codec else None
                 ctx = (controller.limit(limits=limit, user_api="blas") if limit is not None
                        else contextlib.nullcontext())
@@ -266,7 +271,8 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
                             for key, seconds in zip(keys, measured):
                                 samples[name][key].append(1e3 * seconds)
     finally:
-        gguf_decoder.CACHE_THREADS = previous
+        for key, value in previous.items():
+            setattr(gguf_decoder, key, value)
     methods = {name: {key: float(np.median(v)) for key, v in s.items()} for name, s in
                samples.items()}
     for name, m in methods.items():

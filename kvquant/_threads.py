@@ -38,3 +38,31 @@ def _resolve(n_threads):
             "or None for the OpenMP default"
         )
     return n_threads
+
+
+class blas_threads:
+    """Hold BLAS to n threads for a block (threadpoolctl, one controller per process); None
+    leaves it as it is."""
+
+    _controller = None
+
+    def __init__(self, n_threads):
+        self.n_threads = n_threads
+        self._limit = None
+
+    def __enter__(self):
+        if self.n_threads is None:
+            return self
+        try:
+            if blas_threads._controller is None:
+                from threadpoolctl import ThreadpoolController
+                blas_threads._controller = ThreadpoolController()
+            self._limit = blas_threads._controller.limit(limits=self.n_threads, user_api="blas")
+        except ImportError:   # pragma: no cover - threadpoolctl is a dependency
+            self._limit = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._limit is not None:
+            self._limit.restore_original_limits()
+        return False

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvquant._kernels import softmax as _softmax
 from kvquant.codecs import Codec
-from kvquant._threads import resolve_n_threads
+from kvquant._threads import blas_threads, resolve_n_threads
 from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import RowStream, StreamStore  # noqa: F401 (RowStream: a KV head)
 
@@ -368,7 +368,7 @@ class QuantizedKVCache:
         n_q, n_heads = Q.shape[:2]
         n_threads = resolve_n_threads(n_threads)
         out = np.empty((n_q, n_heads, self.dims[values]), np.float32)
-        with _blas_threads(n_threads):
+        with blas_threads(n_threads):
             for h in range(self.n_kv_heads):
                 sk, sv = self.stream(layer, keys, h), self.stream(layer, values, h)
                 # with a window, rows come from their codes and each query's own window of
@@ -461,28 +461,3 @@ def _window_band(stream, pos, visible, first_row=0):
     lo = min(visible, max(int(starts.min()), stream.recent_start, first_row))
     rows = np.arange(lo, visible)[None, :]
     return lo, (rows >= starts[:, None]) & (rows <= pos[:, None])
-
-
-class _blas_threads:
-    """Hold BLAS to n threads for a block (threadpoolctl, one controller per process)."""
-
-    _controller = None
-
-    def __init__(self, n_threads):
-        self.n_threads = n_threads
-        self._limit = None
-
-    def __enter__(self):
-        try:
-            if _blas_threads._controller is None:
-                from threadpoolctl import ThreadpoolController
-                _blas_threads._controller = ThreadpoolController()
-            self._limit = _blas_threads._controller.limit(limits=self.n_threads, user_api="blas")
-        except ImportError:   # pragma: no cover - threadpoolctl is a dependency
-            self._limit = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._limit is not None:
-            self._limit.restore_original_limits()
-        return False

@@ -27,6 +27,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from kvquant._threads import blas_threads
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
@@ -38,10 +39,16 @@ __all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_ad
            "rope_halves"]
 
 PREFILL_MODES = ("block", "consumer")
-# Threads for the cache's kernels. Each call is small (one layer and KV head) and alternates with
-# the BLAS projections: with 2, the consumers' OpenMP workers and OpenBLAS's busy-wait on the core
-# the other needs. experiments/bench_forward.py measures that and its remedies.
+# Threads for the cache's kernels when a forward appends rows and when it prefills.
 CACHE_THREADS = 1
+# A decode step (one new token a sequence) attends on DECODE_ATTENTION_THREADS threads while BLAS
+# is held to DECODE_BLAS_THREADS threads for the whole step (None: BLAS left as it is); its
+# projections are matrix-vector products. Each call of the cache is small (one layer and KV head)
+# and alternates with the projections: with both pools on 2 threads, the consumers' OpenMP
+# workers and OpenBLAS's busy-wait on the core the other needs. experiments/bench_forward.py
+# measures the settings (README, "Inside a forward"): this one gave the shortest steps.
+DECODE_ATTENTION_THREADS = 2
+DECODE_BLAS_THREADS = 1
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512
 
@@ -94,6 +101,11 @@ def _window(window):
     """The cache's sliding_window keyword, given only on a windowed layer (so that caches of
     one's own that know no window still serve the models without one)."""
     return {} if window is None else {"sliding_window": window}
+
+
+def _step_blas(n_tokens):
+    """BLAS held to DECODE_BLAS_THREADS for a decode step (one token a sequence)."""
+    return blas_threads(DECODE_BLAS_THREADS if n_tokens == 1 else None)
 
 
 def _append(cache, layer, k, v, pre_rope, row=None):
@@ -275,8 +287,9 @@ class GGUFDecoder:
         -------
         logits : ndarray of shape (n_tokens, vocab_size), or (1, vocab_size) with last_only, float32
         """
-        hidden = self.forward_hidden(tokens, cache)
-        return self.logits(hidden[-1:] if last_only else hidden)
+        with _step_blas(np.size(tokens)):
+            hidden = self.forward_hidden(tokens, cache)
+            return self.logits(hidden[-1:] if last_only else hidden)
 
     def forward_hidden(self, tokens, cache):
         """Run tokens after those already in ``cache`` (appending their K/V rows to it).
@@ -304,14 +317,15 @@ class GGUFDecoder:
             _append(cache, li, k, v, pre_rope)
             if tokens.size == 1:
                 return cache.attend(li, q[0], scale=self.config.attn_scale,
-                                    n_threads=CACHE_THREADS, **_window(window))[None]
+                                    n_threads=DECODE_ATTENTION_THREADS, **_window(window))[None]
             # a llama.cpp attention cache computes a batch its own way, whatever self.prefill
             if self.prefill == "block" or isinstance(cache, GGMLAttentionCache):
                 return cache.attend_prefill(li, q, scale=self.config.attn_scale,
                                             n_threads=CACHE_THREADS, **_window(window))
             return self._consumer_prefill(cache, li, q, pos, window)
 
-        return self._final_norm(self._layers(tokens, pos, attend))
+        with _step_blas(tokens.size):
+            return self._final_norm(self._layers(tokens, pos, attend))
 
     def logits(self, hidden_rows):
         """Logits of final hidden states (rows of :meth:`forward_hidden`).
@@ -350,16 +364,21 @@ class GGUFDecoder:
             raise ValueError(f"a cache already holds {pos.max()} tokens: the next one exceeds "
                              f"the model's trained context of {self.context_length}")
 
+        # one sequence is a decode step; a batch's projections are products with several rows,
+        # which keep BLAS's threads (and the cache then its CACHE_THREADS)
+        threads = DECODE_ATTENTION_THREADS if tokens.size == 1 else CACHE_THREADS
+
         def attend(li, q, k, v, pre_rope):
             window = self.config.layer_window(li)
             out = np.empty_like(q)
             for b, cache in enumerate(caches):
                 _append(cache, li, k[b:b + 1], v[b:b + 1], pre_rope, b)
                 out[b] = cache.attend(li, q[b], scale=self.config.attn_scale,
-                                      n_threads=CACHE_THREADS, **_window(window))
+                                      n_threads=threads, **_window(window))
             return out
 
-        return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
+        with _step_blas(tokens.size):
+            return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
 
     # -- pieces ----------------------------------------------------------------------------------
     def _check_tokens(self, tokens):
