@@ -61,13 +61,13 @@ REMEDIES = {
                             None, None),
 }
 REMEDY_NOTES = {
-    "cache1": "attention on 1 thread (the decoders' decode steps until the compiled softmax)",
+    "cache1": "attention on 1 thread (the decoders' default decode steps)",
     "cache2": "attention on 2 threads, nothing else",
     "cache2+blas1-attend": "2 threads; BLAS held to 1 thread around each attention "
                            "(threadpoolctl)",
     "cache2+blas1": "2 threads; BLAS held to 1 thread for the whole step (the decode "
-                    "projections are matrix-vector products; the decoders' decode steps since "
-                    "the compiled softmax)",
+                    "projections are matrix-vector products; the decoders' decode steps with "
+                    "DECODE_ATTENTION_THREADS = 2, DECODE_BLAS_THREADS = 1)",
     "cache2+openblas-timeout": "2 threads; OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS's workers sleep "
                                "after 2^4 cycles instead of 2^28)",
     "cache2+omp-passive": "2 threads; OMP_WAIT_POLICY=passive (libgomp's workers sleep at once)",

@@ -42,13 +42,17 @@ PREFILL_MODES = ("block", "consumer")
 # Threads for the cache's kernels when a forward appends rows and when it prefills.
 CACHE_THREADS = 1
 # A decode step (one new token a sequence) attends on DECODE_ATTENTION_THREADS threads while BLAS
-# is held to DECODE_BLAS_THREADS threads for the whole step (None: BLAS left as it is); its
-# projections are matrix-vector products. Each call of the cache is small (one layer and KV head)
-# and alternates with the projections: with both pools on 2 threads, the consumers' OpenMP
-# workers and OpenBLAS's busy-wait on the core the other needs. experiments/bench_forward.py
-# measures the settings (README, "Inside a forward"): this one gave the shortest steps.
-DECODE_ATTENTION_THREADS = 2
-DECODE_BLAS_THREADS = 1
+# is held to DECODE_BLAS_THREADS threads for the whole step (None: BLAS left as it is). Each call
+# of the cache is small (one layer and KV head) and alternates with the projections: with both
+# pools on 2 threads, the consumers' OpenMP workers and OpenBLAS's busy-wait on the core the
+# other needs. Which setting is faster depends on what dominates a step (README, "Inside a
+# forward"): attention on 2 threads with BLAS on 1 gave the shorter steps at 32768 cached tokens
+# of a SmolLM2-shaped decoder with float16 weights (experiments/bench_forward.py, cache2+blas1),
+# but the longer ones for the real SmolLM2 at 4096 and 8000 tokens and Gemma 3 270M at 8000
+# (tools/decode_threads.py), whose projections run faster on 2 threads: the default keeps
+# attention on 1 thread.
+DECODE_ATTENTION_THREADS = 1
+DECODE_BLAS_THREADS = None
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512
 
