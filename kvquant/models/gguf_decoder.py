@@ -49,8 +49,8 @@ CACHE_THREADS = 1
 # forward"): attention on 2 threads with BLAS on 1 gave the shorter steps at 32768 cached tokens
 # of a SmolLM2-shaped decoder with float16 weights (experiments/bench_forward.py, cache2+blas1),
 # but the longer ones for the real SmolLM2 at 4096 and 8000 tokens and Gemma 3 270M at 8000
-# (tools/decode_threads.py), whose projections run faster on 2 threads: the default keeps
-# attention on 1 thread.
+# (tools/decode_threads.py), where the projections, faster with BLAS on 2 threads, are most of a
+# step: the default keeps attention on 1 thread.
 DECODE_ATTENTION_THREADS = 1
 DECODE_BLAS_THREADS = None
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
