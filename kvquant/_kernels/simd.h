@@ -145,15 +145,7 @@ typedef void (*kvq_axpym_fn)(const kvq_params* p, const uint8_t* codes, const fl
 
 /* ---- the lane reduction, shared by both paths ------------------------------------------------ */
 
-static inline float kvq_tree16(const float a[16])
-{
-    float s8[8], s4[4], s2[2];
-    int j;
-    for (j = 0; j < 8; j++) s8[j] = a[j] + a[j + 8];
-    for (j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
-    for (j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
-    return s2[0] + s2[1];
-}
+#include "tree16.h"
 
 static inline void kvq_zero16(float a[16])
 {

@@ -27,6 +27,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "tree16.h"
+
 #define KVQ_SM_CHUNK 4096                 /* elements per unit of work (a multiple of 16) */
 
 #define KVQ_SM_LOWEST (-104.0f)           /* exp(x) < 2^-150 below: 0 */
@@ -202,16 +204,6 @@ static void kvq_sm_divide(int path, float *s, int64_t n, float total)
 #endif
 }
 
-static float kvq_sm_tree16(const float a[16])
-{
-    float s8[8], s4[4], s2[2];
-    int j;
-    for (j = 0; j < 8; j++) s8[j] = a[j] + a[j + 8];
-    for (j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
-    for (j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
-    return s2[0] + s2[1];
-}
-
 /* Pass 1 on elements [a, b) of one row (a a multiple of 16): scale, max, NaN. A last group
  * shorter than 16 goes through a buffer padded with copies of its first element (they change
  * neither the max nor the NaN flag). */
@@ -251,7 +243,7 @@ static float kvq_sm_chunk_exp_sum(int path, float *s, int64_t a, int64_t b, floa
         for (k = 0; k < 16; k++) lanes[k] = lanes[k] + more[k];
         for (k = 0; k < b - full; k++) s[full + k] = buf[k];
     }
-    return kvq_sm_tree16(lanes);
+    return kvq_tree16(lanes);
 }
 
 static void kvq_sm_chunk_divide(int path, float *s, int64_t a, int64_t b, float total)
