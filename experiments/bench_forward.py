@@ -252,7 +252,7 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
                 time.process_time() - c0, cache.attend_cpu_s)
 
     # the remedy alone sets the threads: the decoders' own decode setting is put aside meanwhile
-    settings = ("CACHE_THREADS", "DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS")
+    settings = ("DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS")
     previous = {key: getattr(gguf_decoder, key) for key in settings}
     gguf_decoder.DECODE_BLAS_THREADS = None
     try:

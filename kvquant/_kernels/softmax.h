@@ -150,76 +150,54 @@ static void kvq_sm_divide_w1(float *s, int64_t n, float total)
 }
 #endif
 
-/* Paths: 0 the baseline, 1 AVX2, 2 AVX-512 (the caller passes one the CPU runs); a build
- * without them runs the one it has. */
-static int kvq_sm_path(int path)
-{
-#if KVQ_SM_X86
-    return path < 0 ? 0 : (path > 2 ? 2 : path);
-#else
-    (void)path;
-    return 0;
-#endif
-}
+/* The row kernels of one path: 0 the baseline, 1 AVX2, 2 AVX-512 (the caller passes one the CPU
+ * runs); a build without them takes the one it has. */
+typedef struct {
+    void (*scale_max)(float *s, int64_t n, float scale, float *max_out, int *nan_out);
+    void (*exp_sum)(float *s, int64_t n, float mx, float lanes[16]);
+    void (*divide)(float *s, int64_t n, float total);
+} kvq_sm_kernels;
 
-static void kvq_sm_scale_max(int path, float *s, int64_t n, float scale, float *mx, int *nan)
+static kvq_sm_kernels kvq_sm_pick(int path)
 {
+    kvq_sm_kernels K;
 #if KVQ_SM_X86
-    if (path == 2) { kvq_sm_scale_max_w16(s, n, scale, mx, nan); return; }
-    if (path == 1) { kvq_sm_scale_max_w8(s, n, scale, mx, nan); return; }
+    if (path >= 2) {
+        K.scale_max = kvq_sm_scale_max_w16; K.exp_sum = kvq_sm_exp_sum_w16;
+        K.divide = kvq_sm_divide_w16;
+        return K;
+    }
+    if (path == 1) {
+        K.scale_max = kvq_sm_scale_max_w8; K.exp_sum = kvq_sm_exp_sum_w8;
+        K.divide = kvq_sm_divide_w8;
+        return K;
+    }
 #endif
     (void)path;
 #if KVQ_SM_VEC
-    kvq_sm_scale_max_w4(s, n, scale, mx, nan);
+    K.scale_max = kvq_sm_scale_max_w4; K.exp_sum = kvq_sm_exp_sum_w4; K.divide = kvq_sm_divide_w4;
 #else
-    kvq_sm_scale_max_w1(s, n, scale, mx, nan);
+    K.scale_max = kvq_sm_scale_max_w1; K.exp_sum = kvq_sm_exp_sum_w1; K.divide = kvq_sm_divide_w1;
 #endif
-}
-
-static void kvq_sm_exp_sum(int path, float *s, int64_t n, float mx, float lanes[16])
-{
-#if KVQ_SM_X86
-    if (path == 2) { kvq_sm_exp_sum_w16(s, n, mx, lanes); return; }
-    if (path == 1) { kvq_sm_exp_sum_w8(s, n, mx, lanes); return; }
-#endif
-    (void)path;
-#if KVQ_SM_VEC
-    kvq_sm_exp_sum_w4(s, n, mx, lanes);
-#else
-    kvq_sm_exp_sum_w1(s, n, mx, lanes);
-#endif
-}
-
-static void kvq_sm_divide(int path, float *s, int64_t n, float total)
-{
-#if KVQ_SM_X86
-    if (path == 2) { kvq_sm_divide_w16(s, n, total); return; }
-    if (path == 1) { kvq_sm_divide_w8(s, n, total); return; }
-#endif
-    (void)path;
-#if KVQ_SM_VEC
-    kvq_sm_divide_w4(s, n, total);
-#else
-    kvq_sm_divide_w1(s, n, total);
-#endif
+    return K;
 }
 
 /* Pass 1 on elements [a, b) of one row (a a multiple of 16): scale, max, NaN. A last group
  * shorter than 16 goes through a buffer padded with copies of its first element (they change
  * neither the max nor the NaN flag). */
-static void kvq_sm_chunk_scale_max(int path, float *s, int64_t a, int64_t b, float scale,
-                                   float *mx, int *nan)
+static void kvq_sm_chunk_scale_max(const kvq_sm_kernels *K, float *s, int64_t a, int64_t b,
+                                   float scale, float *mx, int *nan)
 {
     const int64_t full = a + ((b - a) & ~(int64_t)15);
     float m1 = -INFINITY, m2 = -INFINITY;
     int n1 = 0, n2 = 0;
     if (full > a)
-        kvq_sm_scale_max(path, s + a, full - a, scale, &m1, &n1);
+        K->scale_max(s + a, full - a, scale, &m1, &n1);
     if (b > full) {
         float buf[16];
         int64_t k;
         for (k = 0; k < 16; k++) buf[k] = full + k < b ? s[full + k] : s[full];
-        kvq_sm_scale_max(path, buf, 16, scale, &m2, &n2);
+        K->scale_max(buf, 16, scale, &m2, &n2);
         for (k = 0; k < b - full; k++) s[full + k] = buf[k];
     }
     *mx = m2 > m1 ? m2 : m1;
@@ -228,29 +206,31 @@ static void kvq_sm_chunk_scale_max(int path, float *s, int64_t a, int64_t b, flo
 
 /* Pass 2 on elements [a, b): exp and the chunk's sum. A short last group is padded with -inf
  * (exp gives +0, which leaves a lane's sum as it was). */
-static float kvq_sm_chunk_exp_sum(int path, float *s, int64_t a, int64_t b, float mx)
+static float kvq_sm_chunk_exp_sum(const kvq_sm_kernels *K, float *s, int64_t a, int64_t b,
+                                  float mx)
 {
     const int64_t full = a + ((b - a) & ~(int64_t)15);
     float lanes[16];
     int64_t k;
     for (k = 0; k < 16; k++) lanes[k] = 0.0f;
     if (full > a)
-        kvq_sm_exp_sum(path, s + a, full - a, mx, lanes);
+        K->exp_sum(s + a, full - a, mx, lanes);
     if (b > full) {
         float buf[16], more[16];
         for (k = 0; k < 16; k++) buf[k] = full + k < b ? s[full + k] : -INFINITY;
-        kvq_sm_exp_sum(path, buf, 16, mx, more);
+        K->exp_sum(buf, 16, mx, more);
         for (k = 0; k < 16; k++) lanes[k] = lanes[k] + more[k];
         for (k = 0; k < b - full; k++) s[full + k] = buf[k];
     }
     return kvq_tree16(lanes);
 }
 
-static void kvq_sm_chunk_divide(int path, float *s, int64_t a, int64_t b, float total)
+static void kvq_sm_chunk_divide(const kvq_sm_kernels *K, float *s, int64_t a, int64_t b,
+                                float total)
 {
     const int64_t full = a + ((b - a) & ~(int64_t)15);
     if (full > a)
-        kvq_sm_divide(path, s + a, full - a, total);
+        K->divide(s + a, full - a, total);
     for (int64_t k = full; k < b; k++)
         s[k] = s[k] / total;
 }
@@ -263,7 +243,7 @@ static int kvq_softmax_rows(float *S, int64_t m, int64_t n, float scale, int n_t
     int64_t it, r, c;
     if (items == 0)
         return 0;
-    path = kvq_sm_path(path);
+    const kvq_sm_kernels K = kvq_sm_pick(path);
     float *cmax = (float *)malloc((size_t)items * 2 * sizeof(float));
     int *cnan = (int *)malloc((size_t)items * sizeof(int));
     float *rowv = (float *)malloc((size_t)m * sizeof(float));
@@ -282,7 +262,7 @@ static int kvq_softmax_rows(float *S, int64_t m, int64_t n, float scale, int n_t
     for (it = 0; it < items; it++) {
         const int64_t row = it / per_row, a = (it % per_row) * KVQ_SM_CHUNK;
         const int64_t b = a + KVQ_SM_CHUNK < n ? a + KVQ_SM_CHUNK : n;
-        kvq_sm_chunk_scale_max(path, S + row * n, a, b, scale, &cmax[it], &cnan[it]);
+        kvq_sm_chunk_scale_max(&K, S + row * n, a, b, scale, &cmax[it], &cnan[it]);
     }
     for (r = 0; r < m; r++) {
         float mx = -INFINITY;
@@ -297,7 +277,7 @@ static int kvq_softmax_rows(float *S, int64_t m, int64_t n, float scale, int n_t
     for (it = 0; it < items; it++) {
         const int64_t row = it / per_row, a = (it % per_row) * KVQ_SM_CHUNK;
         const int64_t b = a + KVQ_SM_CHUNK < n ? a + KVQ_SM_CHUNK : n;
-        csum[it] = kvq_sm_chunk_exp_sum(path, S + row * n, a, b, rowv[row]);
+        csum[it] = kvq_sm_chunk_exp_sum(&K, S + row * n, a, b, rowv[row]);
     }
     for (r = 0; r < m; r++) {
         float total = csum[r * per_row];
@@ -309,7 +289,7 @@ static int kvq_softmax_rows(float *S, int64_t m, int64_t n, float scale, int n_t
     for (it = 0; it < items; it++) {
         const int64_t row = it / per_row, a = (it % per_row) * KVQ_SM_CHUNK;
         const int64_t b = a + KVQ_SM_CHUNK < n ? a + KVQ_SM_CHUNK : n;
-        kvq_sm_chunk_divide(path, S + row * n, a, b, rowv[row]);
+        kvq_sm_chunk_divide(&K, S + row * n, a, b, rowv[row]);
     }
     free(cmax); free(cnan); free(rowv);
     return 0;

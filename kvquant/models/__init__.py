@@ -86,8 +86,7 @@ def masked_softmax(scores, hidden):
     scores : ndarray of shape (n_q, n_rows), float32, already scaled
     hidden : ndarray of bool, same shape (see :func:`causal_mask`)
     """
-    if hidden.any():
-        scores[hidden] = -np.inf
+    np.copyto(scores, np.float32(-np.inf), where=hidden)
     return softmax(scores, out=scores)
 
 

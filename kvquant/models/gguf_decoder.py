@@ -291,8 +291,9 @@ class GGUFDecoder:
         -------
         logits : ndarray of shape (n_tokens, vocab_size), or (1, vocab_size) with last_only, float32
         """
-        with _step_blas(np.size(tokens)):
-            hidden = self.forward_hidden(tokens, cache)
+        tokens = self._check_tokens(tokens)
+        with _step_blas(tokens.size):
+            hidden = self._hidden(tokens, cache)
             return self.logits(hidden[-1:] if last_only else hidden)
 
     def forward_hidden(self, tokens, cache):
@@ -309,6 +310,11 @@ class GGUFDecoder:
             The final hidden states, after the output norm.
         """
         tokens = self._check_tokens(tokens)
+        with _step_blas(tokens.size):
+            return self._hidden(tokens, cache)
+
+    def _hidden(self, tokens, cache):
+        """forward_hidden of checked tokens, BLAS's threads left to the caller."""
         start = len(cache)
         if start + tokens.size > self.context_length:
             raise ValueError(
@@ -328,8 +334,7 @@ class GGUFDecoder:
                                             n_threads=CACHE_THREADS, **_window(window))
             return self._consumer_prefill(cache, li, q, pos, window)
 
-        with _step_blas(tokens.size):
-            return self._final_norm(self._layers(tokens, pos, attend))
+        return self._final_norm(self._layers(tokens, pos, attend))
 
     def logits(self, hidden_rows):
         """Logits of final hidden states (rows of :meth:`forward_hidden`).
