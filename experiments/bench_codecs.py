@@ -15,7 +15,10 @@ while every method is timed in its own block (a numpy call between two encode ca
 BLAS and OpenMP workers spinning on the cores the encoder needs), and ``enc/yard`` (the codec's
 encode rate over the yardstick's median rate) moves little when the machine is busy; ``x tq4``
 is a tq<b> codec's encode time over tq4's at the same width (the encoders aim to stay within
-1.5). Every codec, reference and the yardstick get an untimed warm-up call first.
+1.5), tq4's encoder timed the same way, in a block right before and right after each tq<b>
+block, so that the two are compared at the same moment (codecs timed a minute apart on a shared
+machine differed by up to 2x). Every codec, reference and the yardstick get an untimed warm-up
+call first.
 
     python -m experiments.bench_codecs                           # d = 128, 512; 65536 rows
     python -m experiments.bench_codecs --rows 4096 --repeats 3   # a quick look
@@ -111,22 +114,34 @@ def yardstick(X_yard, threads):
     return run
 
 
+def _is_tq(spec):
+    return spec.startswith("tq") and spec[2:].split(":")[0].isdigit()
+
+
 def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
     codec = get_codec(spec, d)
     codec.decode(codec.encode(X[:256], n_threads=threads), n_threads=threads)   # warm-up
-    yard_times = []
-    if yard is not None:   # its own block before the encoder's (warmed), and one after
-        yard()
-        yard_times += _block_times(yard, repeats)
+    # blocks timed right before and right after the encoder's: the yardstick, and for a tq<b>
+    # codec tq4's encoder (each warmed)
+    around = {"yard": yard}
+    if _is_tq(spec) and spec != "tq4":
+        tq4 = get_codec("tq4", d)
+        around["tq4"] = lambda: tq4.encode(X, n_threads=threads)
+    times = {name: [] for name, fn in around.items() if fn is not None}
+    for name in times:
+        around[name]()
+        times[name] += _block_times(around[name], repeats)
     enc_s, enc = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats)
-    if yard is not None:
-        yard_times += _block_times(yard, repeats)
-    yard_s = float(np.median(yard_times)) if yard_times else None
+    for name in times:
+        times[name] += _block_times(around[name], repeats)
+    yard_s = float(np.median(times["yard"])) if "yard" in times else None
     dec_s, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
     row = {"codec": spec, "dim": d, "bytes_per_row": codec.bytes_per_row,
            "bits_per_value": codec.bits_per_value, "rows": X.shape[0],
            "encode_rows_per_s": X.shape[0] / enc_s, "decode_rows_per_s": X.shape[0] / dec_s,
-           "yard_s": yard_s, "encode_over_yard": None, "encode_time_over_tq4": None,
+           "yard_s": yard_s, "encode_over_yard": None,
+           "encode_time_over_tq4": (enc_s / float(np.median(times["tq4"])) if "tq4" in times
+                                    else 1.0 if spec == "tq4" else None),
            "ref_rows": None, "ref_encode_rows_per_s": None, "ref_decode_rows_per_s": None,
            "encode_speedup": None, "decode_speedup": None}
     ref = numpy_reference(codec)
@@ -147,15 +162,11 @@ def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
 
 
 def add_ratios(rows, yard_rows):
-    """``encode_over_yard`` (the codec's encode rows/s over the yardstick's, timed in blocks
-    around the codec's)
-    and ``encode_time_over_tq4`` (tq<b> rows: encode time over tq4's at the same width)."""
-    tq4 = {r["dim"]: r["encode_rows_per_s"] for r in rows if r["codec"] == "tq4"}
+    """``encode_over_yard``: the codec's encode rows/s over the yardstick's, timed in blocks
+    around the codec's. (``encode_time_over_tq4`` is set by :func:`bench_one`.)"""
     for r in rows:
         if r["yard_s"]:
             r["encode_over_yard"] = r["encode_rows_per_s"] / (yard_rows / r["yard_s"])
-        if r["codec"].startswith("tq") and r["dim"] in tq4:
-            r["encode_time_over_tq4"] = tq4[r["dim"]] / r["encode_rows_per_s"]
     return rows
 
 

@@ -52,6 +52,7 @@ DEFAULT_CODECS = ("kv8", "tq4", "q4_0+rot")
 # each attention); None: left as the libraries start.
 REMEDIES = {
     "cache1": ({}, 1, None, None),
+    "auto": ({}, "auto", None, None),
     "cache2": ({}, 2, None, None),
     "cache2+blas1-attend": ({}, 2, None, 1),
     "cache2+blas1": ({}, 2, 1, None),
@@ -61,13 +62,16 @@ REMEDIES = {
                             None, None),
 }
 REMEDY_NOTES = {
-    "cache1": "attention on 1 thread (the decoders' default decode steps)",
+    "cache1": "attention on 1 thread (the decoders' decode steps below LONG_CONTEXT_RATIO)",
+    "auto": "the decoders' default: DECODE_ATTENTION_THREADS = \"auto\" picks cache1's setting "
+            "or cache2+blas1's from the step's long-context ratio",
     "cache2": "attention on 2 threads, nothing else",
     "cache2+blas1-attend": "2 threads; BLAS held to 1 thread around each attention "
                            "(threadpoolctl)",
     "cache2+blas1": "2 threads; BLAS held to 1 thread for the whole step (the decode "
                     "projections are matrix-vector products; the decoders' decode steps with "
-                    "DECODE_ATTENTION_THREADS = 2, DECODE_BLAS_THREADS = 1)",
+                    "DECODE_ATTENTION_THREADS = 2, DECODE_BLAS_THREADS = 1, and with \"auto\" "
+                    "past LONG_CONTEXT_RATIO)",
     "cache2+openblas-timeout": "2 threads; OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS's workers sleep "
                                "after 2^4 cycles instead of 2^28)",
     "cache2+omp-passive": "2 threads; OMP_WAIT_POLICY=passive (libgomp's workers sleep at once)",

@@ -50,3 +50,38 @@ def test_the_yardstick_is_timed_in_its_own_blocks(monkeypatch):
     # warm-up encode, warm-up yardstick, its block, the encoder's block, the yardstick's block
     assert "".join(events) == "e" + "y" + "yyy" + "eee" + "yyy"
     assert row["yard_s"] is not None and row["encode_rows_per_s"] > 0
+
+
+def test_a_tq_codec_is_compared_with_tq4_timed_right_around_it(monkeypatch):
+    """tq4's encoder runs in its own blocks right before and right after a tq<b> encoder's block,
+    and ``x tq4`` is the ratio of the two medians."""
+    events = []
+    real_get_codec = bench_codecs.get_codec
+    fake_seconds = {"tq4": 2.0, "tq6": 3.0}
+    clock = [0.0]
+
+    class Recorded:
+        def __init__(self, spec, codec):
+            self.spec, self.codec = spec, codec
+
+        def __getattr__(self, name):
+            return getattr(self.codec, name)
+
+        def encode(self, X, n_threads=1):
+            events.append(self.spec)
+            clock[0] += fake_seconds[self.spec]
+            return self.codec.encode(X, n_threads=n_threads)
+
+        def decode(self, enc, n_threads=1):
+            clock[0] += 1.0
+            return self.codec.decode(enc, n_threads=n_threads)
+
+    monkeypatch.setattr(bench_codecs, "get_codec",
+                        lambda spec, d: Recorded(spec, real_get_codec(spec, d)))
+    monkeypatch.setattr(bench_codecs.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_codecs, "numpy_reference", lambda codec: None)
+    X = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    row = bench_codecs.bench_one("tq6", 64, X, X[:16], 3, 1, 1)
+    # warm-up, tq4's warm-up and block, tq6's block, tq4's block (decode is not recorded)
+    assert events == ["tq6"] + ["tq4"] * 4 + ["tq6"] * 3 + ["tq4"] * 3
+    assert row["encode_time_over_tq4"] == 1.5

@@ -1,12 +1,20 @@
-"""Decode-step time of a packaged model under the decoders' two thread settings.
+"""Decode-step time of a packaged model under the decoders' two thread settings and "auto".
 
 Prefills ``--tokens`` random tokens into one cache per codec, then times decode steps (one token)
-with the decoders' default (attention on 1 thread, BLAS left as it is) and with attention on 2
-threads and BLAS held to 1 for the whole step (``DECODE_ATTENTION_THREADS = 2``,
-``DECODE_BLAS_THREADS = 1`` in kvquant/models/gguf_decoder.py); the settings alternate over
-rounds, medians printed. Prints only; writes nothing.
+with attention on 1 thread and BLAS left as it is, with attention on 2 threads and BLAS held to 1
+for the whole step (``DECODE_ATTENTION_THREADS = 2``, ``DECODE_BLAS_THREADS = 1`` in
+kvquant/models/gguf_decoder.py), and with the decoders' default ``"auto"``, which picks one of the
+two from the step's long-context ratio (printed); the settings alternate over rounds, medians
+printed. Prints only; writes nothing.
 
     python tools/decode_threads.py --model smollm2 --tokens 4096 --codecs tq4,kv8
+    python tools/decode_threads.py --model /tmp/smollm2-shape.gguf --tokens 32768 --random-rows
+
+``--random-rows`` appends random Gaussian K/V rows to every layer instead of prefilling tokens
+(what experiments/bench_forward.py does; a 32k-token prefill would take long), for a GGUF whose
+context allows ``--tokens`` (such as the SmolLM2-shaped file that benchmark writes). Each round
+times every setting in turn in this one process, so a drift of the machine over minutes falls on
+all of them; the per-round ratios to the first setting are printed beside the medians.
 """
 import argparse
 import time
@@ -14,9 +22,11 @@ import time
 import numpy as np
 
 from kvquant.models import gguf_decoder, load_model
+from kvquant_experiments.bench_forward import fill
 
 SETTINGS = {"attention 1 thread, BLAS as it is": (1, None),
-            "attention 2 threads, BLAS 1 thread": (2, 1)}
+            "attention 2 threads, BLAS 1 thread": (2, 1),
+            "auto (the default)": ("auto", None)}
 
 
 def main(argv=None):
@@ -26,17 +36,27 @@ def main(argv=None):
     ap.add_argument("--codecs", default="tq4,kv8")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per block")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--random-rows", action="store_true",
+                    help="append random K/V rows instead of prefilling random tokens")
     args = ap.parse_args(argv)
     model = load_model(args.model)
+    ratio = model.long_context_ratio(args.tokens)
+    print(f"long-context ratio at {args.tokens} tokens: {ratio:.2f} (auto takes 2 attention "
+          f"threads from {gguf_decoder.LONG_CONTEXT_RATIO})")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.vocab_size, args.tokens)
     caches = {}
     for spec in args.codecs.split(","):
         caches[spec] = model.new_cache(spec)
         t0 = time.perf_counter()
-        model.forward(prompt, caches[spec], last_only=True)
-        print(f"{spec}: prefill of {args.tokens} tokens {time.perf_counter() - t0:.1f} s")
+        if args.random_rows:
+            caches[spec].reserve(args.tokens + args.rounds * len(SETTINGS) * (args.steps + 2))
+            fill([caches[spec]], model.n_layers, model.n_kv_heads, model.head_dim, args.tokens)
+        else:
+            model.forward(prompt, caches[spec], last_only=True)
+        print(f"{spec}: {args.tokens} tokens cached in {time.perf_counter() - t0:.1f} s")
     times = {name: {spec: [] for spec in caches} for name in SETTINGS}
+    per_round = {name: {spec: [] for spec in caches} for name in SETTINGS}
     previous = gguf_decoder.DECODE_ATTENTION_THREADS, gguf_decoder.DECODE_BLAS_THREADS
     try:
         for r in range(args.rounds):
@@ -45,16 +65,24 @@ def main(argv=None):
                 gguf_decoder.DECODE_ATTENTION_THREADS = attention
                 gguf_decoder.DECODE_BLAS_THREADS = blas
                 for spec, cache in caches.items():
+                    block = []
                     for i in range(args.steps + 2):          # two untimed steps first
                         t0 = time.perf_counter()
                         model.forward(rng.integers(0, model.vocab_size, 1), cache, last_only=True)
                         if i >= 2:
-                            times[name][spec].append(time.perf_counter() - t0)
+                            block.append(time.perf_counter() - t0)
+                    times[name][spec] += block
+                    per_round[name][spec].append(np.median(block))
     finally:
         gguf_decoder.DECODE_ATTENTION_THREADS, gguf_decoder.DECODE_BLAS_THREADS = previous
+    first = next(iter(SETTINGS))
     for name in SETTINGS:
-        cells = ", ".join(f"{spec} {1e3 * np.median(v):.1f} ms" for spec, v in times[name].items())
-        print(f"{name}: {cells} (median decode step)")
+        cells = []
+        for spec, v in times[name].items():
+            ratios = np.array(per_round[name][spec]) / np.array(per_round[first][spec])
+            cells.append(f"{spec} {1e3 * np.median(v):.1f} ms (rounds {ratios.min():.2f}-"
+                         f"{ratios.max():.2f}x the first setting's)")
+        print(f"{name}: {', '.join(cells)} (median decode step)")
 
 
 if __name__ == "__main__":

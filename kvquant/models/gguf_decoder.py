@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from kvquant._threads import blas_threads
+from kvquant._threads import blas_threads, resolve_n_threads
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
@@ -41,18 +41,24 @@ __all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_ad
 PREFILL_MODES = ("block", "consumer")
 # Threads for the cache's kernels when a forward appends rows and when it prefills.
 CACHE_THREADS = 1
-# A decode step (one new token a sequence) attends on DECODE_ATTENTION_THREADS threads while BLAS
-# is held to DECODE_BLAS_THREADS threads for the whole step (None: BLAS left as it is). Each call
-# of the cache is small (one layer and KV head) and alternates with the projections: with both
-# pools on 2 threads, the consumers' OpenMP workers and OpenBLAS's busy-wait on the core the
-# other needs. Which setting is faster depends on what dominates a step (README, "Inside a
-# forward"): attention on 2 threads with BLAS on 1 gave the shorter steps at 32768 cached tokens
-# of a SmolLM2-shaped decoder with float16 weights (experiments/bench_forward.py, cache2+blas1),
-# but the longer ones for the real SmolLM2 at 4096 and 8000 tokens and Gemma 3 270M at 8000
-# (tools/decode_threads.py), where the projections, faster with BLAS on 2 threads, are most of a
-# step: the default keeps attention on 1 thread.
-DECODE_ATTENTION_THREADS = 1
+# Threads of a decode step (one new token a sequence). Each call of the cache is small (one layer)
+# and alternates with the projections: with both pools on 2 threads, the consumers' OpenMP workers
+# and OpenBLAS's busy-wait on the core the other needs (README, "Inside a forward"). Two settings
+# avoid that: attention on 1 thread with BLAS left as it is (on 2 threads for the projections),
+# or attention on 2 threads with BLAS held to 1 for the whole step. Which is faster depends on
+# what dominates the step, so DECODE_ATTENTION_THREADS = "auto" picks per step: the second once
+# the cached K/V elements the step reads reach LONG_CONTEXT_RATIO times the weight elements it
+# multiplies. Measured on 2 cores with a SmolLM2-shaped decoder at 8192, 16384, 24576 and 32768
+# cached tokens (ratios 0.70, 1.40, 2.10, 2.81; experiments/bench_forward.py, each setting in a
+# process of its own, data/results/bench_forward_T*_zen4_crossover.*, and tools/decode_threads.py,
+# the settings alternating in one process, data/results/decode_threads_*): the first setting gave
+# the shorter steps up to 1.40, the second at 2.81, the two about even at 2.10. The packaged
+# models at their trained contexts stay below it (SmolLM2 at 8192: 0.70; Gemma 3 270M attends to
+# a window of 512 in five layers of six). A number instead of "auto" fixes the attention threads
+# and DECODE_BLAS_THREADS the BLAS threads (None: BLAS left as it is).
+DECODE_ATTENTION_THREADS = "auto"
 DECODE_BLAS_THREADS = None
+LONG_CONTEXT_RATIO = 2.0
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512
 
@@ -105,11 +111,6 @@ def _window(window):
     """The cache's sliding_window keyword, given only on a windowed layer (so that caches of
     one's own that know no window still serve the models without one)."""
     return {} if window is None else {"sliding_window": window}
-
-
-def _step_blas(n_tokens):
-    """BLAS held to DECODE_BLAS_THREADS for a decode step (one token a sequence)."""
-    return blas_threads(DECODE_BLAS_THREADS if n_tokens == 1 else None)
 
 
 def _append(cache, layer, k, v, pre_rope, row=None):
@@ -205,6 +206,10 @@ class GGUFDecoder:
         for i in range(cfg.n_layers):
             for n in self._matrix_names:
                 w.keep(f"blk.{i}.{n}")
+        self._step_weight_elements = sum(
+            int(np.prod(w.shape(name))) for name in
+            [self._output_name] + [f"blk.{i}.{n}" for i in range(cfg.n_layers)
+                                   for n in self._matrix_names])
         self._tokenizer = None
         add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False, required=False)
         bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
@@ -292,8 +297,9 @@ class GGUFDecoder:
         logits : ndarray of shape (n_tokens, vocab_size), or (1, vocab_size) with last_only, float32
         """
         tokens = self._check_tokens(tokens)
-        with _step_blas(tokens.size):
-            hidden = self._hidden(tokens, cache)
+        attention, blas = self._step_threads(tokens.size, len(cache))
+        with blas_threads(blas):
+            hidden = self._hidden(tokens, cache, attention)
             return self.logits(hidden[-1:] if last_only else hidden)
 
     def forward_hidden(self, tokens, cache):
@@ -310,11 +316,36 @@ class GGUFDecoder:
             The final hidden states, after the output norm.
         """
         tokens = self._check_tokens(tokens)
-        with _step_blas(tokens.size):
-            return self._hidden(tokens, cache)
+        attention, blas = self._step_threads(tokens.size, len(cache))
+        with blas_threads(blas):
+            return self._hidden(tokens, cache, attention)
 
-    def _hidden(self, tokens, cache):
-        """forward_hidden of checked tokens, BLAS's threads left to the caller."""
+    def decode_threads(self, cached_tokens):
+        """The threads of a decode step after ``cached_tokens`` tokens: (attention threads,
+        BLAS threads or None for BLAS left as it is), as DECODE_ATTENTION_THREADS says."""
+        if DECODE_ATTENTION_THREADS != "auto":
+            return DECODE_ATTENTION_THREADS, DECODE_BLAS_THREADS
+        if (resolve_n_threads(None) >= 2
+                and self.long_context_ratio(cached_tokens) >= LONG_CONTEXT_RATIO):
+            return 2, 1
+        return 1, None
+
+    def long_context_ratio(self, cached_tokens):
+        """Cached K/V elements a decode step after ``cached_tokens`` tokens reads (the new
+        token's rows included, each windowed layer its window only) over the weight elements it
+        multiplies (the layers' matrices and the output matrix)."""
+        cfg, rows = self.config, cached_tokens + 1
+        read = sum(min(rows, cfg.layer_window(i) or rows) for i in range(cfg.n_layers))
+        return read * cfg.n_kv_heads * 2 * cfg.head_dim / self._step_weight_elements
+
+    def _step_threads(self, n_tokens, cached_tokens):
+        """(attention threads, BLAS threads) of a forward: a decode step's, or for several tokens
+        (a prefill) the cache's CACHE_THREADS with BLAS left as it is."""
+        return self.decode_threads(cached_tokens) if n_tokens == 1 else (CACHE_THREADS, None)
+
+    def _hidden(self, tokens, cache, attention_threads):
+        """forward_hidden of checked tokens, the decode attention on ``attention_threads``,
+        BLAS's threads left to the caller."""
         start = len(cache)
         if start + tokens.size > self.context_length:
             raise ValueError(
@@ -327,7 +358,7 @@ class GGUFDecoder:
             _append(cache, li, k, v, pre_rope)
             if tokens.size == 1:
                 return cache.attend(li, q[0], scale=self.config.attn_scale,
-                                    n_threads=DECODE_ATTENTION_THREADS, **_window(window))[None]
+                                    n_threads=attention_threads, **_window(window))[None]
             # a llama.cpp attention cache computes a batch its own way, whatever self.prefill
             if self.prefill == "block" or isinstance(cache, GGMLAttentionCache):
                 return cache.attend_prefill(li, q, scale=self.config.attn_scale,
@@ -375,7 +406,7 @@ class GGUFDecoder:
 
         # one sequence is a decode step; a batch's projections are products with several rows,
         # which keep BLAS's threads (and the cache then its CACHE_THREADS)
-        threads = DECODE_ATTENTION_THREADS if tokens.size == 1 else CACHE_THREADS
+        threads, blas = self._step_threads(tokens.size, int(pos[0]))
 
         def attend(li, q, k, v, pre_rope):
             window = self.config.layer_window(li)
@@ -386,7 +417,7 @@ class GGUFDecoder:
                                       n_threads=threads, **_window(window))
             return out
 
-        with _step_blas(tokens.size):
+        with blas_threads(blas):
             return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
 
     # -- pieces ----------------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""The GGUF decoder's decode-step threads: the "auto" setting's ratio counted independently from
+the file, the setting it picks on each side of LONG_CONTEXT_RATIO, and a forward that runs with
+what it picked (the cache's attention threads, BLAS's threads during the step). Nothing here
+asserts a speed."""
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the models extra (gguf) is not installed")
+threadpoolctl = pytest.importorskip("threadpoolctl")
+
+from _gguf_writer import write_random_gguf  # noqa: E402
+
+from kvquant.models import gguf_decoder  # noqa: E402
+from kvquant.models.gguf_decoder import GGUFDecoder  # noqa: E402
+
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("threads")
+    paths = {}
+    for arch in ("llama", "gemma3"):
+        paths[arch] = str(folder / f"{arch}.gguf")
+        write_random_gguf(paths[arch], arch, seed=3)
+    return paths
+
+
+def _weight_elements(path):
+    """Elements of the matrices a decode step multiplies, from the file's own tensor list."""
+    tensors = {t.name: int(t.n_elements) for t in gguf.GGUFReader(path).tensors}
+    layers = sum(n for name, n in tensors.items()
+                 if name.startswith("blk.") and name.split(".")[2] in MATRICES)
+    return layers + tensors.get("output.weight", tensors["token_embd.weight"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_ratio_counts_cached_elements_over_weight_elements(files, arch):
+    model = GGUFDecoder(files[arch])
+    cfg = model.config
+    per_row = cfg.n_kv_heads * 2 * cfg.head_dim            # K and V of every KV head
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+    for cached in (0, 5, 40):
+        rows = cached + 1
+        read = sum(rows if w is None else min(rows, w) for w in windows) * per_row
+        assert model.long_context_ratio(cached) == pytest.approx(
+            read / _weight_elements(files[arch]), rel=1e-12)
+    if arch == "gemma3":   # five layers of six see their window of 8 only
+        assert sum(w is not None for w in windows) == 5 and set(windows) == {None, 8}
+
+
+def test_auto_picks_two_attention_threads_past_the_ratio(files, monkeypatch):
+    model = GGUFDecoder(files["llama"])
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
+    r10 = model.long_context_ratio(10)
+    monkeypatch.setattr(gguf_decoder, "LONG_CONTEXT_RATIO", r10)
+    assert model.decode_threads(10) == (2, 1)
+    assert model.decode_threads(9) == (1, None)
+    # one thread allowed (OMP_NUM_THREADS=1): never two
+    monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 1)
+    assert model.decode_threads(1000) == (1, None)
+    # a number fixes both settings, whatever the context
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", 3)
+    monkeypatch.setattr(gguf_decoder, "DECODE_BLAS_THREADS", 2)
+    assert model.decode_threads(0) == (3, 2)
+
+
+class _Spy:
+    """A cache that records the attention threads asked and BLAS's threads at each attend."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+
+    def attend(self, layer, q, n_threads=None, **kwargs):
+        blas = [lib["num_threads"] for lib in threadpoolctl.threadpool_info()
+                if lib["user_api"] == "blas"]
+        self.calls.append((n_threads, min(blas) if blas else None))
+        return self.cache.attend(layer, q, n_threads=n_threads, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def __len__(self):
+        return len(self.cache)
+
+
+def test_a_decode_step_runs_with_the_setting_picked(files, monkeypatch):
+    blas = [lib for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    if not blas:
+        pytest.skip("threadpoolctl sees no BLAS library")
+    model = GGUFDecoder(files["llama"])
+    ids = np.arange(12) % model.vocab_size
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
+    logits = {}
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        for ratio, expected in ((np.inf, (1, 2)), (0.0, (2, 1))):
+            monkeypatch.setattr(gguf_decoder, "LONG_CONTEXT_RATIO", ratio)
+            cache = _Spy(model.new_cache("tq4"))
+            model.forward(ids[:-1], cache)                   # a prefill: not a decode step
+            cache.calls.clear()
+            logits[ratio] = model.forward(ids[-1:], cache, last_only=True)
+            assert cache.calls == [expected] * model.n_layers
+        # BLAS is given back after the step
+        assert min(lib["num_threads"] for lib in threadpoolctl.threadpool_info()
+                   if lib["user_api"] == "blas") == 2
+    # the consumers' bits do not depend on their threads; BLAS's products to rounding
+    np.testing.assert_allclose(logits[0.0], logits[np.inf], rtol=0, atol=1e-5)
