@@ -14,6 +14,7 @@ targets, into ``--out`` (default: a folder of the run's name under the current d
     python -m experiments.bench_attention --grid gqa --out /tmp/bench   # the GQA shapes
     python -m experiments.bench_attention --contexts 4096 --repeats 2 --rounds 1   # a quick look
     python -m experiments.bench_attention --simd portable      # the portable path's speed
+    python -m experiments.bench_attention --softmax numpy      # the reads alone (same softmax)
 """
 import argparse
 import sys
@@ -82,6 +83,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="rounds of blocks, order rotated")
     p.add_argument("--warmup-s", type=float, default=bench.WARMUP_S)
     p.add_argument("--schedule", default="block", choices=bench.SCHEDULES)
+    p.add_argument("--softmax", default="compiled", choices=bench.SOFTMAXES,
+                   help="the codecs' softmax: compiled (as the cache attends) or numpy's (the "
+                        "baseline's, so that the steps differ only in their reads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--simd", default="auto", help="consumer path: auto or one this CPU runs")
     p.add_argument("--clock", default="wall", choices=("wall", "thread"),
@@ -109,10 +113,10 @@ def main(argv=None):
                                                 f"{r[f'fraction_{max(threads)}t']:.2f} of its "
                                                 "byte limit", file=sys.stderr, flush=True),
                        clock=args.clock, queries=queries, rounds=args.rounds,
-                       warmup_s=args.warmup_s, schedule=args.schedule)
+                       warmup_s=args.warmup_s, schedule=args.schedule, softmax=args.softmax)
     result["verdict"] = verdict(result)
     stem = bench.result_stem(dims, contexts, threads, args.repeats, result["simd"], args.clock,
-                             queries, args.schedule)
+                             queries, args.schedule, softmax=args.softmax)
     paths = bench.write_results(result, args.out or stem, stem)
     with open(paths[0], "a", encoding="utf-8") as f:
         f.write("\nTargets:\n" + result["verdict"] + "\n")

@@ -36,6 +36,11 @@ COLD_CACHE_FACTOR times the last-level cache (:func:`last_level_cache_bytes`), a
 (warm-up included) reads the next copy in turn, so the rows a call reads were evicted since
 their last use.
 
+``softmax="numpy"`` gives the codecs numpy's softmax, the baseline's, instead of the compiled
+one the cache attends with: the two steps then differ only in how they read the rows, which
+tells the consumers' gain apart from the softmax's (at d = 64 the softmax is a fifth of a
+step).
+
 ``clock="thread"`` times with the calling thread's CPU time instead of the wall clock: on a machine
 shared with other jobs this leaves out the time the process waits for a core, so it measures what
 the kernels cost; it is only meaningful with one thread (and BLAS held to one).
@@ -60,6 +65,7 @@ DEFAULT_CODECS = ("f32", "kv8", "kv8-g32", "kv8-g8") + tuple(f"tq{b}" for b in r
 DEFAULT_THREADS = (1, 2)
 DEFAULT_QUERIES = (1,)
 SCHEDULES = ("block", "interleaved")
+SOFTMAXES = ("compiled", "numpy")   # the codecs' softmax: the cache's, or the baseline's
 WARMUP_S = 0.2
 COOL_DOWN_S = 0.15          # interleaved schedule: a pause longer than OpenBLAS's spinning
 # Far larger than any CPU's caches (tens of MB), so that the bandwidth is the memory's.
@@ -194,9 +200,14 @@ def _numpy_step(X, Q, scale):
     return numpy_softmax(S, out=S) @ X        # (m, d)
 
 
-def _codec_step(codec, enc, Q, scale, n_threads):
+def _codec_step(codec, enc, Q, scale, n_threads, softmax_kind="compiled"):
     S = codec.scores(enc, Q, n_threads)
-    return codec.context(enc, softmax(S, out=S, scale=scale, n_threads=n_threads), n_threads)
+    if softmax_kind == "numpy":             # as _numpy_step: the product, then numpy's softmax
+        S *= scale
+        W = numpy_softmax(S, out=S)
+    else:
+        W = softmax(S, out=S, scale=scale, n_threads=n_threads)
+    return codec.context(enc, W, n_threads)
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -209,10 +220,11 @@ class _Method:
     codec); each call reads the next one in turn (one copy: the same rows every call).
     """
 
-    def __init__(self, name, n_threads, controller, rows, Q, scale, codec=None):
+    def __init__(self, name, n_threads, controller, rows, Q, scale, codec=None,
+                 softmax_kind="compiled"):
         self.name, self.n_threads = name, n_threads
         self._controller, self._rows, self._Q, self._scale = controller, rows, Q, scale
-        self._codec, self._next = codec, 0
+        self._codec, self._next, self._softmax = codec, 0, softmax_kind
 
     @property
     def n_copies(self):
@@ -227,7 +239,8 @@ class _Method:
         self._next = (self._next + 1) % len(self._rows)
         if self._codec is None:
             return _numpy_step(rows, self._Q, self._scale)
-        return _codec_step(self._codec, rows, self._Q, self._scale, self.n_threads)
+        return _codec_step(self._codec, rows, self._Q, self._scale, self.n_threads,
+                           softmax_kind=self._softmax)
 
 
 def _time_blocks(methods, repeats, rounds, warmup_s, timer):
@@ -263,7 +276,7 @@ def _time_interleaved(methods, repeats, rounds, timer):
 
 def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, queries=1,
               rounds=5, warmup_s=WARMUP_S, schedule="block", clock="wall", bandwidth_buffer=None,
-              cold=False, cache_bytes=None):
+              cold=False, cache_bytes=None, softmax="compiled"):
     """Seconds of one step for numpy f32 and each codec, at each thread count, with byte limits.
 
     Parameters
@@ -285,6 +298,8 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
         ``copies_for(bytes, cache_bytes)`` copies of its rows (module docstring).
     cache_bytes : int, optional
         Last-level cache size for ``cold`` (default: :func:`last_level_cache_bytes`).
+    softmax : {"compiled", "numpy"}
+        The codecs' softmax (module docstring); numpy f32 always runs numpy's.
 
     Returns
     -------
@@ -302,6 +317,8 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
         raise ValueError("clock='thread' measures the calling thread only: use threads=(1,)")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if softmax not in SOFTMAXES:
+        raise ValueError(f"softmax must be one of {SOFTMAXES}, got {softmax!r}")
     for what, n in (("repeats", repeats), ("rounds", rounds), ("queries", queries)):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{what} must be a positive integer, got {n!r}")
@@ -319,7 +336,8 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     built = [(spec, get_codec(spec, dim)) for spec in codecs]
     encoded = [(spec, codec, codec.encode(X, n_threads=max(threads))) for spec, codec in built]
     ref = _numpy_step(X, Q, scale)
-    errors = {spec: float(np.linalg.norm(_codec_step(codec, enc, Q, scale, max(threads)) - ref)
+    errors = {spec: float(np.linalg.norm(_codec_step(codec, enc, Q, scale, max(threads),
+                                                     softmax_kind=softmax) - ref)
                           / np.linalg.norm(ref)) for spec, codec, enc in encoded}
     copies = {"numpy": copies_for(X.nbytes, cache_bytes) if cold else 1}
     copies.update({spec: copies_for(enc.codes.nbytes + enc.side.nbytes, cache_bytes) if cold
@@ -328,7 +346,8 @@ def time_cell(dim, T, codecs, threads=DEFAULT_THREADS, repeats=3, seed=0, querie
     methods = [_Method("numpy", nt, controller, X_rows, Q, scale) for nt in threads]
     for spec, codec, enc in encoded:
         enc_rows = copies_of(enc, copies[spec])
-        methods += [_Method(spec, nt, controller, enc_rows, Q, scale, codec) for nt in threads]
+        methods += [_Method(spec, nt, controller, enc_rows, Q, scale, codec, softmax)
+                    for nt in threads]
     buf = (np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32) if bandwidth_buffer is None
            else bandwidth_buffer)
     before = {nt: read_bandwidth(nt, buf) for nt in threads}
@@ -402,7 +421,7 @@ def cell_rows(dim, T, queries, cell, codecs, threads):
 def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
         threads=DEFAULT_THREADS, repeats=3, seed=0, progress=None, clock="wall",
         queries=DEFAULT_QUERIES, rounds=5, warmup_s=WARMUP_S, schedule="block", cold=False,
-        cache_bytes=None):
+        cache_bytes=None, softmax="compiled"):
     """Every cell (d, m, T) x codec. Returns a dict with the rows and what the run ran on."""
     threads = tuple(sorted(set(threads)))
     if cold and cache_bytes is None:
@@ -414,7 +433,7 @@ def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
         for m in queries:
             for T in contexts:
                 cell = time_cell(dim, T, usable, threads, repeats, seed, m, rounds, warmup_s,
-                                 schedule, clock, buf, cold, cache_bytes)
+                                 schedule, clock, buf, cold, cache_bytes, softmax)
                 for row in cell_rows(dim, T, m, cell, usable, threads):
                     rows.append(row)
                     if progress:
@@ -422,7 +441,7 @@ def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
     return {"rows": rows, "threads": list(threads), "repeats": repeats, "rounds": rounds,
             "warmup_s": warmup_s, "schedule": schedule, "seed": seed, "clock": clock,
             "cold": bool(cold), "cache_bytes": cache_bytes if cold else None,
-            "queries": list(queries), "bandwidth_buffer_bytes": BANDWIDTH_BUFFER_BYTES,
+            "softmax": softmax, "queries": list(queries), "bandwidth_buffer_bytes": BANDWIDTH_BUFFER_BYTES,
             "simd": consumers.get_simd(), "cpu_simd": consumers.cpu_simd(),
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -438,7 +457,7 @@ def _builds(spec, dim):
 
 
 def result_stem(dims, contexts, threads, repeats, simd, clock="wall", queries=(1,),
-                schedule="block", cold=False):
+                schedule="block", cold=False, softmax="compiled"):
     """File name (without extension) that records the parameters of a run."""
     return (f"bench_attention_d{'-'.join(map(str, dims))}"
             + ("" if tuple(queries) == (1,) else f"_m{'-'.join(map(str, queries))}")
@@ -446,7 +465,8 @@ def result_stem(dims, contexts, threads, repeats, simd, clock="wall", queries=(1
             f"_threads{'-'.join(map(str, threads))}_r{repeats}_{simd}"
             + ("" if clock == "wall" else f"_{clock}clock")
             + ("" if schedule == "block" else f"_{schedule}")
-            + ("_cold" if cold else ""))
+            + ("_cold" if cold else "")
+            + ("" if softmax == "compiled" else f"_{softmax}-softmax"))
 
 
 def format_markdown(result):
@@ -465,7 +485,10 @@ def format_markdown(result):
     lines = [
         f"One decode step (scores, softmax, context) over T rows for m queries that share them; "
         f"{how} ({'wall clock' if clock == 'wall' else 'thread CPU time'}); consumers on the "
-        f"{result['simd']} path; speedup = numpy f32 time / codec time on the same rows, queries "
+        f"{result['simd']} path with "
+        + ("numpy's softmax (the baseline's: the steps differ only in how they read the rows)"
+           if result.get("softmax") == "numpy" else "the compiled softmax")
+        + "; speedup = numpy f32 time / codec time on the same rows, queries "
         "and thread count; rounds = the lowest and highest of the per-round speedups (numpy's "
         "median over the codec's in one round): their spread is the machine's noise.",
         "Byte limit = bytes the step reads (every row twice: 2 T x B/row) / the read bandwidth "
@@ -576,14 +599,15 @@ def cmd_bench(args):
             raise ValueError(f"--cache-mib takes a positive size, got {args.cache_mib}")
         result = run(dims, contexts, codecs, threads, args.repeats, args.seed, progress,
                      args.clock, queries, args.rounds, args.warmup_s, args.schedule,
-                     args.cold, cache_bytes)
+                     args.cold, cache_bytes, args.softmax)
     except ValueError as exc:
         raise SystemExit(f"kvquant bench: {exc}")
     if args.out:
         paths = write_results(result, args.out, result_stem(dims, contexts, threads,
                                                             args.repeats, result["simd"],
                                                             args.clock, queries,
-                                                            args.schedule, args.cold))
+                                                            args.schedule, args.cold,
+                                                            args.softmax))
         if not args.json:
             print("wrote " + ", ".join(paths))
     print(json.dumps(result, indent=1) if args.json else format_markdown(result))
@@ -617,6 +641,9 @@ def add_cli(sub):
     p.add_argument("--cache-mib", type=float, default=None,
                    help="last-level cache size for --cold (default: read from the system)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--softmax", default="compiled", choices=SOFTMAXES,
+                   help="the codecs' softmax: compiled (as the cache attends; default) or numpy "
+                        "(the baseline's, so that the steps differ only in their reads)")
     p.add_argument("--simd", default="auto",
                    help="consumer path: auto or one this CPU runs (see kvquant info); every "
                         "path gives the same bits")

@@ -211,8 +211,8 @@ def test_a_cold_cell_reads_every_copy_in_turn_and_does_the_same_work(monkeypatch
     numpy_step, codec_step = bench._numpy_step, bench._codec_step
     monkeypatch.setattr(bench, "_numpy_step",
                         lambda X, Q, scale: seen["numpy"].append(id(X)) or numpy_step(X, Q, scale))
-    monkeypatch.setattr(bench, "_codec_step", lambda codec, enc, Q, scale, n: seen["codec"].append(
-        id(enc.codes)) or codec_step(codec, enc, Q, scale, n))
+    monkeypatch.setattr(bench, "_codec_step", lambda codec, enc, Q, scale, n, **kw: seen[
+        "codec"].append(id(enc.codes)) or codec_step(codec, enc, Q, scale, n, **kw))
     kwargs = dict(threads=(1,), repeats=3, rounds=2, warmup_s=0.0, bandwidth_buffer=SMALL_BUFFER)
     warm = bench.time_cell(64, 400, ["kv8"], **kwargs)
     assert warm["copies"] == {"numpy": 1, "kv8": 1} and warm["cache_bytes"] is None
@@ -250,3 +250,37 @@ def test_the_command_names_a_cold_run_in_its_files(tmp_path, capsys, monkeypatch
     assert result["cold"] is True and result["cache_bytes"] == int(0.1 * (1 << 20))
     assert main(["bench", "--dims", "64", "--codecs", "kv8", "--cold", "--cache-mib", "0"]) == 2
     assert "--cache-mib takes a positive size" in capsys.readouterr().err
+
+
+def test_the_codec_step_with_numpy_softmax_differs_only_in_the_softmax(rng):
+    """softmax_kind="numpy": the codec's scores, numpy's softmax of them times the scale (the
+    baseline's own function), the codec's context of those weights; the compiled softmax gives
+    the same weights to rounding."""
+    X = rng.standard_normal((700, 64), dtype=np.float32)
+    Q = rng.standard_normal((3, 64), dtype=np.float32)
+    scale = np.float32(0.125)
+    for spec in ("kv8", "tq4"):
+        codec = get_codec(spec, 64)
+        enc = codec.encode(X)
+        S = codec.scores(enc, Q)
+        W = softmax(S * scale)
+        expected = codec.context(enc, W)
+        got = bench._codec_step(codec, enc, Q, scale, 1, softmax_kind="numpy")
+        np.testing.assert_array_equal(got, expected)
+        compiled = bench._codec_step(codec, enc, Q, scale, 1)
+        np.testing.assert_allclose(compiled, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_numpy_softmax_run_says_so_in_its_files(tmp_path, capsys, monkeypatch):
+    from kvquant.cli import main
+    monkeypatch.setattr(bench, "BANDWIDTH_BUFFER_BYTES", SMALL_BUFFER.nbytes)
+    assert main(["bench", "--dims", "64", "--contexts", "200", "--codecs", "tq4",
+                 "--threads", "1", "--repeats", "1", "--rounds", "1", "--warmup-s", "0",
+                 "--softmax", "numpy", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "numpy's softmax (the baseline's" in out
+    (md,) = [p for p in tmp_path.iterdir() if p.suffix == ".md"]
+    assert md.name.endswith("_numpy-softmax.md")
+    assert json.loads(md.with_suffix(".json").read_text())["softmax"] == "numpy"
+    with pytest.raises(ValueError, match="softmax must be one of"):
+        bench.time_cell(64, 10, ["kv8"], threads=(1,), softmax="scipy")
