@@ -132,7 +132,7 @@ def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
         around[name]()
         times[name] += _block_times(around[name], repeats)
     enc_s, enc = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats)
-    for name in times:
+    for name in reversed(list(times)):   # mirrored: the nearest blocks before and after alike
         times[name] += _block_times(around[name], repeats)
     yard_s = float(np.median(times["yard"])) if "yard" in times else None
     dec_s, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)

@@ -269,6 +269,11 @@ def test_the_codec_step_with_numpy_softmax_differs_only_in_the_softmax(rng):
         np.testing.assert_array_equal(got, expected)
         compiled = bench._codec_step(codec, enc, Q, scale, 1)
         np.testing.assert_allclose(compiled, expected, rtol=1e-5, atol=1e-6)
+    # the f32 codec with numpy's softmax is the baseline's step, to rounding of the products
+    f32 = get_codec("f32", 64)
+    np.testing.assert_allclose(
+        bench._codec_step(f32, f32.encode(X), Q, scale, 1, softmax_kind="numpy"),
+        bench._numpy_step(X, Q, scale), rtol=1e-5, atol=1e-6)
 
 
 def test_a_numpy_softmax_run_says_so_in_its_files(tmp_path, capsys, monkeypatch):

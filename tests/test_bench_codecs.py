@@ -85,3 +85,9 @@ def test_a_tq_codec_is_compared_with_tq4_timed_right_around_it(monkeypatch):
     # warm-up, tq4's warm-up and block, tq6's block, tq4's block (decode is not recorded)
     assert events == ["tq6"] + ["tq4"] * 4 + ["tq6"] * 3 + ["tq4"] * 3
     assert row["encode_time_over_tq4"] == 1.5
+    # with the yardstick too: its blocks outermost, tq4's next to tq6's on both sides
+    events.clear()
+    row = bench_codecs.bench_one("tq6", 64, X, X[:16], 3, 1, 1, yard=lambda: events.append("y"))
+    assert events == (["tq6"] + ["y"] * 4 + ["tq4"] * 4 + ["tq6"] * 3 + ["tq4"] * 3
+                      + ["y"] * 3)
+    assert row["encode_time_over_tq4"] == 1.5

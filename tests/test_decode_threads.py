@@ -57,13 +57,18 @@ def test_auto_picks_two_attention_threads_past_the_ratio(files, monkeypatch):
     monkeypatch.setattr(gguf_decoder, "LONG_CONTEXT_RATIO", r10)
     assert model.decode_threads(10) == (2, 1)
     assert model.decode_threads(9) == (1, None)
-    # one thread allowed (OMP_NUM_THREADS=1): never two
-    monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 1)
-    assert model.decode_threads(1000) == (1, None)
+    # one thread allowed (OMP_NUM_THREADS=1): never two; more than two (not measured): the
+    # first setting, BLAS left with its threads
+    for allowed in (1, 4):
+        monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None, a=allowed: a)
+        assert model.decode_threads(1000) == (1, None)
     # a number fixes both settings, whatever the context
     monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", 3)
     monkeypatch.setattr(gguf_decoder, "DECODE_BLAS_THREADS", 2)
     assert model.decode_threads(0) == (3, 2)
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "Auto")
+    with pytest.raises(ValueError, match="DECODE_ATTENTION_THREADS is 'Auto'"):
+        model.decode_threads(0)
 
 
 class _Spy:
@@ -107,3 +112,36 @@ def test_a_decode_step_runs_with_the_setting_picked(files, monkeypatch):
                    if lib["user_api"] == "blas") == 2
     # the consumers' bits do not depend on their threads; BLAS's products to rounding
     np.testing.assert_allclose(logits[0.0], logits[np.inf], rtol=0, atol=1e-5)
+
+
+def test_the_other_entry_points_take_the_same_setting(files, monkeypatch):
+    """forward_hidden and a decode_step of one sequence are decode steps too; a decode_step of
+    two sequences (a batch) keeps CACHE_THREADS with BLAS as it is."""
+    model = GGUFDecoder(files["llama"])
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
+    monkeypatch.setattr(gguf_decoder, "LONG_CONTEXT_RATIO", 0.0)
+    caches = [_Spy(model.new_cache("kv8")) for _ in range(2)]
+    for c in caches:
+        model.forward(np.arange(5), c)
+        c.calls.clear()
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        model.forward_hidden(np.array([7]), caches[0])
+        assert caches[0].calls == [(2, 1)] * model.n_layers
+        caches[0].calls.clear()
+        model.decode_step(np.array([3]), caches[:1])
+        assert caches[0].calls == [(2, 1)] * model.n_layers
+        caches[0].calls.clear()
+        model.decode_step(np.array([3, 4]), caches)
+        for c in caches:
+            assert c.calls == [(gguf_decoder.CACHE_THREADS, 2)] * model.n_layers
+
+
+def test_a_gemma3_file_without_a_window_is_refused(tmp_path, monkeypatch):
+    import _gguf_writer
+    monkeypatch.setitem(_gguf_writer.SHAPES, "gemma3-no-window",
+                        dict(_gguf_writer.SHAPES["gemma3"], sliding_window=0, arch="gemma3"))
+    path = tmp_path / "no-window.gguf"
+    write_random_gguf(path, "gemma3-no-window")
+    with pytest.raises(ValueError, match="sliding_window is 0"):
+        GGUFDecoder(str(path))

@@ -22,7 +22,6 @@ import time
 import numpy as np
 
 from kvquant.models import gguf_decoder, load_model
-from kvquant_experiments.bench_forward import fill
 
 SETTINGS = {"attention 1 thread, BLAS as it is": (1, None),
             "attention 2 threads, BLAS 1 thread": (2, 1),
@@ -40,6 +39,14 @@ def main(argv=None):
                     help="append random K/V rows instead of prefilling random tokens")
     args = ap.parse_args(argv)
     model = load_model(args.model)
+    if not isinstance(model, gguf_decoder.GGUFDecoder):
+        raise SystemExit(f"{args.model}: the thread settings are the GGUF decoders'; give a "
+                         "packaged GGUF model or a GGUF file")
+    needed = args.tokens + args.rounds * len(SETTINGS) * (args.steps + 2)
+    if needed > model.context_length:
+        raise SystemExit(f"{args.tokens} cached tokens and {needed - args.tokens} decode steps "
+                         f"pass the model's context of {model.context_length}: use fewer tokens, "
+                         "rounds or steps")
     ratio = model.long_context_ratio(args.tokens)
     print(f"long-context ratio at {args.tokens} tokens: {ratio:.2f} (auto takes 2 attention "
           f"threads from {gguf_decoder.LONG_CONTEXT_RATIO})")
@@ -50,6 +57,7 @@ def main(argv=None):
         caches[spec] = model.new_cache(spec)
         t0 = time.perf_counter()
         if args.random_rows:
+            from kvquant_experiments.bench_forward import fill
             caches[spec].reserve(args.tokens + args.rounds * len(SETTINGS) * (args.steps + 2))
             fill([caches[spec]], model.n_layers, model.n_kv_heads, model.head_dim, args.tokens)
         else:

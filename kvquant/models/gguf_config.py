@@ -168,6 +168,9 @@ def config_from_gguf(reader):
         vocab = len(gguf_field(reader, "tokenizer.ggml.tokens"))
     gemma = arch == "gemma3"
     window = int(get("attention.sliding_window")) if gemma else 0
+    if gemma and window < 1:
+        raise ValueError(f"gemma3.attention.sliding_window is {window}: the local layers need a "
+                         "window of at least one position")
     sliding = tuple(gemma and (i + 1) % GEMMA3_SWA_PATTERN != 0 for i in range(n_layers))
     local_base = float(get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE, required=False))
     if gemma:

@@ -48,14 +48,20 @@ CACHE_THREADS = 1
 # or attention on 2 threads with BLAS held to 1 for the whole step. Which is faster depends on
 # what dominates the step, so DECODE_ATTENTION_THREADS = "auto" picks per step: the second once
 # the cached K/V elements the step reads reach LONG_CONTEXT_RATIO times the weight elements it
-# multiplies. Measured on 2 cores with a SmolLM2-shaped decoder at 8192, 16384, 24576 and 32768
-# cached tokens (ratios 0.70, 1.40, 2.10, 2.81; experiments/bench_forward.py, each setting in a
-# process of its own, data/results/bench_forward_T*_zen4_crossover.*, and tools/decode_threads.py,
-# the settings alternating in one process, data/results/decode_threads_*): the first setting gave
-# the shorter steps up to 1.40, the second at 2.81, the two about even at 2.10. The packaged
-# models at their trained contexts stay below it (SmolLM2 at 8192: 0.70; Gemma 3 270M attends to
-# a window of 512 in five layers of six). A number instead of "auto" fixes the attention threads
-# and DECODE_BLAS_THREADS the BLAS threads (None: BLAS left as it is).
+# multiplies. Measured on 2 cores with a SmolLM2-shaped decoder (float32 copies of its weights;
+# kv8, tq4 and q4_0+rot caches) at 8192, 16384, 24576 and 32768 cached tokens (ratios 0.70,
+# 1.40, 2.10, 2.81; experiments/bench_forward.py, each setting in a process of its own,
+# data/results/bench_forward_T*_zen4_crossover.*, and tools/decode_threads.py, the settings
+# alternating in one process, data/results/decode_threads_*): the first setting gave the shorter
+# steps up to 1.40, the second at 2.81, the two about even at 2.10. Elements, not bytes: a cache
+# of wider rows (f32) makes attention the larger share sooner, so the rule is late for it, not
+# early. The packaged models at their trained contexts stay below the ratio (SmolLM2 at 8192:
+# 0.70; Gemma 3 270M attends to a window of 512 in five layers of six). Only where OpenMP allows
+# exactly 2 threads: with more cores, holding BLAS to one thread was not measured, and "auto"
+# keeps the first setting. A number instead of "auto" fixes the attention threads and
+# DECODE_BLAS_THREADS the BLAS threads (None: BLAS left as it is); "auto" ignores the latter.
+# Batches of several sequences (decode_step) keep CACHE_THREADS and BLAS as it is: their
+# projections are matrix products, which gain from BLAS's threads.
 DECODE_ATTENTION_THREADS = "auto"
 DECODE_BLAS_THREADS = None
 LONG_CONTEXT_RATIO = 2.0
@@ -324,8 +330,11 @@ class GGUFDecoder:
         """The threads of a decode step after ``cached_tokens`` tokens: (attention threads,
         BLAS threads or None for BLAS left as it is), as DECODE_ATTENTION_THREADS says."""
         if DECODE_ATTENTION_THREADS != "auto":
+            if isinstance(DECODE_ATTENTION_THREADS, str):
+                raise ValueError(f"DECODE_ATTENTION_THREADS is {DECODE_ATTENTION_THREADS!r}: "
+                                 "use \"auto\" or a thread count")
             return DECODE_ATTENTION_THREADS, DECODE_BLAS_THREADS
-        if (resolve_n_threads(None) >= 2
+        if (resolve_n_threads(None) == 2
                 and self.long_context_ratio(cached_tokens) >= LONG_CONTEXT_RATIO):
             return 2, 1
         return 1, None
@@ -335,12 +344,14 @@ class GGUFDecoder:
         token's rows included, each windowed layer its window only) over the weight elements it
         multiplies (the layers' matrices and the output matrix)."""
         cfg, rows = self.config, cached_tokens + 1
-        read = sum(min(rows, cfg.layer_window(i) or rows) for i in range(cfg.n_layers))
+        windows = (cfg.layer_window(i) for i in range(cfg.n_layers))
+        read = sum(rows if w is None else min(rows, w) for w in windows)
         return read * cfg.n_kv_heads * 2 * cfg.head_dim / self._step_weight_elements
 
     def _step_threads(self, n_tokens, cached_tokens):
-        """(attention threads, BLAS threads) of a forward: a decode step's, or for several tokens
-        (a prefill) the cache's CACHE_THREADS with BLAS left as it is."""
+        """(attention threads, BLAS threads) of a forward: a decode step's (one token), or for
+        several tokens (a prefill, or a batch of sequences) the cache's CACHE_THREADS with BLAS
+        left as it is."""
         return self.decode_threads(cached_tokens) if n_tokens == 1 else (CACHE_THREADS, None)
 
     def _hidden(self, tokens, cache, attention_threads):
