@@ -16,7 +16,9 @@ by a prefill). Methods, all in the same process and the same forward:
   numpy runs unaided (BLAS at its default thread count);
 - ``kv8``, ``tq4``, ``q4_0+rot``: the decoder's own :class:`~kvquant.cache.QuantizedKVCache`,
   read by the codecs' consumers with the remedy's threads (``DECODE_ATTENTION_THREADS`` of
-  :mod:`kvquant.models.gguf_decoder`; its own decode setting is put aside for the run).
+  :mod:`kvquant.models.gguf_decoder`; its own decode setting is put aside for the run). The
+  step's products are numpy's (BLAS) in every method and remedy but ``pool``, where the codecs'
+  steps run them on kvquant's OpenMP threads (``DECODE_PROJECTIONS = "pool"``).
 
 The time spent inside ``cache.attend`` (every layer) is summed per step: the attention time;
 the step time is the whole forward. Beside the wall clock, the CPU time of the whole process
@@ -53,6 +55,7 @@ DEFAULT_CODECS = ("kv8", "tq4", "q4_0+rot")
 REMEDIES = {
     "cache1": ({}, 1, None, None),
     "auto": ({}, "auto", None, None),
+    "pool": ({}, "auto", None, None),
     "cache2": ({}, 2, None, None),
     "cache2+blas1-attend": ({}, 2, None, 1),
     "cache2+blas1": ({}, 2, 1, None),
@@ -63,8 +66,10 @@ REMEDIES = {
 }
 REMEDY_NOTES = {
     "cache1": "attention on 1 thread (the decoders' decode steps below LONG_CONTEXT_RATIO)",
-    "auto": "the decoders' default: DECODE_ATTENTION_THREADS = \"auto\" picks cache1's setting "
-            "or cache2+blas1's from the step's long-context ratio",
+    "auto": "DECODE_ATTENTION_THREADS = \"auto\" with numpy's products: cache1's setting or "
+            "cache2+blas1's from the step's long-context ratio",
+    "pool": "the decoders' default: the step's products on kvquant's OpenMP threads "
+            "(DECODE_PROJECTIONS = \"pool\"), attention and projections on 2 threads",
     "cache2": "attention on 2 threads, nothing else",
     "cache2+blas1-attend": "2 threads; BLAS held to 1 thread around each attention "
                            "(threadpoolctl)",
@@ -256,7 +261,7 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
                 time.process_time() - c0, cache.attend_cpu_s)
 
     # the remedy alone sets the threads: the decoders' own decode setting is put aside meanwhile
-    settings = ("DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS")
+    settings = ("DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS", "DECODE_PROJECTIONS")
     previous = {key: getattr(gguf_decoder, key) for key in settings}
     gguf_decoder.DECODE_BLAS_THREADS = None
     try:
@@ -265,6 +270,8 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
             for name in names[k:] + names[:k]:
                 codec = name != "numpy"
                 gguf_decoder.DECODE_ATTENTION_THREADS = cache_threads if codec else 1
+                # numpy f32 attention keeps numpy's products: the yardstick is plain numpy
+                gguf_decoder.DECODE_PROJECTIONS = "pool" if codec and remedy == "pool" else "blas"
                 limit = blas_step if codec else None
                 ctx = (controller.limit(limits=limit, user_api="blas") if limit is not None
                        else contextlib.nullcontext())

@@ -222,6 +222,25 @@ def softmax(scores, out=None):
     return e
 
 
+def matvec_lanes(W, x):
+    """W (m, n) x (n,) in float32, in kvquant/_kernels/matvec.h's order: 16 lane sums (lane l
+    adds w[j] x[j] for j = l, l + 16, ... in order, the last block padded with zeros), then the
+    pairwise tree of kvq_tree16. Bit for bit the compiled kernel's result."""
+    W = np.asarray(W, np.float32)
+    x = np.asarray(x, np.float32)
+    m, n = W.shape
+    pad = (-n) % 16
+    Wp = np.concatenate([W, np.zeros((m, pad), np.float32)], axis=1)
+    xp = np.concatenate([x, np.zeros(pad, np.float32)])
+    acc = np.zeros((m, 16), np.float32)
+    for j in range(0, n + pad, 16):
+        acc = acc + Wp[:, j:j + 16] * xp[j:j + 16]
+    s8 = acc[:, :8] + acc[:, 8:]
+    s4 = s8[:, :4] + s8[:, 4:]
+    s2 = s4[:, :2] + s4[:, 2:]
+    return s2[:, 0] + s2[:, 1]
+
+
 def f32_scores(X, Q):
     """Q (m, d) . X (T, d)^T."""
     return np.asarray(Q, np.float64) @ np.asarray(X, np.float64).T

@@ -23,6 +23,7 @@
 #include "consumers_ggml_more.h"
 #include "consumers_polar.h"
 #include "fp8ops.h"
+#include "matvec.h"
 #include "polar_encode.h"
 #include "softmax.h"
 
@@ -381,6 +382,29 @@ static int softmax_paths(void)
     return bad;
 }
 
+/* matvec.h (one cloned function: the loader's pick) hashed, widths with and without a tail of
+ * the 16-lane blocks and a row count that leaves a pass of fewer rows. */
+static void matvec_digest(void)
+{
+    const int64_t widths[] = {16, 33, 576};
+    const int64_t m = 70;
+    int wi;
+    for (wi = 0; wi < (int)(sizeof widths / sizeof widths[0]); wi++) {
+        const int64_t n = widths[wi];
+        float* W = malloc(sizeof(float) * m * n);
+        float* x = malloc(sizeof(float) * n);
+        float* y = malloc(sizeof(float) * m);
+        char label[64];
+        int64_t i;
+        for (i = 0; i < m * n; i++) W[i] = next_unit();
+        for (i = 0; i < n; i++) x[i] = 4.0f * next_unit();
+        kvq_matvec_rows(W, n, x, y, 0, m);
+        snprintf(label, sizeof label, "matvec/n=%lld", (long long)n);
+        put_digest(label, fnv_floats(0xcbf29ce484222325ull, y, m));
+        free(W); free(x); free(y);
+    }
+}
+
 /* Every kernel consumers.pyx dispatches to, by name: a build without x86 SIMD (aarch64, or
  * -DKVQ_NO_SIMD here) must alias each to a portable kernel, or the extension fails to compile. */
 static const void* const dispatched[] = {
@@ -485,6 +509,7 @@ int main(int argc, char** argv)
     }
     bad |= encoders();
     bad |= softmax_paths();
+    matvec_digest();
     free(codes); free(side); free(x);
     printf("%s\n", bad ? "FAIL" : "OK");
     return bad;

@@ -65,7 +65,8 @@ def test_timing_wrapper_passes_results_through(rng):
 
 
 def test_a_remedy_times_every_method_and_restores_the_decoder(tiny_file):
-    settings = ("CACHE_THREADS", "DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS")
+    settings = ("CACHE_THREADS", "DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS",
+                "DECODE_PROJECTIONS")
     before = [getattr(gguf_decoder, key) for key in settings]
     res = bench_forward.run_remedy(tiny_file, "cache2+blas1-attend", codecs=("kv8", "tq4"),
                                    tokens=200, steps=1, warmup=1, rounds=1)

@@ -1,7 +1,8 @@
-"""The GGUF decoder's decode-step threads: the "auto" setting's ratio counted independently from
-the file, the setting it picks on each side of LONG_CONTEXT_RATIO, and a forward that runs with
-what it picked (the cache's attention threads, BLAS's threads during the step). Nothing here
-asserts a speed."""
+"""The GGUF decoder's decode-step threads: with numpy's products (DECODE_PROJECTIONS = "blas"),
+the "auto" setting's ratio counted independently from the file, the setting it picks on each
+side of LONG_CONTEXT_RATIO, and a forward that runs with what it picked (the cache's attention
+threads, BLAS's threads during the step); with one pool (the default), every product of a decode
+step through the compiled matvec on the attention's threads. Nothing here asserts a speed."""
 import numpy as np
 import pytest
 
@@ -52,6 +53,7 @@ def test_the_ratio_counts_cached_elements_over_weight_elements(files, arch):
 def test_auto_picks_two_attention_threads_past_the_ratio(files, monkeypatch):
     model = GGUFDecoder(files["llama"])
     monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "blas")   # the ratio rule's mode
     monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
     r10 = model.long_context_ratio(10)
     monkeypatch.setattr(gguf_decoder, "LONG_CONTEXT_RATIO", r10)
@@ -97,6 +99,7 @@ def test_a_decode_step_runs_with_the_setting_picked(files, monkeypatch):
     model = GGUFDecoder(files["llama"])
     ids = np.arange(12) % model.vocab_size
     monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "blas")   # the ratio rule's mode
     monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
     logits = {}
     with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
@@ -119,6 +122,7 @@ def test_the_other_entry_points_take_the_same_setting(files, monkeypatch):
     two sequences (a batch) keeps CACHE_THREADS with BLAS as it is."""
     model = GGUFDecoder(files["llama"])
     monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "blas")   # the ratio rule's mode
     monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
     monkeypatch.setattr(gguf_decoder, "LONG_CONTEXT_RATIO", 0.0)
     caches = [_Spy(model.new_cache("kv8")) for _ in range(2)]
@@ -145,3 +149,43 @@ def test_a_gemma3_file_without_a_window_is_refused(tmp_path, monkeypatch):
     write_random_gguf(path, "gemma3-no-window")
     with pytest.raises(ValueError, match="sliding_window is 0"):
         GGUFDecoder(str(path))
+
+
+def test_one_pool_runs_the_projections_on_the_attentions_threads(files, monkeypatch):
+    """DECODE_PROJECTIONS = "pool": every product of a decode step (seven a layer and the
+    logits) goes through the compiled matvec on the attention's threads, BLAS is left alone, and
+    the logits are BLAS's to rounding."""
+    from kvquant._kernels import matvec as kernel
+    model = GGUFDecoder(files["llama"])
+    ids = np.arange(12) % model.vocab_size
+    calls = []
+
+    class Counted:
+        @staticmethod
+        def matvec(W, x, y, n_threads):
+            calls.append((W.shape, n_threads))
+            kernel.matvec(W, x, y, n_threads)
+
+    monkeypatch.setattr(gguf_decoder, "_matvec", Counted)
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "blas")   # the ratio rule's mode
+    monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None: 2)
+    logits = {}
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        for mode in ("blas", "pool"):
+            monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", mode)
+            assert model.decode_threads(0) == ((2, None) if mode == "pool" else (1, None))
+            cache = _Spy(model.new_cache("tq4"))
+            model.forward(ids[:-1], cache)                   # a prefill: BLAS's products
+            assert calls == []
+            cache.calls.clear()
+            logits[mode] = model.forward(ids[-1:], cache, last_only=True)
+            if mode == "pool":
+                assert cache.calls == [(2, 2)] * model.n_layers   # BLAS untouched
+                assert len(calls) == 7 * model.n_layers + 1
+                assert {t for _, t in calls} == {2}
+                assert calls[-1][0] == (model.vocab_size, model.config.hidden_size)
+    np.testing.assert_allclose(logits["pool"], logits["blas"], rtol=0, atol=1e-5)
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "openmp")
+    with pytest.raises(ValueError, match="DECODE_PROJECTIONS is 'openmp'"):
+        model.decode_threads(0)

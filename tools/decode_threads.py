@@ -23,9 +23,10 @@ import numpy as np
 
 from kvquant.models import gguf_decoder, load_model
 
-SETTINGS = {"attention 1 thread, BLAS as it is": (1, None),
-            "attention 2 threads, BLAS 1 thread": (2, 1),
-            "auto (the default)": ("auto", None)}
+SETTINGS = {"attention 1 thread, BLAS as it is": (1, None, "blas"),
+            "attention 2 threads, BLAS 1 thread": (2, 1, "blas"),
+            "auto (the default)": ("auto", None, "blas"),
+            "one pool: attention and projections on 2 OpenMP threads": ("auto", None, "pool")}
 
 
 def main(argv=None):
@@ -65,13 +66,14 @@ def main(argv=None):
         print(f"{spec}: {args.tokens} tokens cached in {time.perf_counter() - t0:.1f} s")
     times = {name: {spec: [] for spec in caches} for name in SETTINGS}
     per_round = {name: {spec: [] for spec in caches} for name in SETTINGS}
-    previous = gguf_decoder.DECODE_ATTENTION_THREADS, gguf_decoder.DECODE_BLAS_THREADS
+    knobs = ("DECODE_ATTENTION_THREADS", "DECODE_BLAS_THREADS", "DECODE_PROJECTIONS")
+    previous = [getattr(gguf_decoder, knob) for knob in knobs]
     try:
         for r in range(args.rounds):
             order = list(SETTINGS.items())
-            for name, (attention, blas) in (order if r % 2 == 0 else order[::-1]):
-                gguf_decoder.DECODE_ATTENTION_THREADS = attention
-                gguf_decoder.DECODE_BLAS_THREADS = blas
+            for name, setting in (order if r % 2 == 0 else order[::-1]):
+                for knob, value in zip(knobs, setting):
+                    setattr(gguf_decoder, knob, value)
                 for spec, cache in caches.items():
                     block = []
                     for i in range(args.steps + 2):          # two untimed steps first
@@ -82,7 +84,8 @@ def main(argv=None):
                     times[name][spec] += block
                     per_round[name][spec].append(np.median(block))
     finally:
-        gguf_decoder.DECODE_ATTENTION_THREADS, gguf_decoder.DECODE_BLAS_THREADS = previous
+        for knob, value in zip(knobs, previous):
+            setattr(gguf_decoder, knob, value)
     first = next(iter(SETTINGS))
     for name in SETTINGS:
         cells = []

@@ -27,6 +27,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from kvquant._kernels import matvec as _matvec
 from kvquant._threads import blas_threads, resolve_n_threads
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
@@ -41,30 +42,33 @@ __all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_ad
 PREFILL_MODES = ("block", "consumer")
 # Threads for the cache's kernels when a forward appends rows and when it prefills.
 CACHE_THREADS = 1
-# Threads of a decode step (one new token a sequence). Each call of the cache is small (one layer)
-# and alternates with the projections: with both pools on 2 threads, the consumers' OpenMP workers
-# and OpenBLAS's busy-wait on the core the other needs (README, "Inside a forward"). Two settings
-# avoid that: attention on 1 thread with BLAS left as it is (on 2 threads for the projections),
-# or attention on 2 threads with BLAS held to 1 for the whole step. Which is faster depends on
-# what dominates the step, so DECODE_ATTENTION_THREADS = "auto" picks per step: the second once
-# the cached K/V elements the step reads reach LONG_CONTEXT_RATIO times the weight elements it
-# multiplies. Measured on 2 cores with a SmolLM2-shaped decoder (float32 copies of its weights;
-# kv8, tq4 and q4_0+rot caches) at 8192, 16384, 24576 and 32768 cached tokens (ratios 0.70,
-# 1.40, 2.10, 2.81; experiments/bench_forward.py, each setting in a process of its own,
-# data/results/bench_forward_T*_zen4_crossover.*, and tools/decode_threads.py, the settings
-# alternating in one process, data/results/decode_threads_*): the first setting gave the shorter
-# steps up to 1.40, the second at 2.81, the two about even at 2.10. Elements, not bytes: a cache
-# of wider rows (f32) makes attention the larger share sooner, so the rule is late for it, not
-# early. The packaged models at their trained contexts stay below the ratio (SmolLM2 at 8192:
-# 0.70; Gemma 3 270M attends to a window of 512 in five layers of six). Only where OpenMP allows
-# exactly 2 threads: with more cores, holding BLAS to one thread was not measured, and "auto"
-# keeps the first setting. A number instead of "auto" fixes the attention threads and
-# DECODE_BLAS_THREADS the BLAS threads (None: BLAS left as it is); "auto" ignores the latter.
-# Batches of several sequences (decode_step) keep CACHE_THREADS and BLAS as it is: their
-# projections are matrix products, which gain from BLAS's threads.
+# Threads of a decode step (one new token a sequence). A step alternates attention (kvquant's
+# OpenMP threads) with products of one row by the weights; when those products go through numpy,
+# OpenBLAS's workers and libgomp's busy-wait after each call on the core the other pool needs
+# (README, "Inside a forward"). DECODE_PROJECTIONS = "pool" (the default) runs the step's products
+# and its logits on kvquant's own OpenMP threads (kvquant/_kernels/matvec.h): one pool, nothing
+# spinning against it, so attention and projections both take 2 threads ("auto": 2 where OpenMP
+# allows exactly 2, else 1). On 2 cores (tools/decode_threads.py, settings alternating in one
+# process; data/results/decode_threads_*_pool_zen4.txt) its steps were the shortest of all
+# settings for a SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens (0.68-0.95 of one
+# attention thread's) and for SmolLM2 at 4096 (0.84-0.96), and even for Gemma 3 270M at 8000
+# (0.97-1.18: its 671 MB output matrix is most of a step either way). The products' bits differ
+# from BLAS's in rounding only (tests/test_decode_threads.py).
+# DECODE_PROJECTIONS = "blas" keeps numpy's products and picks between two ways of dodging the
+# spinning: attention on 1 thread with BLAS left as it is, or attention on 2 threads with BLAS
+# held to 1 for the whole step, the second once the cached K/V elements the step reads reach
+# LONG_CONTEXT_RATIO times the weight elements it multiplies (measured with the SmolLM2-shaped
+# decoder, float32 weights, kv8/tq4/q4_0+rot caches: the first setting shorter at ratios 0.70
+# and 1.40, even at 2.10, the second shorter at 2.81; data/results/bench_forward_T*_zen4_crossover.*
+# and decode_threads_smollm2-shape_T16384-24576-32768_r8_zen4.txt); only where OpenMP allows
+# exactly 2 threads (more cores were not measured: "auto" then keeps the first setting).
+# A number instead of "auto" fixes the attention threads (and, with "blas", DECODE_BLAS_THREADS
+# the BLAS threads; None: BLAS left as it is). Batches of several sequences (decode_step) and
+# prefills keep CACHE_THREADS and numpy's products: those are matrix products, BLAS's strength.
 DECODE_ATTENTION_THREADS = "auto"
 DECODE_BLAS_THREADS = None
 LONG_CONTEXT_RATIO = 2.0
+DECODE_PROJECTIONS = "pool"
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512
 
@@ -111,6 +115,21 @@ def gelu_tanh(X):
     """GELU with the tanh approximation (float32)."""
     c = np.float32(np.sqrt(2.0 / np.pi))
     return np.float32(0.5) * X * (np.float32(1.0) + np.tanh(c * (X + np.float32(0.044715) * X**3)))
+
+
+def _blas_linear(h, W):
+    """h @ W.T (numpy's product, BLAS's threads)."""
+    return h @ W.T
+
+
+def _pool_linear(n_threads):
+    """h @ W.T for one row h, on kvquant's OpenMP threads (matvec.h)."""
+    def linear(h, W):
+        W = np.ascontiguousarray(W, dtype=np.float32)
+        y = np.empty((1, W.shape[0]), np.float32)
+        _matvec.matvec(W, np.ascontiguousarray(h[0], dtype=np.float32), y[0], n_threads)
+        return y
+    return linear
 
 
 def _window(window):
@@ -303,10 +322,10 @@ class GGUFDecoder:
         logits : ndarray of shape (n_tokens, vocab_size), or (1, vocab_size) with last_only, float32
         """
         tokens = self._check_tokens(tokens)
-        attention, blas = self._step_threads(tokens.size, len(cache))
+        attention, blas, linear = self._step_threads(tokens.size, len(cache))
         with blas_threads(blas):
-            hidden = self._hidden(tokens, cache, attention)
-            return self.logits(hidden[-1:] if last_only else hidden)
+            hidden = self._hidden(tokens, cache, attention, linear)
+            return self._logits(hidden[-1:] if last_only else hidden, linear)
 
     def forward_hidden(self, tokens, cache):
         """Run tokens after those already in ``cache`` (appending their K/V rows to it).
@@ -322,18 +341,25 @@ class GGUFDecoder:
             The final hidden states, after the output norm.
         """
         tokens = self._check_tokens(tokens)
-        attention, blas = self._step_threads(tokens.size, len(cache))
+        attention, blas, linear = self._step_threads(tokens.size, len(cache))
         with blas_threads(blas):
-            return self._hidden(tokens, cache, attention)
+            return self._hidden(tokens, cache, attention, linear)
 
     def decode_threads(self, cached_tokens):
         """The threads of a decode step after ``cached_tokens`` tokens: (attention threads,
-        BLAS threads or None for BLAS left as it is), as DECODE_ATTENTION_THREADS says."""
+        BLAS threads or None for BLAS left as it is), as DECODE_ATTENTION_THREADS and
+        DECODE_PROJECTIONS say (with "pool", the projections run on the attention's threads)."""
+        if DECODE_PROJECTIONS not in ("blas", "pool"):
+            raise ValueError(f"DECODE_PROJECTIONS is {DECODE_PROJECTIONS!r}: use \"blas\" or "
+                             "\"pool\"")
+        pool = DECODE_PROJECTIONS == "pool"
         if DECODE_ATTENTION_THREADS != "auto":
             if isinstance(DECODE_ATTENTION_THREADS, str):
                 raise ValueError(f"DECODE_ATTENTION_THREADS is {DECODE_ATTENTION_THREADS!r}: "
                                  "use \"auto\" or a thread count")
-            return DECODE_ATTENTION_THREADS, DECODE_BLAS_THREADS
+            return DECODE_ATTENTION_THREADS, None if pool else DECODE_BLAS_THREADS
+        if pool:
+            return (2 if resolve_n_threads(None) == 2 else 1), None
         if (resolve_n_threads(None) == 2
                 and self.long_context_ratio(cached_tokens) >= LONG_CONTEXT_RATIO):
             return 2, 1
@@ -349,14 +375,18 @@ class GGUFDecoder:
         return read * cfg.n_kv_heads * 2 * cfg.head_dim / self._step_weight_elements
 
     def _step_threads(self, n_tokens, cached_tokens):
-        """(attention threads, BLAS threads) of a forward: a decode step's (one token), or for
-        several tokens (a prefill, or a batch of sequences) the cache's CACHE_THREADS with BLAS
-        left as it is."""
-        return self.decode_threads(cached_tokens) if n_tokens == 1 else (CACHE_THREADS, None)
+        """(attention threads, BLAS threads, linear) of a forward: a decode step's (one token),
+        or for several tokens (a prefill, or a batch of sequences) the cache's CACHE_THREADS
+        with BLAS left as it is; ``linear(h, W)`` computes the step's products h @ W.T."""
+        if n_tokens != 1:
+            return CACHE_THREADS, None, _blas_linear
+        attention, blas = self.decode_threads(cached_tokens)
+        return (attention, blas,
+                _pool_linear(attention) if DECODE_PROJECTIONS == "pool" else _blas_linear)
 
-    def _hidden(self, tokens, cache, attention_threads):
-        """forward_hidden of checked tokens, the decode attention on ``attention_threads``,
-        BLAS's threads left to the caller."""
+    def _hidden(self, tokens, cache, attention_threads, linear=_blas_linear):
+        """forward_hidden of checked tokens, the decode attention on ``attention_threads``, the
+        products through ``linear``, BLAS's threads left to the caller."""
         start = len(cache)
         if start + tokens.size > self.context_length:
             raise ValueError(
@@ -376,7 +406,15 @@ class GGUFDecoder:
                                             n_threads=CACHE_THREADS, **_window(window))
             return self._consumer_prefill(cache, li, q, pos, window)
 
-        return self._final_norm(self._layers(tokens, pos, attend))
+        return self._final_norm(self._layers(tokens, pos, attend, linear))
+
+    def _logits(self, X, linear):
+        """:meth:`logits`, one row of a kept output matrix through ``linear``."""
+        if linear is not _blas_linear and X.shape[0] == 1 and self.weights.is_kept(
+                self._output_name):
+            return linear(np.ascontiguousarray(X, dtype=np.float32),
+                          self.weights.get(self._output_name))
+        return self.logits(X)
 
     def logits(self, hidden_rows):
         """Logits of final hidden states (rows of :meth:`forward_hidden`).
@@ -417,7 +455,7 @@ class GGUFDecoder:
 
         # one sequence is a decode step; a batch's projections are products with several rows,
         # which keep BLAS's threads (and the cache then its CACHE_THREADS)
-        threads, blas = self._step_threads(tokens.size, int(pos[0]))
+        threads, blas, linear = self._step_threads(tokens.size, int(pos[0]))
 
         def attend(li, q, k, v, pre_rope):
             window = self.config.layer_window(li)
@@ -429,7 +467,8 @@ class GGUFDecoder:
             return out
 
         with blas_threads(blas):
-            return self.logits(self._final_norm(self._layers(tokens, pos, attend)))
+            return self._logits(self._final_norm(self._layers(tokens, pos, attend, linear)),
+                                linear)
 
     # -- pieces ----------------------------------------------------------------------------------
     def _check_tokens(self, tokens):
@@ -443,11 +482,12 @@ class GGUFDecoder:
     def _final_norm(self, x):
         return rms_norm(x, self.output_norm, self.config.rms_norm_eps)
 
-    def _layers(self, tokens, pos, attend):
+    def _layers(self, tokens, pos, attend, linear=_blas_linear):
         """The decoder blocks on rows of tokens at positions ``pos``; ``attend(layer, q, k, v,
         pre_rope)`` stores k, v (n, n_kv_heads, hd) in the cache and returns the attention output
         (n, n_heads, hd) of the queries q (n, n_heads, hd); ``pre_rope`` is (the keys before
-        RoPE, ``rope_keys(X, positions)``), for caches that ask for them."""
+        RoPE, ``rope_keys(X, positions)``), for caches that ask for them; ``linear(h, W)`` is
+        h @ W.T."""
         cfg, w = self.config, self.weights
         n, hd, eps = tokens.size, cfg.head_dim, cfg.rms_norm_eps
         x = w.rows("token_embd.weight", tokens)
@@ -458,9 +498,9 @@ class GGUFDecoder:
         for li in range(cfg.n_layers):
             p, norms = f"blk.{li}.", self._norms[li]
             h = rms_norm(x, norms["attn_norm.weight"], eps)
-            q = h @ w.get(p + "attn_q.weight").T
-            k = h @ w.get(p + "attn_k.weight").T
-            v = h @ w.get(p + "attn_v.weight").T
+            q = linear(h, w.get(p + "attn_q.weight"))
+            k = linear(h, w.get(p + "attn_k.weight"))
+            v = linear(h, w.get(p + "attn_v.weight"))
             if cfg.qkv_bias:
                 q += norms["attn_q.bias"]
                 k += norms["attn_k.bias"]
@@ -475,14 +515,16 @@ class GGUFDecoder:
             pre_rope = (k, lambda X, at, base=base: rope(X, at, base, self.rope_factors))
             q, k = rope(q, pos, base, self.rope_factors), rope(k, pos, base, self.rope_factors)
             # The rows enter the cache (quantized) before anything reads them.
-            out = attend(li, q, k, v, pre_rope).reshape(n, -1) @ w.get(p + "attn_output.weight").T
+            out = linear(attend(li, q, k, v, pre_rope).reshape(n, -1),
+                         w.get(p + "attn_output.weight"))
             if cfg.post_norms:
                 out = rms_norm(out, norms["post_attention_norm.weight"], eps)
             x = x + out
             h = rms_norm(x, norms["ffn_norm.weight"], eps)
             with np.errstate(over="ignore"):
-                gate = act(h @ w.get(p + "ffn_gate.weight").T)
-            out = (gate * (h @ w.get(p + "ffn_up.weight").T)) @ w.get(p + "ffn_down.weight").T
+                gate = act(linear(h, w.get(p + "ffn_gate.weight")))
+            out = linear(gate * linear(h, w.get(p + "ffn_up.weight")),
+                         w.get(p + "ffn_down.weight"))
             if cfg.post_norms:
                 out = rms_norm(out, norms["post_ffw_norm.weight"], eps)
             x = x + out
