@@ -189,3 +189,14 @@ def test_one_pool_runs_the_projections_on_the_attentions_threads(files, monkeypa
     monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "openmp")
     with pytest.raises(ValueError, match="DECODE_PROJECTIONS is 'openmp'"):
         model.decode_threads(0)
+
+
+def test_one_pool_takes_the_threads_openmp_allows(files, monkeypatch):
+    model = GGUFDecoder(files["llama"])
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "pool")
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", "auto")
+    for allowed in (1, 2, 6):
+        monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None, a=allowed: a)
+        assert model.decode_threads(10) == (allowed, None)
+    monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", 3)
+    assert model.decode_threads(10) == (3, None)      # a number: BLAS is not the step's

@@ -47,8 +47,8 @@ CACHE_THREADS = 1
 # OpenBLAS's workers and libgomp's busy-wait after each call on the core the other pool needs
 # (README, "Inside a forward"). DECODE_PROJECTIONS = "pool" (the default) runs the step's products
 # and its logits on kvquant's own OpenMP threads (kvquant/_kernels/matvec.h): one pool, nothing
-# spinning against it, so attention and projections both take 2 threads ("auto": 2 where OpenMP
-# allows exactly 2, else 1). On 2 cores (tools/decode_threads.py, settings alternating in one
+# spinning against it, so attention and projections both take the threads OpenMP allows ("auto";
+# OMP_NUM_THREADS caps them; more than 2 were not measured). On 2 cores (tools/decode_threads.py, settings alternating in one
 # process; data/results/decode_threads_*_pool_zen4.txt) its steps were the shortest of all
 # settings for a SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens (0.68-0.95 of one
 # attention thread's) and for SmolLM2 at 4096 (0.84-0.96), and even for Gemma 3 270M at 8000
@@ -359,7 +359,7 @@ class GGUFDecoder:
                                  "use \"auto\" or a thread count")
             return DECODE_ATTENTION_THREADS, None if pool else DECODE_BLAS_THREADS
         if pool:
-            return (2 if resolve_n_threads(None) == 2 else 1), None
+            return resolve_n_threads(None), None
         if (resolve_n_threads(None) == 2
                 and self.long_context_ratio(cached_tokens) >= LONG_CONTEXT_RATIO):
             return 2, 1
