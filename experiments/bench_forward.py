@@ -68,8 +68,9 @@ REMEDY_NOTES = {
     "cache1": "attention on 1 thread (the decoders' decode steps below LONG_CONTEXT_RATIO)",
     "auto": "DECODE_ATTENTION_THREADS = \"auto\" with numpy's products: cache1's setting or "
             "cache2+blas1's from the step's long-context ratio",
-    "pool": "the decoders' default: the step's products on kvquant's OpenMP threads "
-            "(DECODE_PROJECTIONS = \"pool\"), attention and projections on 2 threads",
+    "pool": "the decoders' default on 2 cores: the step's products on kvquant's OpenMP threads "
+            "(DECODE_PROJECTIONS = \"pool\"), attention and projections on the threads OpenMP "
+            "allows",
     "cache2": "attention on 2 threads, nothing else",
     "cache2+blas1-attend": "2 threads; BLAS held to 1 thread around each attention "
                            "(threadpoolctl)",

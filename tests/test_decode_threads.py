@@ -186,9 +186,52 @@ def test_one_pool_runs_the_projections_on_the_attentions_threads(files, monkeypa
                 assert {t for _, t in calls} == {2}
                 assert calls[-1][0] == (model.vocab_size, model.config.hidden_size)
     np.testing.assert_allclose(logits["pool"], logits["blas"], rtol=0, atol=1e-5)
+    # forward_hidden and a one-sequence decode_step are decode steps; a batch is not
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "pool")
+    caches = [model.new_cache("kv8") for _ in range(2)]
+    for c in caches:
+        model.forward(ids[:4], c)
+    calls.clear()
+    model.forward_hidden(ids[4:5], caches[0])
+    assert len(calls) == 7 * model.n_layers                 # no logits there
+    calls.clear()
+    model.decode_step(ids[5:6], caches[:1])
+    assert len(calls) == 7 * model.n_layers + 1
+    calls.clear()
+    model.decode_step(ids[6:8], caches)
+    assert calls == []
+    # a misspelt setting is named, prefills included
     monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "openmp")
     with pytest.raises(ValueError, match="DECODE_PROJECTIONS is 'openmp'"):
         model.decode_threads(0)
+    with pytest.raises(ValueError, match="DECODE_PROJECTIONS is 'openmp'"):
+        model.forward(ids[:3], model.new_cache("kv8"))
+
+
+def test_auto_takes_the_pool_on_two_openmp_threads_only(files, monkeypatch):
+    """DECODE_PROJECTIONS = "auto": the pool where OpenMP allows exactly 2 threads (where it was
+    measured); numpy's products on one thread, on more, and in a build without OpenMP."""
+    model = GGUFDecoder(files["llama"])
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "auto")
+    for allowed, openmp, pool in ((2, True, True), (1, True, False), (4, True, False),
+                                  (2, False, False)):
+        monkeypatch.setattr(gguf_decoder, "resolve_n_threads", lambda n=None, a=allowed: a)
+        monkeypatch.setattr(gguf_decoder, "openmp_enabled", lambda o=openmp: o)
+        assert model._pool_projections() is pool
+        linear = model._step_threads(1, 0)[2]
+        assert (linear is not gguf_decoder._blas_linear) is pool
+
+
+def test_the_pool_resolves_its_thread_count(files, monkeypatch):
+    """A count the cache takes (None: OpenMP's default, -1: every core) is resolved before it
+    reaches the kernel, which takes positive counts only."""
+    model = GGUFDecoder(files["llama"])
+    monkeypatch.setattr(gguf_decoder, "DECODE_PROJECTIONS", "pool")
+    cache = model.new_cache("kv8")
+    model.forward(np.arange(4), cache)
+    for fixed in (None, -1):
+        monkeypatch.setattr(gguf_decoder, "DECODE_ATTENTION_THREADS", fixed)
+        assert np.isfinite(model.forward(np.array([5]), cache)).all()
 
 
 def test_one_pool_takes_the_threads_openmp_allows(files, monkeypatch):

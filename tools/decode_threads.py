@@ -1,11 +1,12 @@
-"""Decode-step time of a packaged model under the decoders' two thread settings and "auto".
+"""Decode-step time of a GGUF model under the decoders' thread settings.
 
 Prefills ``--tokens`` random tokens into one cache per codec, then times decode steps (one token)
-with attention on 1 thread and BLAS left as it is, with attention on 2 threads and BLAS held to 1
-for the whole step (``DECODE_ATTENTION_THREADS = 2``, ``DECODE_BLAS_THREADS = 1`` in
-kvquant/models/gguf_decoder.py), and with the decoders' default ``"auto"``, which picks one of the
-two from the step's long-context ratio (printed); the settings alternate over rounds, medians
-printed. Prints only; writes nothing.
+with numpy's products (``DECODE_PROJECTIONS = "blas"`` in kvquant/models/gguf_decoder.py) and
+attention on 1 thread, BLAS left as it is; with attention on 2 threads and BLAS held to 1 for
+the whole step; with ``DECODE_ATTENTION_THREADS = "auto"``, which picks one of those two from the
+step's long-context ratio (printed); and with one pool (``DECODE_PROJECTIONS = "pool"``: the
+products on kvquant's OpenMP threads, as many as OpenMP allows, the attention on the same). The
+settings alternate over rounds, medians printed. Prints only; writes nothing.
 
     python tools/decode_threads.py --model smollm2 --tokens 4096 --codecs tq4,kv8
     python tools/decode_threads.py --model /tmp/smollm2-shape.gguf --tokens 32768 --random-rows
@@ -25,8 +26,8 @@ from kvquant.models import gguf_decoder, load_model
 
 SETTINGS = {"attention 1 thread, BLAS as it is": (1, None, "blas"),
             "attention 2 threads, BLAS 1 thread": (2, 1, "blas"),
-            "auto (the default)": ("auto", None, "blas"),
-            "one pool: attention and projections on 2 OpenMP threads": ("auto", None, "pool")}
+            "auto, numpy's products": ("auto", None, "blas"),
+            "one pool: attention and projections on OpenMP's threads": ("auto", None, "pool")}
 
 
 def main(argv=None):

@@ -15,8 +15,14 @@ def matvec(const float[:, ::1] W,    # IN  (m, n)
            const float[::1] x,       # IN  (n,)
            float[::1] y,             # OUT (m,)
            int n_threads):
-    """y = W x, each output in matvec.h's fixed order: the same bits for any thread count."""
+    """y = W x, each output in matvec.h's fixed order: the same bits for any thread count.
+    y must not overlap W or x."""
     cdef int64_t m = W.shape[0], n = W.shape[1], b, n_blocks = (m + BLOCK_ROWS - 1) // BLOCK_ROWS
+    if x.shape[0] != n or y.shape[0] != m:
+        raise ValueError(f"matvec: W is ({m}, {n}), so x needs {n} entries and y {m}; got "
+                         f"{x.shape[0]} and {y.shape[0]}")
+    if n_threads < 1:
+        raise ValueError(f"matvec: n_threads must be at least 1, got {n_threads}")
     if m == 0:
         return
     if n == 0:

@@ -16,7 +16,8 @@ are refused), ``bos_token_id`` (the id that starts every input, or None), ``n_la
 (n_tokens, vocab_size) and appends the tokens to the cache, ``forward_hidden(tokens, cache)``
 (the final hidden states after the output norm, float32 (n_tokens, hidden)) and
 ``logits(hidden_rows)`` (float32 (m, vocab_size) of any block of those rows, so that long chunks
-need no n x vocab array); ``forward`` is ``logits(forward_hidden(...))``. The GGUF models also
+need no n x vocab array); ``forward`` is ``logits(forward_hidden(...))`` (to rounding, for a GGUF
+model's one-token step, whose logits come from the decode step's own product). The GGUF models also
 have ``encode(text)`` (int64 ids), ``decode(ids)`` and ``decode_step``.
 """
 import numpy as np

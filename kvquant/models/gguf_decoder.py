@@ -28,6 +28,7 @@ from dataclasses import asdict
 import numpy as np
 
 from kvquant._kernels import matvec as _matvec
+from kvquant._kernels._build_info import openmp_enabled
 from kvquant._threads import blas_threads, resolve_n_threads
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
@@ -45,15 +46,17 @@ CACHE_THREADS = 1
 # Threads of a decode step (one new token a sequence). A step alternates attention (kvquant's
 # OpenMP threads) with products of one row by the weights; when those products go through numpy,
 # OpenBLAS's workers and libgomp's busy-wait after each call on the core the other pool needs
-# (README, "Inside a forward"). DECODE_PROJECTIONS = "pool" (the default) runs the step's products
-# and its logits on kvquant's own OpenMP threads (kvquant/_kernels/matvec.h): one pool, nothing
-# spinning against it, so attention and projections both take the threads OpenMP allows ("auto";
-# OMP_NUM_THREADS caps them; more than 2 were not measured). On 2 cores (tools/decode_threads.py, settings alternating in one
-# process; data/results/decode_threads_*_pool_zen4.txt) its steps were the shortest of all
-# settings for a SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens (0.68-0.95 of one
-# attention thread's) and for SmolLM2 at 4096 (0.84-0.96), and even for Gemma 3 270M at 8000
-# (0.97-1.18: its 671 MB output matrix is most of a step either way). The products' bits differ
-# from BLAS's in rounding only (tests/test_decode_threads.py).
+# (README, "Inside a forward"). DECODE_PROJECTIONS = "pool" runs the step's products and its
+# logits on kvquant's own OpenMP threads (kvquant/_kernels/matvec.h): one pool, nothing spinning
+# against it, so attention and projections both take the threads OpenMP allows ("auto";
+# OMP_NUM_THREADS caps them). "auto" (the default) takes the pool where OpenMP allows exactly 2
+# threads, where it was measured, and "blas" elsewhere (without OpenMP the pool would be one
+# thread; on more cores it was not measured). On 2 cores (tools/decode_threads.py, settings
+# alternating in one process; data/results/decode_threads_*_pool_zen4.txt) the pool gave the
+# shortest steps of a SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens and of SmolLM2
+# at 4096 (0.68-0.96 of one attention thread's a round), and about the same for Gemma 3 270M at
+# 8000 (50.0 against 47.0-49.3 ms: its 671 MB output matrix is most of a step either way). The
+# products' bits differ from BLAS's in rounding only (tests/test_decode_threads.py).
 # DECODE_PROJECTIONS = "blas" keeps numpy's products and picks between two ways of dodging the
 # spinning: attention on 1 thread with BLAS left as it is, or attention on 2 threads with BLAS
 # held to 1 for the whole step, the second once the cached K/V elements the step reads reach
@@ -68,7 +71,7 @@ CACHE_THREADS = 1
 DECODE_ATTENTION_THREADS = "auto"
 DECODE_BLAS_THREADS = None
 LONG_CONTEXT_RATIO = 2.0
-DECODE_PROJECTIONS = "pool"
+DECODE_PROJECTIONS = "auto"
 # Hidden rows per block in logits(): bounds the float32 (rows, vocab) block held at once.
 LOGIT_ROW_BLOCK = 512
 
@@ -124,7 +127,11 @@ def _blas_linear(h, W):
 
 def _pool_linear(n_threads):
     """h @ W.T for one row h, on kvquant's OpenMP threads (matvec.h)."""
+    n_threads = resolve_n_threads(n_threads)
+
     def linear(h, W):
+        if h.shape[0] != 1:
+            raise ValueError(f"the pool's products take one row, got {h.shape[0]}")
         W = np.ascontiguousarray(W, dtype=np.float32)
         y = np.empty((1, W.shape[0]), np.float32)
         _matvec.matvec(W, np.ascontiguousarray(h[0], dtype=np.float32), y[0], n_threads)
@@ -349,10 +356,7 @@ class GGUFDecoder:
         """The threads of a decode step after ``cached_tokens`` tokens: (attention threads,
         BLAS threads or None for BLAS left as it is), as DECODE_ATTENTION_THREADS and
         DECODE_PROJECTIONS say (with "pool", the projections run on the attention's threads)."""
-        if DECODE_PROJECTIONS not in ("blas", "pool"):
-            raise ValueError(f"DECODE_PROJECTIONS is {DECODE_PROJECTIONS!r}: use \"blas\" or "
-                             "\"pool\"")
-        pool = DECODE_PROJECTIONS == "pool"
+        pool = self._pool_projections()
         if DECODE_ATTENTION_THREADS != "auto":
             if isinstance(DECODE_ATTENTION_THREADS, str):
                 raise ValueError(f"DECODE_ATTENTION_THREADS is {DECODE_ATTENTION_THREADS!r}: "
@@ -374,15 +378,26 @@ class GGUFDecoder:
         read = sum(rows if w is None else min(rows, w) for w in windows)
         return read * cfg.n_kv_heads * 2 * cfg.head_dim / self._step_weight_elements
 
+    @staticmethod
+    def _pool_projections():
+        """Whether a decode step's products run on kvquant's OpenMP threads
+        (DECODE_PROJECTIONS)."""
+        if DECODE_PROJECTIONS not in ("auto", "blas", "pool"):
+            raise ValueError(f"DECODE_PROJECTIONS is {DECODE_PROJECTIONS!r}: use \"auto\", "
+                             "\"blas\" or \"pool\"")
+        if DECODE_PROJECTIONS == "auto":
+            return bool(openmp_enabled()) and resolve_n_threads(None) == 2
+        return DECODE_PROJECTIONS == "pool"
+
     def _step_threads(self, n_tokens, cached_tokens):
         """(attention threads, BLAS threads, linear) of a forward: a decode step's (one token),
         or for several tokens (a prefill, or a batch of sequences) the cache's CACHE_THREADS
         with BLAS left as it is; ``linear(h, W)`` computes the step's products h @ W.T."""
+        pool = self._pool_projections()      # checked on every forward, prefills too
         if n_tokens != 1:
             return CACHE_THREADS, None, _blas_linear
         attention, blas = self.decode_threads(cached_tokens)
-        return (attention, blas,
-                _pool_linear(attention) if DECODE_PROJECTIONS == "pool" else _blas_linear)
+        return attention, blas, _pool_linear(attention) if pool else _blas_linear
 
     def _hidden(self, tokens, cache, attention_threads, linear=_blas_linear):
         """forward_hidden of checked tokens, the decode attention on ``attention_threads``, the

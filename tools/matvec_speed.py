@@ -1,0 +1,61 @@
+"""The products of one decode step of a SmolLM2-shaped decoder: kvquant's matvec (matvec.h) on 1
+and 2 OpenMP threads against numpy's (BLAS on 1 and 2 threads).
+
+Random float32 matrices of SmolLM2-135M's shapes (30 layers of q, k, v, o, gate, up, down and the
+49152 x 576 output matrix: 211 matrices, 538 MB), each multiplied by one row; each method timed
+in its own block (3 untimed passes, then --repeats timed ones), the blocks in --rounds rounds;
+medians printed. Prints only; writes nothing.
+
+    python tools/matvec_speed.py --rounds 2
+"""
+import argparse
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from kvquant._kernels.matvec import matvec
+
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    mats = [rng.standard_normal(s, dtype=np.float32) for _ in range(30) for s in SHAPES]
+    mats.append(rng.standard_normal((49152, 576), dtype=np.float32))
+    xs = [rng.standard_normal((1, W.shape[1]), dtype=np.float32) for W in mats]
+    ys = [np.empty(W.shape[0], np.float32) for W in mats]
+
+    def numpy_step():
+        for W, x in zip(mats, xs):
+            x @ W.T
+
+    def kvquant_step(n_threads):
+        for W, x, y in zip(mats, xs, ys):
+            matvec(W, x[0], y, n_threads)
+
+    methods = {"numpy, BLAS 1 thread": (numpy_step, 1),
+               "numpy, BLAS 2 threads": (numpy_step, 2),
+               "matvec, 1 thread": (lambda: kvquant_step(1), 1),
+               "matvec, 2 threads": (lambda: kvquant_step(2), 1)}
+    times = {name: [] for name in methods}
+    for _ in range(args.rounds):
+        for name, (step, blas) in methods.items():
+            with threadpool_limits(limits=blas, user_api="blas"):
+                for _ in range(3):
+                    step()
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    step()
+                    times[name].append(time.perf_counter() - t0)
+    print(f"{len(mats)} matrices, {sum(W.nbytes for W in mats) / 1e6:.0f} MB, one row each")
+    for name, ts in times.items():
+        print(f"{name}: {1e3 * np.median(ts):.1f} ms a step (median), {1e3 * min(ts):.1f} best")
+
+
+if __name__ == "__main__":
+    main()
