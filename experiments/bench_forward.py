@@ -51,18 +51,18 @@ SMOLLM2_SHAPE = dict(n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv=3, head_
                      vocab=49152, rope_base=100000.0, context=65536)
 DEFAULT_CODECS = ("kv8", "tq4", "q4_0+rot")
 # name: (environment, attention threads, BLAS threads for the whole step, BLAS threads around
-# each attention); None: left as the libraries start.
+# each attention, the step's products: DECODE_PROJECTIONS); None: left as the libraries start.
 REMEDIES = {
-    "cache1": ({}, 1, None, None),
-    "auto": ({}, "auto", None, None),
-    "pool": ({}, "auto", None, None),
-    "cache2": ({}, 2, None, None),
-    "cache2+blas1-attend": ({}, 2, None, 1),
-    "cache2+blas1": ({}, 2, 1, None),
-    "cache2+openblas-timeout": ({"OPENBLAS_THREAD_TIMEOUT": "4"}, 2, None, None),
-    "cache2+omp-passive": ({"OMP_WAIT_POLICY": "passive"}, 2, None, None),
+    "cache1": ({}, 1, None, None, "blas"),
+    "auto": ({}, "auto", None, None, "blas"),
+    "pool": ({}, "auto", None, None, "pool"),
+    "cache2": ({}, 2, None, None, "blas"),
+    "cache2+blas1-attend": ({}, 2, None, 1, "blas"),
+    "cache2+blas1": ({}, 2, 1, None, "blas"),
+    "cache2+openblas-timeout": ({"OPENBLAS_THREAD_TIMEOUT": "4"}, 2, None, None, "blas"),
+    "cache2+omp-passive": ({"OMP_WAIT_POLICY": "passive"}, 2, None, None, "blas"),
     "cache2+both-passive": ({"OPENBLAS_THREAD_TIMEOUT": "4", "OMP_WAIT_POLICY": "passive"}, 2,
-                            None, None),
+                            None, None, "blas"),
 }
 REMEDY_NOTES = {
     "cache1": "attention on 1 thread (the decoders' decode steps below LONG_CONTEXT_RATIO)",
@@ -233,7 +233,7 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
     """
     from threadpoolctl import ThreadpoolController, threadpool_info
     from kvquant.models import gguf_decoder
-    env, cache_threads, blas_step, blas_attend = REMEDIES[remedy]
+    env, cache_threads, blas_step, blas_attend, projections = REMEDIES[remedy]
     for key, value in env.items():
         if os.environ.get(key) != value:
             raise RuntimeError(f"remedy {remedy!r} needs {key}={value} in the environment of the "
@@ -272,7 +272,7 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
                 codec = name != "numpy"
                 gguf_decoder.DECODE_ATTENTION_THREADS = cache_threads if codec else 1
                 # numpy f32 attention keeps numpy's products: the yardstick is plain numpy
-                gguf_decoder.DECODE_PROJECTIONS = "pool" if codec and remedy == "pool" else "blas"
+                gguf_decoder.DECODE_PROJECTIONS = projections if codec else "blas"
                 limit = blas_step if codec else None
                 ctx = (controller.limit(limits=limit, user_api="blas") if limit is not None
                        else contextlib.nullcontext())
@@ -298,7 +298,8 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
     return {"remedy": remedy, "note": REMEDY_NOTES[remedy], "environment": env,
             "file": os.path.basename(path), "shape": shape,
             "cache_threads": cache_threads, "blas_step_threads": blas_step,
-            "blas_attend_threads": blas_attend, "tokens": tokens, "steps": steps,
+            "blas_attend_threads": blas_attend, "projections": projections, "tokens": tokens,
+            "steps": steps,
             "warmup": warmup, "rounds": rounds, "codecs": list(codecs), "methods": methods,
             "blas": blas, "load_average": list(os.getloadavg())}
 

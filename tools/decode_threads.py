@@ -60,7 +60,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         if args.random_rows:
             from kvquant_experiments.bench_forward import fill
-            caches[spec].reserve(args.tokens + args.rounds * len(SETTINGS) * (args.steps + 2))
+            caches[spec].reserve(needed)
             fill([caches[spec]], model.n_layers, model.n_kv_heads, model.head_dim, args.tokens)
         else:
             model.forward(prompt, caches[spec], last_only=True)

@@ -15,8 +15,16 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from kvquant._kernels.matvec import matvec
+from kvquant_experiments.bench_forward import SMOLLM2_SHAPE
 
-SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+def step_shapes(shape=SMOLLM2_SHAPE):
+    """(rows, cols) of every matrix a decode step multiplies: each layer's q, k, v, o, gate, up,
+    down, then the output matrix."""
+    D, F = shape["hidden"], shape["ffn"]
+    q, kv = shape["n_heads"] * shape["head_dim"], shape["n_kv"] * shape["head_dim"]
+    layer = [(q, D), (kv, D), (kv, D), (D, q), (F, D), (F, D), (D, F)]
+    return layer * shape["n_layers"] + [(shape["vocab"], D)]
 
 
 def main(argv=None):
@@ -25,8 +33,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    mats = [rng.standard_normal(s, dtype=np.float32) for _ in range(30) for s in SHAPES]
-    mats.append(rng.standard_normal((49152, 576), dtype=np.float32))
+    mats = [rng.standard_normal(s, dtype=np.float32) for s in step_shapes()]
     xs = [rng.standard_normal((1, W.shape[1]), dtype=np.float32) for W in mats]
     ys = [np.empty(W.shape[0], np.float32) for W in mats]
 

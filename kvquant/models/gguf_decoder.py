@@ -356,7 +356,10 @@ class GGUFDecoder:
         """The threads of a decode step after ``cached_tokens`` tokens: (attention threads,
         BLAS threads or None for BLAS left as it is), as DECODE_ATTENTION_THREADS and
         DECODE_PROJECTIONS say (with "pool", the projections run on the attention's threads)."""
-        pool = self._pool_projections()
+        return self._decode_setting(cached_tokens, self._pool_projections())
+
+    def _decode_setting(self, cached_tokens, pool):
+        """decode_threads, with ``pool`` (the step's products on the OpenMP threads) decided."""
         if DECODE_ATTENTION_THREADS != "auto":
             if isinstance(DECODE_ATTENTION_THREADS, str):
                 raise ValueError(f"DECODE_ATTENTION_THREADS is {DECODE_ATTENTION_THREADS!r}: "
@@ -396,7 +399,7 @@ class GGUFDecoder:
         pool = self._pool_projections()      # checked on every forward, prefills too
         if n_tokens != 1:
             return CACHE_THREADS, None, _blas_linear
-        attention, blas = self.decode_threads(cached_tokens)
+        attention, blas = self._decode_setting(cached_tokens, pool)
         return attention, blas, _pool_linear(attention) if pool else _blas_linear
 
     def _hidden(self, tokens, cache, attention_threads, linear=_blas_linear):
