@@ -46,7 +46,24 @@ def _compiler_accepts_openmp(compiler_cmd):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _build_jobs():
+    """Modules compiled at once: ``KVQUANT_BUILD_JOBS``, else the cores this process may use
+    (each module is one C file compiled on its own; the bits do not depend on the order)."""
+    env = os.environ.get("KVQUANT_BUILD_JOBS", "").strip()
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 class BuildExt(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:       # setuptools compiles one module after another by default
+            self.parallel = _build_jobs()
+
     def build_extensions(self):
         # the whole command (a wrapper such as `ccache clang` included) with its flags
         compiler = list(getattr(self.compiler, "compiler_so", None) or ["cc"])
@@ -113,6 +130,7 @@ def _extensions():
     ]
     return cythonize(
         exts,
+        nthreads=_build_jobs(),
         language_level=3,
         compiler_directives={
             "boundscheck": False,

@@ -20,6 +20,7 @@ __all__ = [
     "plot_kld_by_position",
     "plot_speed_encode",
     "plot_speed_step",
+    "plot_task_accuracy",
     "spec_label",
 ]
 
@@ -443,4 +444,45 @@ def plot_kld_by_position(result, out):
                      f"text '{t.get('name', t['source'])}': {t['positions']} positions in "
                      f"{n_chunks} chunk(s) of {t['chunk_tokens']} tokens", fontsize=9)
         fig.legend(loc="outside lower center", ncols=1, fontsize=7.5, frameon=False)
+    return _save(fig, out)
+
+
+def plot_task_accuracy(summaries, out):
+    """Task accuracy (the primary metric) with Wilson 95% intervals against bits per cached
+    value, one panel per summary (``kvquant tasks``' ``summary-n<N>.json`` files: one per model or
+    task), the f32 interval drawn as a band so that the reviewer's rule reads off the figure;
+    codecs numbered, named in one key below."""
+    summaries = [read_json(s) if not isinstance(s, dict) else s for s in summaries]
+    fig, axes = _figure(ncols=len(summaries), width=4.2, height=3.6)
+    specs = []
+    for s in summaries:
+        for r in s["rows"]:
+            if r["spec"] not in specs:
+                specs.append(r["spec"])
+    import matplotlib
+    cmap = matplotlib.colormaps["tab10" if len(specs) <= 10 else "tab20"]
+    colour = {spec: cmap(i % cmap.N) for i, spec in enumerate(specs)}
+    for ax, s in zip(axes[0], summaries):
+        metric, meta = s["primary_metric"], s["meta"]
+        ref = next((r for r in s["rows"] if r["spec"] == s["reference"]), None)
+        if ref is not None:
+            a = ref[metric]
+            ax.axhspan(100 * a["low"], 100 * a["high"], color="#999999", alpha=0.25, lw=0,
+                       label=f"{s['reference']} Wilson 95%")
+        for r in s["rows"]:
+            a, bits = r[metric], r.get("bits_per_value", float("nan"))
+            n = specs.index(r["spec"]) + 1
+            ax.errorbar([bits], [100 * a["acc"]],
+                        yerr=[[100 * (a["acc"] - a["low"])], [100 * (a["high"] - a["acc"])]],
+                        fmt="o", ms=4, capsize=3, color=colour[r["spec"]])
+            ax.annotate(str(n), (bits, 100 * a["acc"]), textcoords="offset points",
+                        xytext=(4, 3), fontsize=7, color=colour[r["spec"]])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bits per cached value (log scale)")
+        ax.set_ylabel(f"{metric} (%)")
+        ax.set_title(f"{meta['model_tag']}: {meta['task']} {meta['num_fewshot']}-shot, "
+                     f"n={meta['limit']}", fontsize=8.5)
+        ax.legend(loc="lower right", fontsize=7, frameon=False)
+    numbered_key(fig, [(i + 1, spec_label(spec), colour[spec]) for i, spec in enumerate(specs)],
+                 loc="outside lower center")
     return _save(fig, out)

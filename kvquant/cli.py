@@ -159,6 +159,8 @@ RESEARCH_COMMANDS = {
                          "(kvquant report --help)"),
     "flips": ("flip_runs", "token-flip table of KV codecs on a model and a text "
                            "(kvquant flips --help)"),
+    "tasks": ("task_runs", "multiple-choice task accuracy per cache spec, paired against f32 "
+                           "(kvquant tasks --help)"),
     "dump-kv": ("kv_rows", "write a model's K (after RoPE) and V rows on a text to .npz "
                            "(kvquant dump-kv --help)"),
 }

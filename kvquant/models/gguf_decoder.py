@@ -145,14 +145,14 @@ def _window(window):
     return {} if window is None else {"sliding_window": window}
 
 
-def _append(cache, layer, k, v, pre_rope, row=None):
+def _append(cache, layer, k, v, pre_rope, rows=None):
     """Store rows in a cache. A cache with ``keys_before_rope`` set also gets the keys before
     RoPE and the rotation ``rope_keys(X, positions)`` (to quantize them unrotated and rotate on
-    read, as KVQuant does); ``row`` picks a sequence's row of a batch."""
+    read, as KVQuant does); ``rows`` (a slice) picks a sequence's rows of a batch."""
     if getattr(cache, "keys_before_rope", False):
         raw, rope_keys = pre_rope
         cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v, rope_keys=rope_keys,
-                     k_before_rope=raw if row is None else raw[row:row + 1])
+                     k_before_rope=raw if rows is None else raw[rows])
     else:
         cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v)
 
@@ -413,18 +413,65 @@ class GGUFDecoder:
         pos = start + np.arange(tokens.size)
 
         def attend(li, q, k, v, pre_rope):
-            window = self.config.layer_window(li)
-            _append(cache, li, k, v, pre_rope)
-            if tokens.size == 1:
-                return cache.attend(li, q[0], scale=self.config.attn_scale,
-                                    n_threads=attention_threads, **_window(window))[None]
-            # a llama.cpp attention cache computes a batch its own way, whatever self.prefill
-            if self.prefill == "block" or isinstance(cache, GGMLAttentionCache):
-                return cache.attend_prefill(li, q, scale=self.config.attn_scale,
-                                            n_threads=CACHE_THREADS, **_window(window))
-            return self._consumer_prefill(cache, li, q, pos, window)
+            return self._attend_sequence(cache, li, q, k, v, pre_rope, pos, attention_threads)
 
         return self._final_norm(self._layers(tokens, pos, attend, linear))
+
+    def _attend_sequence(self, cache, li, q, k, v, pre_rope, pos, attention_threads, rows=None):
+        """Store one sequence's new rows in its cache, then attend: one token through the
+        consumers (``cache.attend``), several as ``self.prefill`` says."""
+        window = self.config.layer_window(li)
+        _append(cache, li, k, v, pre_rope, rows)
+        if q.shape[0] == 1:
+            return cache.attend(li, q[0], scale=self.config.attn_scale,
+                                n_threads=attention_threads, **_window(window))[None]
+        # a llama.cpp attention cache computes a batch its own way, whatever self.prefill
+        if self.prefill == "block" or isinstance(cache, GGMLAttentionCache):
+            return cache.attend_prefill(li, q, scale=self.config.attn_scale,
+                                        n_threads=CACHE_THREADS, **_window(window))
+        return self._consumer_prefill(cache, li, q, pos, window)
+
+    def forward_sequences(self, sequences):
+        """Run several sequences at once, each its own tokens after its own cache: the weights
+        are read once for all their rows, and each sequence's rows are stored and attended to
+        in its cache exactly as :meth:`forward_hidden` of that sequence alone would (the
+        products differ from separate forwards by float rounding only).
+
+        Parameters
+        ----------
+        sequences : list of (cache, tokens)
+            Distinct caches; each tokens array non-empty.
+
+        Returns
+        -------
+        hidden : ndarray of shape (total tokens, hidden_size), float32
+            The final hidden states, the sequences' rows one after another (:meth:`logits`
+            turns any block of them into logits).
+        """
+        if not sequences:
+            raise ValueError("forward_sequences needs at least one sequence")
+        caches = [c for c, _ in sequences]
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each sequence needs its own cache")
+        ids = [self._check_tokens(t) for _, t in sequences]
+        starts = [len(c) for c in caches]
+        for start, t in zip(starts, ids):
+            if start + t.size > self.context_length:
+                raise ValueError(f"{start} cached + {t.size} new tokens exceed the model's "
+                                 f"trained context of {self.context_length} tokens")
+        bounds = np.cumsum([0] + [t.size for t in ids])
+        pos = np.concatenate([s + np.arange(t.size) for s, t in zip(starts, ids)])
+        tokens = np.concatenate(ids)
+
+        def attend(li, q, k, v, pre_rope):
+            out = np.empty_like(q)
+            for cache, a, b in zip(caches, bounds[:-1], bounds[1:]):
+                rows = slice(int(a), int(b))
+                out[rows] = self._attend_sequence(cache, li, q[rows], k[rows], v[rows],
+                                                  pre_rope, pos[rows], CACHE_THREADS, rows)
+            return out
+
+        return self._final_norm(self._layers(tokens, pos, attend))
 
     def _logits(self, X, linear):
         """:meth:`logits`, one row of a kept output matrix through ``linear``."""
@@ -479,7 +526,7 @@ class GGUFDecoder:
             window = self.config.layer_window(li)
             out = np.empty_like(q)
             for b, cache in enumerate(caches):
-                _append(cache, li, k[b:b + 1], v[b:b + 1], pre_rope, b)
+                _append(cache, li, k[b:b + 1], v[b:b + 1], pre_rope, slice(b, b + 1))
                 out[b] = cache.attend(li, q[b], scale=self.config.attn_scale,
                                       n_threads=threads, **_window(window))
             return out

@@ -1,0 +1,401 @@
+"""Task-accuracy tables: ``kvquant tasks``.
+
+A run scores one task's items (:mod:`kvquant.tasks`) on one model under several cache specs and
+compares each spec with the f32 cache on the same items. The items of a spec are cut into blocks
+that go to the experiments' executor (this process, local worker processes that each load the
+model once, or a Dask cluster); each finished block is appended to the spec's log,
+``<out>/<spec tag>.jsonl``: a header line naming model, task, shots and spec, then one line per
+item (gold, prediction, every choice's log-likelihood). The logs are append-only and fsynced
+block by block; a run resumes from them (a header that differs is refused, an incomplete last
+line from a killed run is dropped), and a larger ``--limit`` reuses the items already scored.
+The summary of a limit, ``<out>/summary-n<N>.json`` and ``.md``, is computed from the logs.
+"""
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvquant_experiments.common import spec_tag, write_json
+
+__all__ = ["DEFAULT_CODECS", "add_cli", "format_markdown", "read_log", "run_tasks",
+           "summarize"]
+
+DEFAULT_CODECS = ("f32", "kv8", "tq4")
+BLOCK_ITEMS = 16     # items per executor call, run together; little is lost on a kill
+LOG_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# Work done in workers (module-level functions of picklable arguments)
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _model(model_name, backend, gguf_file):
+    if backend == "hf":
+        from kvquant.hf import load_hf_model
+        return load_hf_model(model_name, gguf_file=gguf_file)
+    from kvquant.models import load_model
+    return load_model(model_name)
+
+
+@functools.lru_cache(maxsize=4)
+def _items(task, num_fewshot, limit):
+    from kvquant.tasks import build_items
+    return build_items(task, limit=limit, num_fewshot=num_fewshot)
+
+
+def score_block(cell):
+    """Score items ``cell["indices"]`` of a task under one cache spec; returns their results
+    and the block's seconds and tokens run."""
+    from kvquant.tasks import ItemScorer
+    model = _model(cell["model"], cell["backend"], cell.get("gguf_file"))
+    items = _items(cell["task"], cell["num_fewshot"], cell["limit"])
+    scorer = ItemScorer(model, cell["spec"])
+    results = scorer.score_many([items[i] for i in cell["indices"]])
+    return {"items": results, "seconds": scorer.seconds, "tokens": scorer.tokens_run}
+
+
+# --------------------------------------------------------------------------------------------
+# Logs
+# --------------------------------------------------------------------------------------------
+def _header(meta, spec):
+    return {"kind": "header", "version": LOG_VERSION, "model": meta["model"],
+            "backend": meta["backend"], "task": meta["task"],
+            "num_fewshot": meta["num_fewshot"], "spec": spec}
+
+
+def read_log(path, header=None):
+    """(header, item results) of a spec's log. An incomplete last line (a killed write) is cut
+    off the file; a header other than ``header`` (when given) is refused."""
+    path = Path(path)
+    if not path.is_file():
+        return None, []
+    raw = path.read_bytes()
+    good = raw.rfind(b"\n") + 1
+    if good < len(raw):
+        print(f"kvquant tasks: {path}: dropping an incomplete last line ({len(raw) - good} "
+              "bytes) left by an interrupted run", file=sys.stderr)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+        raw = raw[:good]
+    lines = raw.decode("utf-8").splitlines()
+    if not lines:
+        return None, []
+    try:
+        stored = json.loads(lines[0])
+        records = [json.loads(line) for line in lines[1:] if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a kvquant tasks log ({exc.msg}); move it away or give "
+                         "another --out") from None
+    if stored.get("kind") != "header":
+        raise ValueError(f"{path}: its first line is not a kvquant tasks header; move it away "
+                         "or give another --out")
+    if header is not None and stored != header:
+        diff = sorted(k for k in set(stored) | set(header) if stored.get(k) != header.get(k))
+        raise ValueError(f"{path} was written for another run ({', '.join(diff)} differ: "
+                         f"{ {k: stored.get(k) for k in diff} }); give another --out or "
+                         "--fresh to start it over")
+    return stored, records
+
+
+def _append(path, header, records):
+    """Append item results to a log (its header first when new), fsynced."""
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", encoding="utf-8") as f:
+        if new:
+            f.write(json.dumps(header) + "\n")
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+def _storage(model, spec):
+    """Bytes one token adds to the cache under ``spec`` and bits per cached value."""
+    cache = model.new_cache(spec)
+    per_token = float(cache.bytes_per_token)
+    values = 2 * model.n_layers * model.n_kv_heads * model.head_dim
+    return {"bytes_per_token": per_token, "bits_per_value": 8.0 * per_token / values}
+
+
+def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
+    """Score ``meta["task"]``'s first ``meta["limit"]`` items under each spec, resuming from
+    the logs in ``out_dir``; returns ``{spec: item results}`` of those items and a timing
+    dict ``{spec: {"seconds", "tokens", "items"}}`` of what this run computed."""
+    from kvquant_experiments.executor import SerialExecutor
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items = _items(meta["task"], meta["num_fewshot"], meta["limit"])
+    keys = [it.key for it in items]
+    done, paths, todo = {}, {}, []
+    for spec in specs:
+        path = paths[spec] = out_dir / f"{spec_tag(spec)}.jsonl"
+        if fresh and path.exists():
+            path.unlink()
+        _, records = read_log(path, _header(meta, spec))
+        done[spec] = {(r["task"], r["doc_id"]): r for r in records}
+        missing = [i for i, k in enumerate(keys) if k not in done[spec]]
+        for b in range(0, len(missing), BLOCK_ITEMS):
+            todo.append({"model": meta["model"], "backend": meta["backend"],
+                         "gguf_file": meta.get("gguf_file"), "task": meta["task"],
+                         "num_fewshot": meta["num_fewshot"], "limit": meta["limit"],
+                         "spec": spec, "indices": missing[b:b + BLOCK_ITEMS]})
+    n_todo = sum(len(c["indices"]) for c in todo)
+    timing = {s: {"seconds": 0.0, "tokens": 0, "items": 0} for s in specs}
+    bar = None
+    if progress and n_todo:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=n_todo, desc=f"{meta['task']} on {meta['model_tag']}", unit="item",
+                       file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    executor = executor if executor is not None else SerialExecutor()
+    import concurrent.futures as cf
+    futures = {executor.submit(score_block, cell): cell for cell in todo}
+    try:
+        for future in cf.as_completed(futures):
+            cell = futures[future]
+            block = future.result()
+            spec = cell["spec"]
+            _append(paths[spec], _header(meta, spec), block["items"])
+            for r in block["items"]:
+                done[spec][(r["task"], r["doc_id"])] = r
+            t = timing[spec]
+            t["seconds"] += block["seconds"]
+            t["tokens"] += block["tokens"]
+            t["items"] += len(block["items"])
+            if bar is not None:
+                bar.update(len(block["items"]))
+    finally:
+        if bar is not None:
+            bar.close()
+        for f in futures:
+            f.cancel()
+    return {s: [done[s][k] for k in keys] for s in specs}, timing
+
+
+def summarize(meta, results, storage=None, timing=None, reference="f32"):
+    """Per spec: acc (and acc_norm) with Wilson intervals; against ``reference`` on the same
+    items: the paired statistics and the verdict (:mod:`kvquant.tasks.stats`)."""
+    from kvquant.tasks import accuracy, compare_runs, get_task, task_members, verdict
+    metrics = list(get_task(task_members(meta["task"])[0]).metrics)
+    primary = "acc_norm" if "acc_norm" in metrics else "acc"
+    rows = []
+    for spec, recs in results.items():
+        row = {"spec": spec, "n": len(recs)}
+        for m in metrics:
+            key = "pred_norm" if m == "acc_norm" else "pred"
+            row[m] = accuracy([r[key] == r["gold"] for r in recs])
+        if storage and spec in storage:
+            row.update(storage[spec])
+        if timing and timing.get(spec, {}).get("items"):
+            t = timing[spec]
+            row["items_per_s"] = t["items"] / t["seconds"] if t["seconds"] else None
+            row["tokens_per_s"] = t["tokens"] / t["seconds"] if t["seconds"] else None
+        rows.append(row)
+    by_spec = {r["spec"]: r for r in rows}
+    if reference in results:
+        for row in rows:
+            if row["spec"] == reference:
+                continue
+            row["paired"] = {m: compare_runs(results[reference], results[row["spec"]], metric=m)
+                             for m in metrics}
+            row["verdict"] = verdict(by_spec[reference][primary], row[primary],
+                                     row["paired"][primary])
+    return {"meta": meta, "metrics": metrics, "primary_metric": primary, "reference": reference,
+            "rows": rows}
+
+
+def _pct(x):
+    return f"{100 * x:.1f}"
+
+
+def format_markdown(summary):
+    """The reviewer's row and the paired table, as Markdown."""
+    meta, primary = summary["meta"], summary["primary_metric"]
+    lines = [f"### {meta['task']} ({meta['num_fewshot']}-shot), {meta['model_tag']}, "
+             f"n = {meta['limit']} ({meta['items_note']})", ""]
+    head = ["cache", "bits/value"] + [f"{m} % [Wilson 95%]" for m in summary["metrics"]]
+    head += [f"vs {summary['reference']}: right both / only f32 / only codec / neither",
+             "McNemar p", "diff pts [paired 95%]", "choice flips %", "choice KLD",
+             "items for 1 pt", "verdict"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in summary["rows"]:
+        cells = [f"`{r['spec']}`", f"{r['bits_per_value']:.2f}" if "bits_per_value" in r else ""]
+        for m in summary["metrics"]:
+            a = r[m]
+            cells.append(f"{_pct(a['acc'])} [{_pct(a['low'])}, {_pct(a['high'])}] "
+                         f"({a['k']}/{a['n']})")
+        p = r.get("paired", {}).get(primary)
+        if p is None:
+            cells += ["(reference)"] + [""] * 6
+        else:
+            cells += [f"{p['both_right']} / {p['only_ref']} / {p['only_other']} / "
+                      f"{p['both_wrong']}", f"{p['mcnemar_p']:.3g}",
+                      f"{100 * p['diff']:+.1f} [{100 * p['diff_low']:+.1f}, "
+                      f"{100 * p['diff_high']:+.1f}]",
+                      f"{_pct(p['flip_rate'])} [{_pct(p['flip_low'])}, {_pct(p['flip_high'])}]",
+                      f"{p['choice_kld_mean']:.2e}",
+                      str(p["items_for_1pt"]) if p["items_for_1pt"] else "-",
+                      r["verdict"]["rule"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Paired statistics on {primary}; the verdict is the engine reviewer's rule "
+              "(within f32's Wilson interval -> recommended opt-in, unless the paired test "
+              "finds the codec worse). Items for 1 pt: items a paired test needs to detect a "
+              "1-point difference at the observed discordance (alpha 0.05, power 0.8)."]
+    speeds = [r for r in summary["rows"] if r.get("items_per_s")]
+    if speeds:
+        lines += ["", "Throughput of this run's computed items (worker seconds): " + "; ".join(
+            f"`{r['spec']}` {r['items_per_s']:.2f} items/s, {r['tokens_per_s']:.0f} tokens/s"
+            for r in speeds) + "."]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def _model_tag(name, gguf_file=None):
+    from kvquant_experiments.flip_runs import model_tag
+    return model_tag(gguf_file or name)
+
+
+def _check_out(out):
+    """The output folder, checked before any work: creatable and writable."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".kvquant-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--out {out} is not writable: {exc}") from None
+    return out
+
+
+def _items_note(task, n):
+    if task == "hellaswag" and n <= 1000:
+        return "the first validation items: all ActivityNet contexts, no WikiHow"
+    return "the first items of the split in file order"
+
+
+def cmd_tasks(args):
+    from kvquant.codecs import split_spec_list
+    from kvquant.tasks import task_members
+    from kvquant_experiments.executor import open_executor
+    try:
+        specs = split_spec_list(args.codecs)
+        if not specs:
+            raise ValueError("--codecs names no cache spec")
+        if args.reference not in specs:
+            specs = [args.reference] + specs
+        task_members(args.task)        # an unknown task fails here, before any work
+        if args.limit is not None and args.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        tag = _model_tag(args.model, args.gguf_file)
+        out = _check_out(args.out or f"tasks-{tag}-{Path(args.task).stem}-{args.num_fewshot}shot")
+        if args.backend == "hf" and (args.workers or 1) > 1:
+            raise ValueError("--backend hf runs in this process: drop --workers")
+        model = _model(args.model, args.backend, args.gguf_file)
+        for spec in specs:                 # a bad spec fails here, naming it
+            model.new_cache(spec)
+        items = _items(args.task, args.num_fewshot, args.limit)
+        meta = {"model": args.model, "model_tag": tag, "backend": args.backend,
+                "gguf_file": args.gguf_file, "task": args.task,
+                "num_fewshot": args.num_fewshot, "limit": len(items),
+                "items_note": _items_note(args.task, len(items))}
+        storage = {s: _storage(model, s) for s in specs}
+        workers = args.workers if args.workers is not None else (
+            1 if args.backend == "hf" else min(2, os.cpu_count() or 1))
+        scheduler = "serial" if workers == 1 and args.scheduler is None else args.scheduler
+        with open_executor(scheduler, workers=workers) as ex:
+            results, timing = run_tasks(meta, specs, out, executor=ex,
+                                        progress=not args.quiet, fresh=args.fresh)
+    except (ValueError, ImportError, OSError, KeyError) as exc:
+        raise SystemExit(f"kvquant tasks: {exc}")
+    summary = summarize(meta, results, storage, timing, reference=args.reference)
+    summary["command"] = "kvquant tasks " + " ".join(sys.argv[2:]) if sys.argv[1:2] == [
+        "tasks"] else None
+    stem = out / f"summary-n{len(items)}"
+    write_json(f"{stem}.json", summary)
+    text = format_markdown(summary)
+    tmp = Path(f"{stem}.md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, f"{stem}.md")
+    written = [f"{stem}.json", f"{stem}.md"]
+    try:
+        from kvquant_experiments.plots import plot_task_accuracy
+        written.append(str(plot_task_accuracy([summary], f"{stem}.png")))
+    except ImportError:        # matplotlib is the plot extra's
+        pass
+    if args.json:
+        print(json.dumps(summary, indent=1, default=float))
+    else:
+        print(text)
+        print(f"wrote {', '.join(written)} and the item logs in {out}")
+    return 0
+
+
+def add_cli(sub):
+    """Register ``kvquant tasks``."""
+    p = sub.add_parser(
+        "tasks", help="multiple-choice task accuracy per cache spec, paired against f32",
+        description="Score a task (lm-eval's definitions, offline data) on a model with its KV "
+                    "cache through each codec; accuracy with Wilson 95%% intervals, the paired "
+                    "table against f32 with exact McNemar, a paired bootstrap interval, choice "
+                    "flips and the engine reviewer's verdict.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, gemma3-270m, a GGUF file path; with --backend hf a local "
+                        "transformers checkpoint folder")
+    p.add_argument("--backend", choices=("numpy", "hf"), default="numpy",
+                   help="numpy: kvquant's forward; hf: transformers with kvquant's cache and "
+                        "attention (kvquant.hf)")
+    p.add_argument("--gguf-file", default=None,
+                   help="with --backend hf: a GGUF file in the --model folder, loaded by "
+                        "transformers")
+    p.add_argument("--task", default="hellaswag",
+                   help="hellaswag, arc_easy, arc_challenge, piqa, winogrande, boolq, mmlu, "
+                        "mmlu_<subject>, or a JSONL file (context, choices, gold per line)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="the first N items (per subject for mmlu); default all")
+    p.add_argument("--num-fewshot", type=int, default=0,
+                   help="few-shot examples (MMLU: the first k of its dev split)")
+    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
+                   help="comma-separated cache specs: pair specs (kv8/tq4), stream options, "
+                        "plan files, llama.cpp as run (ggml:q8_0/q8_0)")
+    p.add_argument("--reference", default="f32", help="the spec the others are paired with")
+    p.add_argument("--workers", type=int, default=None,
+                   help="local worker processes (default: cores, at most 2; 1: this process)")
+    p.add_argument("--scheduler", default=None,
+                   help="a Dask scheduler address (tcp://host:8786), or 'serial'")
+    p.add_argument("--out", default=None,
+                   help="folder of the item logs and summaries (default: "
+                        "./tasks-<model>-<task>-<k>shot)")
+    p.add_argument("--fresh", action="store_true", help="discard the logs in --out and rescore")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_tasks)
+    return p
+
+
+def main(argv=None):
+    """``kvquant tasks ...`` (also ``python -m kvquant_experiments.task_runs ...``)."""
+    from kvquant.cli import parse_subcommand
+    args = parse_subcommand(add_cli, "tasks", argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
