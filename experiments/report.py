@@ -377,6 +377,28 @@ def _committed_frontier_section():
     return sec
 
 
+def _committed_tasks_section():
+    """Task accuracy per cache spec with the paired verdicts, as committed in the source tree's
+    data/results/tasks (not recomputed here: `kvquant tasks`; n=200 of HellaSwag takes ~2 min a
+    spec on two cores)."""
+    sec = Section("tasks", "Task accuracy: the decision datapoint")
+    root = Path(__file__).resolve().parent.parent / "data" / "results" / "tasks"
+    summaries = sorted(root.glob("*/summary-n*.md")) if root.is_dir() else []
+    if not summaries:
+        sec.not_available("the committed task-accuracy results",
+                          f"no {root}/*/summary-n*.md (an installed copy without the source "
+                          "tree)")
+        return sec
+    sec.para("From committed runs, not recomputed here (`kvquant tasks --model M --task T "
+             "--limit N --codecs ...`; the commands are in data/results/tasks/README.md). Each "
+             "table: accuracy with Wilson 95% intervals per cache spec, the paired comparison "
+             "with the f32 cache on the same items and the engine reviewer's verdict "
+             "(docs/tasks.md).")
+    for path in summaries:
+        sec.add(f"**{path.parent.name}/{path.name}**:", "", path.read_text().strip(), "")
+    return sec
+
+
 def _memory_section():
     from kvquant_experiments.memory import budget_section_data
     sec = Section("memory", "Memory: bytes per token and the context a RAM budget holds")
@@ -573,6 +595,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         "tiny-mla": ("Token flips: the tiny MLA model (the engine's protocol)", "Flips (tiny-mla)"),
         "smollm2": ("Token flips: the real model (SmolLM2-135M)", "Flips (smollm2)"),
         "frontier": ("Quality per byte: the frontier's picks on held-out texts", "Frontier"),
+        "tasks": ("Task accuracy: the decision datapoint", "Tasks"),
         "speed": ("Speed: consumers against numpy f32, encode throughput", "Speed"),
         "memory": ("Memory: bytes per token and the context a RAM budget holds", "Memory"),
         "cache_files": ("Cache files: tiers on disk", "Cache files"),
@@ -619,6 +642,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         sec.not_available("the real-model table", real_reason)
         sections.append(sec)
     sections.append(section("frontier", _committed_frontier_section))
+    sections.append(section("tasks", _committed_tasks_section))
     sections.append(section("speed", lambda r: _speed_section(r, out, figures), spd))
     sections.append(section("memory", _memory_section))
     sections.append(section("cache_files", lambda: _cache_file_section(out)))

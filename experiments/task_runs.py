@@ -23,7 +23,7 @@ import numpy as np
 from kvquant_experiments.common import spec_tag, write_json
 
 __all__ = ["DEFAULT_CODECS", "add_cli", "format_markdown", "read_log", "run_tasks",
-           "summarize"]
+           "summarize", "task_meta"]
 
 DEFAULT_CODECS = ("f32", "kv8", "tq4")
 BLOCK_ITEMS = 16     # items per executor call, run together; little is lost on a kill
@@ -37,7 +37,13 @@ LOG_VERSION = 1
 def _model(model_name, backend, gguf_file):
     if backend == "hf":
         from kvquant.hf import load_hf_model
-        return load_hf_model(model_name, gguf_file=gguf_file)
+        model = load_hf_model(model_name, gguf_file=gguf_file)
+        # A llama GGUF's keys are stored with RoPE pairs adjacent (its converter permutes them;
+        # llama.cpp and kvquant's numpy model keep that order): the cache takes them in that
+        # order, so that a rotated codec sees the same rows on both backends.
+        if gguf_file and model.model.config.model_type == "llama":
+            model.key_channels = "interleaved"
+        return model
     from kvquant.models import load_model
     return load_model(model_name)
 
@@ -290,6 +296,15 @@ def _items_note(task, n):
     return "the first items of the split in file order"
 
 
+def task_meta(model, task, limit=None, num_fewshot=0, backend="numpy", gguf_file=None):
+    """The description of a run that :func:`run_tasks` and :func:`summarize` take (``limit``
+    resolved to the number of items there are)."""
+    n = len(_items(task, num_fewshot, limit))
+    return {"model": model, "model_tag": _model_tag(model, gguf_file), "backend": backend,
+            "gguf_file": gguf_file, "task": task, "num_fewshot": num_fewshot, "limit": n,
+            "items_note": _items_note(task, n)}
+
+
 def cmd_tasks(args):
     from kvquant.codecs import split_spec_list
     from kvquant.tasks import task_members
@@ -310,11 +325,8 @@ def cmd_tasks(args):
         model = _model(args.model, args.backend, args.gguf_file)
         for spec in specs:                 # a bad spec fails here, naming it
             model.new_cache(spec)
-        items = _items(args.task, args.num_fewshot, args.limit)
-        meta = {"model": args.model, "model_tag": tag, "backend": args.backend,
-                "gguf_file": args.gguf_file, "task": args.task,
-                "num_fewshot": args.num_fewshot, "limit": len(items),
-                "items_note": _items_note(args.task, len(items))}
+        meta = task_meta(args.model, args.task, args.limit, args.num_fewshot, args.backend,
+                         args.gguf_file)
         storage = {s: _storage(model, s) for s in specs}
         workers = args.workers if args.workers is not None else (
             1 if args.backend == "hf" else min(2, os.cpu_count() or 1))
@@ -327,7 +339,7 @@ def cmd_tasks(args):
     summary = summarize(meta, results, storage, timing, reference=args.reference)
     summary["command"] = "kvquant tasks " + " ".join(sys.argv[2:]) if sys.argv[1:2] == [
         "tasks"] else None
-    stem = out / f"summary-n{len(items)}"
+    stem = out / f"summary-n{meta['limit']}"
     write_json(f"{stem}.json", summary)
     text = format_markdown(summary)
     tmp = Path(f"{stem}.md.tmp")

@@ -1,0 +1,119 @@
+"""``kvquant tasks``: the table, the item logs that resume, and inputs refused before any work."""
+import json
+import os
+import sys
+
+import pytest
+
+from kvquant.cli import main
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _gguf_writer import write_random_gguf  # noqa: E402
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+pytest.importorskip("kvquant_experiments")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task_runs")
+    model = root / "llama.gguf"
+    write_random_gguf(model, "llama", seed=7)
+    task = root / "mine.jsonl"
+    rows = [{"context": f"item {i} is", "choices": ["a b", "c", "d e f"], "gold": i % 3}
+            for i in range(7)]
+    task.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(model), str(task)
+
+
+def _run(capsys, *argv):
+    status = main(["tasks", *argv, "--workers", "1", "--quiet"])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def _lines(path):
+    return path.read_text().splitlines()
+
+
+def test_table_logs_and_resume(setup, tmp_path, capsys):
+    model, task = setup
+    out = tmp_path / "run"
+    status, text, err = _run(capsys, "--model", model, "--task", task, "--limit", "4",
+                             "--codecs", "f32,tq4", "--out", str(out))
+    assert status == 0, err
+    assert "| `tq4` |" in text and "(reference)" in text and "McNemar" in text
+    summary = json.loads((out / "summary-n4.json").read_text())
+    rows = {r["spec"]: r for r in summary["rows"]}
+    # tq4 on rows of 16: 4 bits a value + one f32 radius a row
+    assert rows["f32"]["acc"]["n"] == 4 and rows["tq4"]["bits_per_value"] == 4 + 32 / 16
+    assert rows["f32"]["bits_per_value"] == 32
+    assert rows["tq4"]["paired"]["acc_norm"]["n"] == 4
+    assert "verdict" in rows["tq4"]
+    log = out / "tq4.jsonl"
+    header, *records = [json.loads(x) for x in _lines(log)]
+    assert header["kind"] == "header" and header["spec"] == "tq4"
+    assert [r["doc_id"] for r in records] == [0, 1, 2, 3]
+    assert all(len(r["lls"]) == 3 for r in records)
+
+    # a rerun computes nothing: the logs are unchanged
+    before = log.read_bytes()
+    status, _, _ = _run(capsys, "--model", model, "--task", task, "--limit", "4", "--codecs",
+                        "f32,tq4", "--out", str(out))
+    assert status == 0 and log.read_bytes() == before
+
+    # a killed write left half a line: it is dropped, the item scored again, nothing else lost
+    log.write_bytes(before + b'{"task": "x", "doc_')
+    status, _, err = _run(capsys, "--model", model, "--task", task, "--limit", "6", "--codecs",
+                          "f32,tq4", "--out", str(out))
+    assert status == 0 and "incomplete last line" in err
+    assert log.read_bytes().startswith(before)
+    records = [json.loads(x) for x in _lines(log)[1:]]
+    assert sorted(r["doc_id"] for r in records) == list(range(6))
+    assert (out / "summary-n6.json").is_file() and (out / "summary-n4.json").is_file()
+    # the first four items are the n=4 run's, untouched
+    assert records[:4] == [json.loads(x) for x in before.decode().splitlines()[1:]]
+
+
+def test_a_log_of_another_run_is_refused(setup, tmp_path, capsys):
+    model, task = setup
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tq4.jsonl").write_text(json.dumps({"kind": "header", "version": 1, "model": "other",
+                                               "backend": "numpy", "task": task,
+                                               "num_fewshot": 0, "spec": "tq4"}) + "\n")
+    status, _, err = _run(capsys, "--model", model, "--task", task, "--limit", "2", "--codecs",
+                          "tq4", "--out", str(out))
+    assert status == 2 and "was written for another run (model differ" in err
+    assert "--fresh" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--codecs", "tq4,nonsense9"], "nonsense9"),
+    (["--task", "hellaswg"], "unknown task 'hellaswg'"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--num-fewshot", "2"], "no few-shot split"),
+])
+def test_bad_inputs_are_refused_before_any_work(setup, tmp_path, capsys, argv, message):
+    model, task = setup
+    out = tmp_path / "never"
+    base = ["--model", model, "--task", task, "--codecs", "f32", "--out", str(out)]
+    for i in range(0, len(argv), 2):        # the case's options replace the defaults
+        j = base.index(argv[i]) if argv[i] in base else None
+        if j is None:
+            base += argv[i:i + 2]
+        else:
+            base[j + 1] = argv[i + 1]
+    status, _, err = _run(capsys, *base)
+    assert status == 2 and message in err, err
+    assert not list(out.glob("*.jsonl")) if out.exists() else True
+
+
+def test_out_that_is_a_file_is_refused(setup, tmp_path, capsys):
+    model, task = setup
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    status, _, err = _run(capsys, "--model", model, "--task", task, "--out", str(target))
+    assert status == 2 and "is not a folder" in err
+    assert target.read_text() == "keep me"
