@@ -72,6 +72,11 @@ def spec_label(pair_spec, streams=("K", "V")):
     from kvquant.models.plan import is_plan_ref
     if is_plan_ref(pair_spec):
         return "plan " + os.path.basename(pair_spec)
+    if pair_spec.startswith(("ggml:", "ggml-norot:")):   # llama.cpp's cache types, as run
+        kind, _, pair = pair_spec.partition(":")
+        k, _, v = pair.partition("/")
+        return (f"llama.cpp as run{'' if kind == 'ggml' else ' (no rotation)'}: "
+                f"{streams[0]} {k} / {streams[1]} {v or k}")
     if "/" not in pair_spec:
         return _stream_label(pair_spec)
     k, v = pair_spec.split("/", 1)
@@ -452,8 +457,10 @@ def plot_task_accuracy(summaries, out):
     value, one panel per summary (``kvquant tasks``' ``summary-n<N>.json`` files: one per model or
     task), the f32 interval drawn as a band so that the reviewer's rule reads off the figure;
     codecs numbered, named in one key below."""
+    import textwrap
     summaries = [read_json(s) if not isinstance(s, dict) else s for s in summaries]
-    fig, axes = _figure(ncols=len(summaries), width=4.2, height=3.6)
+    # wide enough for the key's wrapped spec names below the panels
+    fig, axes = _figure(ncols=len(summaries), width=max(4.6, 8.0 / len(summaries)), height=4.2)
     specs = []
     for s in summaries:
         for r in s["rows"]:
@@ -469,8 +476,13 @@ def plot_task_accuracy(summaries, out):
             a = ref[metric]
             ax.axhspan(100 * a["low"], 100 * a["high"], color="#999999", alpha=0.25, lw=0,
                        label=f"{s['reference']} Wilson 95%")
+        placed = []
         for r in s["rows"]:
-            a, bits = r[metric], r.get("bits_per_value", float("nan"))
+            a = r[metric]
+            bits = r.get("bits_per_value_at_mean", r.get("bits_per_value", float("nan")))
+            # specs at the same bits (kv8 and q8_0 at 8.5) side by side, not on top of each other
+            bits *= 1.045 ** sum(1 for b in placed if abs(b / bits - 1) < 0.02)
+            placed.append(bits)
             n = specs.index(r["spec"]) + 1
             ax.errorbar([bits], [100 * a["acc"]],
                         yerr=[[100 * (a["acc"] - a["low"])], [100 * (a["high"] - a["acc"])]],
@@ -478,11 +490,12 @@ def plot_task_accuracy(summaries, out):
             ax.annotate(str(n), (bits, 100 * a["acc"]), textcoords="offset points",
                         xytext=(4, 3), fontsize=7, color=colour[r["spec"]])
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("bits per cached value (log scale)")
+        ax.set_xlabel("bits per cached value on these sequences (log scale)")
         ax.set_ylabel(f"{metric} (%)")
         ax.set_title(f"{meta['model_tag']}: {meta['task']} {meta['num_fewshot']}-shot, "
                      f"n={meta['limit']}", fontsize=8.5)
         ax.legend(loc="lower right", fontsize=7, frameon=False)
-    numbered_key(fig, [(i + 1, spec_label(spec), colour[spec]) for i, spec in enumerate(specs)],
+    numbered_key(fig, [(i + 1, textwrap.fill(spec_label(spec), 110, subsequent_indent="    "),
+                        colour[spec]) for i, spec in enumerate(specs)],
                  loc="outside lower center")
     return _save(fig, out)
