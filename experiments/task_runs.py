@@ -38,6 +38,8 @@ def _model(model_name, backend, gguf_file):
     if backend == "hf":
         from kvquant.hf import load_hf_model
         model = load_hf_model(model_name, gguf_file=gguf_file)
+        if gguf_file:
+            model.encode = _gguf_encoder(os.path.join(model_name, gguf_file))
         # A llama GGUF's keys are stored with RoPE pairs adjacent (its converter permutes them;
         # llama.cpp and kvquant's numpy model keep that order): the cache takes them in that
         # order, so that a rotated codec sees the same rows on both backends.
@@ -46,6 +48,26 @@ def _model(model_name, backend, gguf_file):
         return model
     from kvquant.models import load_model
     return load_model(model_name)
+
+
+def _gguf_encoder(path):
+    """The GGUF file's own tokenizer, with its BOS where the file asks for one: the tokens
+    kvquant's numpy model and llama.cpp run. transformers 5.x builds a wrong tokenizer from
+    Gemma 3's GGUF (a Unigram model over BPE scores, no BOS: docs/tasks.md), so the hf backend
+    takes the file's tokens too, and both backends score the same tokens."""
+    import gguf
+
+    from kvquant.models.gguf_config import gguf_field
+    from kvquant.models.tokenizer import tokenizer_from_gguf
+    reader = gguf.GGUFReader(path)
+    tokenizer = tokenizer_from_gguf(reader)
+    add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False, required=False)
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
+    first = [int(bos)] if add_bos and bos is not None else []
+
+    def encode(text):
+        return np.array(first + tokenizer.encode(text).ids, dtype=np.int64)
+    return encode
 
 
 @functools.lru_cache(maxsize=4)
