@@ -481,14 +481,18 @@ def plot_task_accuracy(summaries, out):
             a = r[metric]
             bits = r.get("bits_per_value_at_mean", r.get("bits_per_value", float("nan")))
             # specs at the same bits (kv8 and q8_0 at 8.5) side by side, not on top of each other
-            bits *= 1.045 ** sum(1 for b in placed if abs(b / bits - 1) < 0.02)
+            bits *= 1.08 ** sum(1 for b in placed if abs(b / bits - 1) < 0.02)
             placed.append(bits)
             n = specs.index(r["spec"]) + 1
             ax.errorbar([bits], [100 * a["acc"]],
                         yerr=[[100 * (a["acc"] - a["low"])], [100 * (a["high"] - a["acc"])]],
                         fmt="o", ms=4, capsize=3, color=colour[r["spec"]])
-            ax.annotate(str(n), (bits, 100 * a["acc"]), textcoords="offset points",
-                        xytext=(4, 3), fontsize=7, color=colour[r["spec"]])
+            # the number above the interval's cap: beside the point it would sit on a
+            # neighbour's error bar
+            ax.annotate(str(n), (bits, 100 * a["high"]), textcoords="offset points",
+                        xytext=(0, 2), ha="center", va="bottom", fontsize=7,
+                        color=colour[r["spec"]])
+        ax.margins(y=0.12)          # room for the numbers above the top caps
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per cached value on these sequences (log scale)")
         ax.set_ylabel(f"{metric} (%)")

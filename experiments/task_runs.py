@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvquant_experiments.common import spec_tag, write_json
+from kvquant_experiments.common import read_json, spec_tag, write_json
 
 __all__ = ["DEFAULT_CODECS", "add_cli", "format_markdown", "read_log", "run_tasks",
            "summarize", "task_meta"]
@@ -345,6 +345,13 @@ def task_meta(model, task, limit=None, num_fewshot=0, backend="numpy", gguf_file
             "items_note": _items_note(task, n)}
 
 
+def _read_summary(path):
+    try:
+        return read_json(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--plot-beside {path}: {exc}") from None
+
+
 def cmd_tasks(args):
     from kvquant.codecs import split_spec_list
     from kvquant.tasks import task_members
@@ -356,6 +363,11 @@ def cmd_tasks(args):
         if args.reference not in specs:
             specs = [args.reference] + specs
         task_members(args.task)        # an unknown task fails here, before any work
+        beside = [_read_summary(path) for path in args.plot_beside]
+        for path, other in zip(args.plot_beside, beside):
+            if not (isinstance(other, dict) and "rows" in other and "meta" in other):
+                raise ValueError(f"--plot-beside {path} is not a kvquant tasks summary "
+                                 "(summary-n<N>.json)")
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         tag = _model_tag(args.model, args.gguf_file)
@@ -388,7 +400,7 @@ def cmd_tasks(args):
     written = [f"{stem}.json", f"{stem}.md"]
     try:
         from kvquant_experiments.plots import plot_task_accuracy
-        written.append(str(plot_task_accuracy([summary], f"{stem}.png")))
+        written.append(str(plot_task_accuracy([summary] + beside, f"{stem}.png")))
     except ImportError:        # matplotlib is the plot extra's
         pass
     if args.json:
@@ -435,6 +447,9 @@ def add_cli(sub):
     p.add_argument("--out", default=None,
                    help="folder of the item logs and summaries (default: "
                         "./tasks-<model>-<task>-<k>shot)")
+    p.add_argument("--plot-beside", action="append", default=[], metavar="SUMMARY.json",
+                   help="draw this summary (another model's or task's summary-n<N>.json) as a "
+                        "panel beside this run's in the figure; repeatable")
     p.add_argument("--fresh", action="store_true", help="discard the logs in --out and rescore")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -66,7 +66,8 @@ def test_table_logs_and_resume(setup, tmp_path, capsys):
     # a killed write left half a line: it is dropped, the item scored again, nothing else lost
     log.write_bytes(before + b'{"task": "x", "doc_')
     status, _, err = _run(capsys, "--model", model, "--task", task, "--limit", "6", "--codecs",
-                          "f32,tq4", "--out", str(out))
+                          "f32,tq4", "--out", str(out),
+                          "--plot-beside", str(out / "summary-n4.json"))
     assert status == 0 and "incomplete last line" in err
     assert log.read_bytes().startswith(before)
     records = [json.loads(x) for x in _lines(log)[1:]]
@@ -94,6 +95,7 @@ def test_a_log_of_another_run_is_refused(setup, tmp_path, capsys):
     (["--task", "hellaswg"], "unknown task 'hellaswg'"),
     (["--limit", "0"], "--limit must be >= 1"),
     (["--num-fewshot", "2"], "no few-shot split"),
+    (["--plot-beside", "no-such-summary.json"], "--plot-beside no-such-summary.json"),
 ])
 def test_bad_inputs_are_refused_before_any_work(setup, tmp_path, capsys, argv, message):
     model, task = setup
