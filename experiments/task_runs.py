@@ -159,13 +159,13 @@ def _storage(model, spec):
 
 
 def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
-    """Score ``meta["task"]``'s first ``meta["limit"]`` items under each spec, resuming from
+    """Score the items of ``meta`` (``meta["limit"]`` of them) under each spec, resuming from
     the logs in ``out_dir``; returns ``{spec: item results}`` of those items and a timing
     dict ``{spec: {"seconds", "tokens", "items"}}`` of what this run computed."""
     from kvquant_experiments.executor import SerialExecutor
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    items = _items(meta["task"], meta["num_fewshot"], meta["limit"])
+    items = _items(meta["task"], meta["num_fewshot"], _member_limit(meta))
     keys = [it.key for it in items]
     done, paths, todo = {}, {}, []
     for spec in specs:
@@ -178,8 +178,8 @@ def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
         for b in range(0, len(missing), BLOCK_ITEMS):
             todo.append({"model": meta["model"], "backend": meta["backend"],
                          "gguf_file": meta.get("gguf_file"), "task": meta["task"],
-                         "num_fewshot": meta["num_fewshot"], "limit": meta["limit"],
-                         "spec": spec, "indices": missing[b:b + BLOCK_ITEMS]})
+                         "num_fewshot": meta["num_fewshot"],
+                         "limit": _member_limit(meta), "spec": spec, "indices": missing[b:b + BLOCK_ITEMS]})
     n_todo = sum(len(c["indices"]) for c in todo)
     timing = {s: {"seconds": 0.0, "tokens": 0, "items": 0} for s in specs}
     bar = None
@@ -330,19 +330,35 @@ def _check_out(out):
     return out
 
 
-def _items_note(task, n):
+def _items_note(task, n, member_limit=None):
     if task == "hellaswag" and n <= 1000:
         return "the first validation items: all ActivityNet contexts, no WikiHow"
+    members = _members(task)
+    if len(members) > 1:
+        each = "all documents" if member_limit is None else f"the first {member_limit} documents"
+        return f"{each} of each of its {len(members)} subtasks, in file order"
     return "the first items of the split in file order"
 
 
+def _members(task):
+    from kvquant.tasks import task_members
+    return (task,) if str(task).endswith(".jsonl") else task_members(task)
+
+
+def _member_limit(meta):
+    """The --limit a run's items were chosen by: per member for a group (``meta["limit"]`` is
+    the number of items; summaries written before the two were told apart hold only that)."""
+    return meta.get("member_limit", meta["limit"])
+
+
 def task_meta(model, task, limit=None, num_fewshot=0, backend="numpy", gguf_file=None):
-    """The description of a run that :func:`run_tasks` and :func:`summarize` take (``limit``
-    resolved to the number of items there are)."""
+    """The description of a run that :func:`run_tasks` and :func:`summarize` take: ``limit``
+    is the number of items there are, ``member_limit`` the --limit that chose them (per
+    subtask of a group such as MMLU, as lm-eval applies it)."""
     n = len(_items(task, num_fewshot, limit))
     return {"model": model, "model_tag": _model_tag(model, gguf_file), "backend": backend,
             "gguf_file": gguf_file, "task": task, "num_fewshot": num_fewshot, "limit": n,
-            "items_note": _items_note(task, n)}
+            "member_limit": limit, "items_note": _items_note(task, n, limit)}
 
 
 def _read_summary(path):

@@ -119,3 +119,26 @@ def test_out_that_is_a_file_is_refused(setup, tmp_path, capsys):
     status, _, err = _run(capsys, "--model", model, "--task", task, "--out", str(target))
     assert status == 2 and "is not a folder" in err
     assert target.read_text() == "keep me"
+
+
+def test_a_group_limit_applies_to_each_member(setup, tmp_path, capsys, monkeypatch):
+    # lm-eval's --limit on a group (MMLU) takes the first N documents of every subtask; the
+    # run must score exactly those, not N x members documents of each
+    import kvquant.tasks.requests as requests
+    model, task = setup
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"context": f"other {i} is", "choices": ["x", "y z"],
+                                           "gold": i % 2}) for i in range(5)) + "\n")
+    monkeypatch.setitem(requests.TASK_GROUPS, "pair", (task, str(other)))
+    out = tmp_path / "group"
+    status, text, err = _run(capsys, "--model", model, "--task", "pair", "--limit", "2",
+                             "--codecs", "f32", "--out", str(out))
+    assert status == 0, err
+    records = [json.loads(x) for x in _lines(out / "f32.jsonl")[1:]]
+    per_task = {}
+    for r in records:
+        per_task.setdefault(r["task"], []).append(r["doc_id"])
+    assert sorted(map(sorted, per_task.values())) == [[0, 1], [0, 1]]
+    summary = json.loads((out / "summary-n4.json").read_text())
+    assert summary["meta"]["member_limit"] == 2
+    assert "first 2 documents of each of its 2 subtasks" in summary["meta"]["items_note"]
