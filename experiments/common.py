@@ -55,6 +55,13 @@ def stable_seed(*params):
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
+def safe_stem(stem):
+    """``stem`` with every character outside ``[A-Za-z0-9._+-]`` replaced by ``_`` and no
+    leading dot: a result's file name built from values read from a JSON file (a text's name,
+    a model's) can neither leave its folder nor hide."""
+    return _UNSAFE.sub("_", str(stem)).lstrip(".") or "_"
+
+
 def spec_tag(spec):
     """A file-name-safe tag of a codec (pair) spec: ``"tq3:codebook=gaussian,side=unbiased"`` ->
     ``"tq3-codebook-gaussian-side-unbiased"``, ``"kv8/tq4"`` -> ``"kv8_tq4"``."""

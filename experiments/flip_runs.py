@@ -20,6 +20,7 @@ import numpy as np
 
 from kvquant import flips
 from kvquant_experiments.texts import Text, load_text, text_tokens
+from kvquant_experiments.common import safe_stem
 
 __all__ = [
     "CSV_COLUMNS",
@@ -470,7 +471,7 @@ def result_stem(result):
         stem += f"-{t.get('name', 'pydoc')}-N{t['positions']}-c{t['chunk_tokens']}"
         if t.get("score") == "second-half":
             stem += "-half"
-    return stem
+    return safe_stem(stem)
 
 
 def _llama_keys():

@@ -53,7 +53,7 @@ import os
 import sys
 import time
 
-from .common import environment, write_csv, write_json
+from .common import environment, safe_stem, write_csv, write_json
 
 __all__ = [
     "BUDGET_HIGH",
@@ -316,10 +316,10 @@ def result_stem(result):
     choices = result["meta"].get("frontier", {}).get("choices")
     kind = "frontier-choices" if choices else "frontier"
     some = choices and len(choices) < len(CHOICE_BUDGETS)
-    return (f"{kind}-{_model_tag(result)}-{t.get('name', 'pydoc')}-N{t['positions']}"
-            f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}"
-            + ("-half" if t.get("score") == "second-half" else "")
-            + ("-b" + "-b".join(sorted(choices, key=float)) if some else ""))
+    return safe_stem(f"{kind}-{_model_tag(result)}-{t.get('name', 'pydoc')}-N{t['positions']}"
+                     f"-c{t['chunk_tokens']}-p{result['meta']['protocol']['prompts']}"
+                     + ("-half" if t.get("score") == "second-half" else "")
+                     + ("-b" + "-b".join(sorted(choices, key=float)) if some else ""))
 
 
 CSV_COLUMNS = ["codec", "k", "v", "family", "bits_per_value", "bytes_per_token", "fixed_bytes",

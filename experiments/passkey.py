@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .common import environment, stable_seed, write_csv, write_json
+from .common import environment, safe_stem, stable_seed, write_csv, write_json
 
 __all__ = [
     "DEFAULT_BASELINES",
@@ -238,7 +238,8 @@ def result_stem(meta):
     from kvquant_experiments.flip_runs import model_tag
     lengths = "-".join(str(n) for n in meta["lengths"])
     depths = "-".join(f"{round(100 * d):d}" for d in sorted(meta["depths"]))
-    return f"passkey-{model_tag(meta['model_name'])}-L{lengths}-d{depths}-s{meta['seed']}"
+    return safe_stem(f"passkey-{model_tag(meta['model_name'])}-L{lengths}-d{depths}"
+                     f"-s{meta['seed']}")
 
 
 def run_passkey(model_name, configs, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,

@@ -114,3 +114,19 @@ def test_picks_can_come_from_several_runs_on_one_tune_text(tune_run, tmp_path):
         frontier.main(["--choose-from", *map(str, paths), "--choices-out",
                        str(tmp_path / "c.json")])
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("name", ["x/../../../t/PWNED", "../up", ".hidden", "a\\b:c"])
+def test_plot_only_file_names_stay_in_out_whatever_the_json_says(tmp_path, capsys, name):
+    # the names come from the JSON's meta (a text's name): values from a file, not from the user
+    result = json.loads(TUNE_RUN.read_text())
+    result["meta"]["text"]["name"] = name
+    src = tmp_path / "in" / "run.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(result))
+    out = tmp_path / "deep" / "out"
+    assert frontier.main(["--plot-only", str(src), "--out", str(out)]) == 0
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p != src)
+    assert written and all(p.parent == out for p in written)
+    assert not any(p.name.startswith(".") for p in written)
+    assert not (tmp_path / "t").exists()

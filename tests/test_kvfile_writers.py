@@ -331,3 +331,28 @@ def test_an_engine_upgrade_through_a_symlink_keeps_the_link(tmp_path):
     up.close()
     assert link.is_symlink() and open(target, "rb").read(8) == b"COLIKV2\0"
     assert len(CacheFile.open(target, SHAPE, mode="kv8", readonly=True)) == 3
+
+
+def test_a_symlink_planted_at_the_lock_path_is_never_followed(tmp_path):
+    # the lock file is truncated and written by its holder: through a planted link that would
+    # overwrite the link's target
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+    path = str(tmp_path / "c.kvq")
+    os.symlink(victim, path + ".kvq-lock")
+    cf = CacheFile.open(path, streams=STREAMS, vocab=1000)
+    with pytest.raises(OSError) as exc:
+        append(cf, [1, 2])
+    assert "symbolic link" in str(exc.value) and ".kvq-lock" in str(exc.value)
+    assert victim.read_bytes() == b"precious\n"
+    assert os.path.islink(path + ".kvq-lock")
+    assert not os.path.exists(path)          # nothing written without the lock
+
+
+def test_a_fifo_at_the_lock_path_is_refused_without_blocking(tmp_path):
+    path = str(tmp_path / "c.kvq")
+    os.mkfifo(path + ".kvq-lock")
+    cf = CacheFile.open(path, streams=STREAMS, vocab=1000)
+    with pytest.raises(OSError) as exc:
+        append(cf, [1, 2])
+    assert "not a regular file" in str(exc.value)

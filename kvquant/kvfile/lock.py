@@ -17,6 +17,7 @@ advisory: the engine itself does not take it, and a forked child shares its pare
 import errno
 import fcntl
 import os
+import stat
 
 LOCK_SUFFIX = ".kvq-lock"
 
@@ -48,11 +49,24 @@ def try_lock(target):
     Raises
     ------
     OSError
-        The lock file cannot be created (e.g. a read-only directory).
+        The lock file cannot be created (e.g. a read-only directory), or something other than a
+        regular file is at its path (a symbolic link is never followed: the lock file is
+        truncated, so following one would truncate whatever it points to).
     """
     path = lock_path(target)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, "it is a symbolic link, never followed by a writer: "
+                              "remove it if no writer is running", path) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EEXIST, "it is not a regular file: remove it if no writer is "
+                          "running", path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
