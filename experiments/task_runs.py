@@ -55,11 +55,10 @@ def _gguf_encoder(path):
     kvquant's numpy model and llama.cpp run. transformers 5.x builds a wrong tokenizer from
     Gemma 3's GGUF (a Unigram model over BPE scores, no BOS: docs/tasks.md), so the hf backend
     takes the file's tokens too, and both backends score the same tokens."""
-    import gguf
-
     from kvquant.models.gguf_config import gguf_field
+    from kvquant.models.gguf_file import GGUFFile
     from kvquant.models.tokenizer import tokenizer_from_gguf
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     tokenizer = tokenizer_from_gguf(reader)
     add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False, required=False)
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None, required=False)

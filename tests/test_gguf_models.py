@@ -21,6 +21,7 @@ from _gguf_writer import SHAPES, architecture, weights_sha256, write_random_gguf
 from kvquant.models import MODEL_NAMES, load_model  # noqa: E402
 from kvquant.models import gguf_weights  # noqa: E402
 from kvquant.models.gguf_decoder import GGUFDecoder  # noqa: E402
+from kvquant.models.gguf_file import GGUFFile  # noqa: E402
 from kvquant.models.packaged import gemma3_270m_path  # noqa: E402
 
 ORACLE = os.path.join(os.path.dirname(__file__), os.pardir, "data", "oracle")
@@ -266,6 +267,47 @@ def test_unknown_tensors_and_architectures_are_refused(tmp_path):
         GGUFDecoder(str(path))
 
 
+def _patched(src, dst, key, fmt, value):
+    """``src`` with the scalar value of metadata ``key`` overwritten (its type kept)."""
+    import struct
+    blob = bytearray(src.read_bytes())
+    at = bytes(blob).index(key.encode()) + len(key) + 4        # past the value type
+    blob[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    dst.write_bytes(bytes(blob))
+    return str(dst)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("llama.block_count", 2 ** 31 - 1, "block_count is 2147483647 but the file has blocks 0..1"),
+    ("llama.block_count", 0, "block_count is 0; it must be a positive integer"),
+    ("llama.attention.head_count", 0, "attention.head_count is 0"),
+    ("llama.attention.head_count_kv", 0, "attention.head_count_kv is 0"),
+    ("llama.embedding_length", 2 ** 32 - 1, "embedding_length is 4294967295"),
+])
+def test_damaged_sizes_are_named_before_anything_is_allocated(tmp_path, key, value, match):
+    src = tmp_path / "ok.gguf"
+    write_random_gguf(src, "llama")
+    path = _patched(src, tmp_path / "bad.gguf", key, "<I", value)
+    with pytest.raises(ValueError, match=match) as exc:
+        GGUFDecoder(path)
+    assert path in str(exc.value)
+
+
+def test_a_shifted_tensor_is_refused_not_loaded(tmp_path):
+    import struct
+    src = tmp_path / "ok.gguf"
+    write_random_gguf(src, "llama")
+    blob = bytearray(src.read_bytes())
+    name = b"blk.0.attn_norm.weight"
+    at = bytes(blob).index(name) + len(name)
+    at += 4 + 8 * struct.unpack_from("<I", blob, at)[0] + 4      # dims, type: the offset
+    blob[at:at + 8] = struct.pack("<Q", struct.unpack_from("<Q", blob, at)[0] + 4)
+    bad = tmp_path / "shifted.gguf"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="blk.0.attn_norm.weight.*not a multiple of the align"):
+        GGUFDecoder(str(bad))
+
+
 def _vocab_only(path, kind, space_prefix=False, pre="default"):
     from _gguf_writer import spm_vocab
     pieces, scores, types = spm_vocab()
@@ -280,7 +322,7 @@ def _vocab_only(path, kind, space_prefix=False, pre="default"):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(str(path))
 
 
 def test_unimplemented_tokenizers_are_refused(tmp_path):

@@ -20,6 +20,7 @@ ensure_importable()
 from kvquant import flips  # noqa: E402
 from kvquant_experiments import flip_runs, texts  # noqa: E402
 from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF, rope_adjacent  # noqa: E402
+from kvquant.models.gguf_file import GGUFFile  # noqa: E402
 from kvquant.models.packaged import load_smollm2, smollm2_path  # noqa: E402
 from _gguf_writer import bytes_to_unicode  # noqa: E402
 
@@ -279,7 +280,7 @@ def write_vocab_only(path, pre):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(str(path))
 
 
 def test_tokenizer_pre_tokenizer_follows_the_file(tmp_path):

@@ -160,13 +160,13 @@ def gguf_path(model):
 def gemma_tokenizer(path):
     """kvquant's tokenizer of the GGUF file as a transformers tokenizer that puts BOS first
     (the file's tokenizer.ggml.add_bos_token), so lm-eval's default encode adds it."""
-    import gguf
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     from kvquant.models.gguf_config import gguf_field
+    from kvquant.models.gguf_file import GGUFFile
     from kvquant.models.tokenizer import tokenizer_from_gguf
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     backend = tokenizer_from_gguf(reader)
     tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
 
@@ -181,7 +181,7 @@ def gemma_tokenizer(path):
         tokenizer_object=backend, bos_token=bos, eos_token=token("tokenizer.ggml.eos_token_id"),
         unk_token=token("tokenizer.ggml.unknown_token_id"),
         pad_token=token("tokenizer.ggml.padding_token_id"))
-    how = ("kvquant.models.tokenizer.tokenizer_from_gguf(gguf.GGUFReader(<file>)) with a "
+    how = ("kvquant.models.tokenizer.tokenizer_from_gguf(GGUFFile(<file>)) with a "
            f"tokenizers TemplateProcessing post-processor '{bos} $A', wrapped in "
            f"transformers.PreTrainedTokenizerFast(tokenizer_object=..., bos_token={bos!r}, "
            f"eos_token={tok.eos_token!r}, unk_token={tok.unk_token!r}, "

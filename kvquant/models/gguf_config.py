@@ -61,14 +61,14 @@ _ARCH_KEYS = {
 
 
 def gguf_field(reader, key, default=None, required=True, missing=""):
-    """The value of a metadata key of an open ``gguf.GGUFReader`` (ValueError when required and
-    missing; ``missing`` is added to that message, e.g. what the key's absence means)."""
-    field = reader.fields.get(key)
-    if field is None:
+    """The value of a metadata key of a :class:`~kvquant.models.gguf_file.GGUFFile` (ValueError
+    when required and missing; ``missing`` is added to that message, e.g. what the key's absence
+    means)."""
+    if key not in reader.metadata:
         if required:
             raise ValueError(f"the GGUF file has no {key!r}{missing}")
         return default
-    return field.contents()
+    return reader.metadata[key]
 
 
 @dataclass(frozen=True)
@@ -107,22 +107,43 @@ class DecoderConfig:
 
 def _check_known_keys(reader, arch):
     known = _COMMON_KEYS | _ARCH_KEYS[arch]
-    unknown = sorted(k for k in reader.fields
+    unknown = sorted(k for k in reader.metadata
                      if k.startswith(arch + ".") and k[len(arch) + 1:] not in known)
     if unknown:
         raise ValueError(f"{arch} file: metadata {', '.join(unknown)} not implemented here "
                          "(refused rather than run without it)")
 
 
+MAX_SIZE = 1 << 31      # no width, count or length of a model here comes near it
+
+
 def _int(value, key):
+    """A size field's value: a positive integer below MAX_SIZE (a damaged file's 0 or 2^40 is
+    refused here, before anything is allocated by it)."""
     if isinstance(value, (list, tuple)):
         raise ValueError(f"{key} is a per-layer list {list(value)[:8]}...; only one value for "
                          "all layers is implemented")
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_SIZE:
+        raise ValueError(f"{key} is {value!r}; it must be a positive integer below {MAX_SIZE} "
+                         "(the file is damaged or not a model file)")
+    return value
+
+
+def _check_block_count(reader, n_layers):
+    """block_count must name the blocks whose tensors the file holds: 0..n_layers-1."""
+    blocks = set()
+    for name in reader.tensors:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            blocks.add(int(parts[1]))
+    if len(blocks) != n_layers or (blocks and max(blocks) != n_layers - 1):
+        have = f"blocks 0..{max(blocks)}" if blocks else "no block tensors"
+        raise ValueError(f"block_count is {n_layers} but the file has {have} "
+                         f"({len(blocks)} distinct); the file is damaged")
 
 
 def config_from_gguf(reader):
-    """The :class:`DecoderConfig` of an open ``gguf.GGUFReader`` (ValueError for anything not
+    """The :class:`DecoderConfig` of a :class:`~kvquant.models.gguf_file.GGUFFile` (ValueError for anything not
     implemented)."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -145,6 +166,7 @@ def config_from_gguf(reader):
             raise ValueError(f"{arch}.{key} is {get(key)}: logit softcapping is not implemented")
 
     n_layers = _int(get("block_count"), "block_count")
+    _check_block_count(reader, n_layers)
     hidden = _int(get("embedding_length"), "embedding_length")
     n_heads = _int(get("attention.head_count"), "attention.head_count")
     n_kv_heads = _int(get("attention.head_count_kv", n_heads, required=False),
@@ -166,6 +188,7 @@ def config_from_gguf(reader):
     vocab = get("vocab_size", None, required=False)
     if vocab is None:   # some converters leave it out: the vocabulary's length is the same
         vocab = len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    vocab = _int(vocab, "vocab_size")
     gemma = arch == "gemma3"
     window = int(get("attention.sliding_window")) if gemma else 0
     if gemma and window < 1:
@@ -185,8 +208,8 @@ def config_from_gguf(reader):
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        vocab_size=int(vocab),
-        context_length=int(get("context_length")),
+        vocab_size=vocab,
+        context_length=_int(get("context_length"), "context_length"),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_base=rope_base,
         rope_pairs="adjacent" if arch == "llama" else "halves",

@@ -35,6 +35,7 @@ from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
 from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
 from kvquant.models.plan import CachePlan, is_plan_ref
 from kvquant.models.gguf_config import config_from_gguf, gguf_field, layer_tensor_names
+from kvquant.models.gguf_file import GGUFFile
 from kvquant.models.gguf_weights import DEFAULT_BUDGET_BYTES, GGUFWeights
 
 __all__ = ["GGUFDecoder", "PREFILL_MODES", "gelu_tanh", "new_kv_cache", "rope_adjacent",
@@ -203,7 +204,7 @@ class GGUFDecoder:
 
     def __init__(self, path, name=None, prefill="block", budget_bytes=DEFAULT_BUDGET_BYTES):
         try:
-            import gguf
+            import gguf  # noqa: F401  (its quantizers dequantize the tensors)
         except ImportError:
             raise ImportError(
                 "reading GGUF files needs the 'gguf' package: pip install -e '.[models]' in the "
@@ -216,8 +217,11 @@ class GGUFDecoder:
         self.prefill = prefill
         self.path = path
         self.name = name or os.path.splitext(os.path.basename(path))[0]
-        self._reader = reader = gguf.GGUFReader(path)
-        self.config = cfg = config_from_gguf(reader)
+        self._reader = reader = GGUFFile(path)
+        try:
+            self.config = cfg = config_from_gguf(reader)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         self.weights = w = GGUFWeights(reader, path, budget_bytes)
         self._check_tensors()
         self.vocab_size = cfg.vocab_size

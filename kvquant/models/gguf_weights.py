@@ -1,6 +1,6 @@
 """A GGUF file's tensors, left in their GGUF types and memory-mapped, dequantized on demand.
 
-``gguf.GGUFReader`` maps the file; a tensor stays as its quantized bytes until the forward asks
+:class:`~kvquant.models.gguf_file.GGUFFile` maps the file; a tensor stays as its quantized bytes until the forward asks
 for it. Every GGUF type is blocked along rows (a block never crosses a row), so rows of a matrix
 can be dequantized on their own: the embedding dequantizes only the rows of the tokens asked and
 the output matrix is applied in row blocks.
@@ -20,11 +20,11 @@ OUTPUT_ROW_BLOCK = 16384            # vocab rows per block when the output matri
 
 
 class GGUFWeights:
-    """The tensors of an open ``gguf.GGUFReader``, by GGUF name.
+    """The tensors of a GGUF file, by GGUF name.
 
     Parameters
     ----------
-    reader : gguf.GGUFReader
+    reader : kvquant.models.gguf_file.GGUFFile
     path : str
         For error messages.
     budget_bytes : int
@@ -37,7 +37,7 @@ class GGUFWeights:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self._dequantize = dequantize
         self.path = path
-        self.tensors = {t.name: t for t in reader.tensors}
+        self.tensors = reader.tensors
         self.budget_bytes = int(budget_bytes)
         self.kept_bytes = 0
         self._kept = {}
@@ -48,7 +48,7 @@ class GGUFWeights:
     def shape(self, name):
         """(rows, cols) of a matrix as numpy sees it: ggml lists (cols, rows)."""
         t = self._tensor(name)
-        return tuple(int(n) for n in reversed(t.shape.tolist()))
+        return tuple(reversed(t.shape))
 
     def _tensor(self, name):
         if name not in self.tensors:

@@ -51,7 +51,7 @@ def _field(reader, key, required=True):
 
 
 def tokenizer_from_gguf(reader):
-    """Build a ``tokenizers.Tokenizer`` from an open ``gguf.GGUFReader``.
+    """Build a ``tokenizers.Tokenizer`` from a :class:`~kvquant.models.gguf_file.GGUFFile`.
 
     Returns
     -------
