@@ -7,10 +7,11 @@ import os
 import platform
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from kvquant.outputs import atomic_write
 
 __all__ = [
     "SMOKE_ENV",
@@ -137,37 +138,12 @@ def environment():
     }
 
 
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path, write):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            write(f)
-        # mkstemp makes the file private (0600); a result file gets the mode open() would give
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
-
-
 def write_json(path, obj):
     """Write JSON atomically (a half-written file never looks like a finished cell)."""
     def write(f):
         json.dump(obj, f, indent=1, sort_keys=False, default=_json_default)
         f.write("\n")
-    return _atomic_write(path, write)
+    return atomic_write(path, write)
 
 
 def _json_default(obj):
@@ -197,7 +173,7 @@ def write_csv(path, rows, columns=None):
         w.writeheader()
         for row in rows:
             w.writerow({k: _csv_cell(row.get(k)) for k in columns})
-    return _atomic_write(path, write)
+    return atomic_write(path, write)
 
 
 def _csv_cell(value):

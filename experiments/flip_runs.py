@@ -20,7 +20,8 @@ import numpy as np
 
 from kvquant import flips
 from kvquant_experiments.texts import Text, load_text, text_tokens
-from kvquant_experiments.common import safe_stem
+from kvquant_experiments.common import safe_stem, write_json
+from kvquant.outputs import atomic_write, check_out_dir
 
 __all__ = [
     "CSV_COLUMNS",
@@ -513,32 +514,17 @@ def write_results(result, out_dir, figure=True):
     add_storage(result["rows"], result["meta"])
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, result_stem(result))
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    # each file atomically: a kill or a full disk leaves the previous file, never half a new one
+    write_json(stem + ".json", result)
     paths = [stem + ".json", stem + ".csv"]
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in result["rows"]:
-            flat = dict(r)
-            flat["streams"] = " ".join(f"{k}={v}" for k, v in r["streams"].items())
-            for key in ("tf", "greedy", "same_top"):
-                if key in r:
-                    for part in ("k", "n", "lo", "hi"):
-                        flat[f"{key}_{part}"] = r[key][part]
-            for key, (lo, hi) in ((k, v) for k, v in (r.get("bootstrap") or {}).items()
-                                  if k in ("kld_mean", "ppl_ratio")):
-                flat[f"{key}_boot_lo"], flat[f"{key}_boot_hi"] = lo, hi
-            if r.get("bootstrap"):
-                flat["boot_chunks"] = r["bootstrap"]["n_chunks"]
-            w.writerow(flat)
+    atomic_write(stem + ".csv", lambda f: _write_rows_csv(f, result["rows"]))
     pos = position_rows(result)
     if pos:
-        with open(stem + "-positions.csv", "w", newline="") as f:
+        def write_positions(f):
             w = csv.DictWriter(f, fieldnames=POSITION_CSV_COLUMNS)
             w.writeheader()
             w.writerows(pos)
+        atomic_write(stem + "-positions.csv", write_positions)
         paths.append(stem + "-positions.csv")
         if figure:
             try:
@@ -549,6 +535,24 @@ def write_results(result, out_dir, figure=True):
                 from kvquant_experiments.plots import plot_kld_by_position
                 paths.append(str(plot_kld_by_position(result, stem + "-kld-by-position.png")))
     return paths
+
+
+def _write_rows_csv(f, rows):
+    w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        flat = dict(r)
+        flat["streams"] = " ".join(f"{k}={v}" for k, v in r["streams"].items())
+        for key in ("tf", "greedy", "same_top"):
+            if key in r:
+                for part in ("k", "n", "lo", "hi"):
+                    flat[f"{key}_{part}"] = r[key][part]
+        for key, (lo, hi) in ((k, v) for k, v in (r.get("bootstrap") or {}).items()
+                              if k in ("kld_mean", "ppl_ratio")):
+            flat[f"{key}_boot_lo"], flat[f"{key}_boot_hi"] = lo, hi
+        if r.get("bootstrap"):
+            flat["boot_chunks"] = r["bootstrap"]["n_chunks"]
+        w.writerow(flat)
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,6 +586,8 @@ def _hf_model(args):
 def cmd_flips(args):
     from kvquant.codecs import split_spec_list
     try:
+        if not args.no_write:   # before any work: a run must not find out at its end
+            check_out_dir(args.out if args.out is not None else ".")
         codecs = split_spec_list(args.codecs) if args.codecs else None
         if args.plan:   # cache plans: configurations beside (or instead of) the pair specs
             from kvquant.models.plan import CachePlan

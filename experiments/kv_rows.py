@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+from kvquant.outputs import atomic_write, check_out_dir, check_out_file
+
 __all__ = ["FORMAT", "add_cli", "dump_kv", "load_kv_rows", "main", "select_rows", "write_kv_rows"]
 
 FORMAT = "kvquant-kv-rows/1"
@@ -48,13 +50,11 @@ def write_kv_rows(path, rows, meta):
     path = os.fspath(path)
     if "meta" in rows:
         raise ValueError("a stream may not be named 'meta'")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     layout = {name: {"shape": list(x.shape), "axes": ["layer", "kv_head", "position", "width"],
                      "rows": STREAM_NOTES.get(name, name)} for name, x in rows.items()}
     meta = {"format": FORMAT, **meta, "layout": layout}
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, meta=np.array(json.dumps(meta)), **rows)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **rows),
+                 binary=True)
     return path
 
 
@@ -123,14 +123,17 @@ def cmd_dump_kv(args):
     from kvquant_experiments.flip_runs import model_tag
     from kvquant_experiments.texts import text_tokens
     try:
+        if args.positions < 1:
+            raise ValueError(f"--positions must be >= 1, got {args.positions}")
+        if args.start < 0:
+            raise ValueError(f"--start must be >= 0, got {args.start}")
+        check_out_file(args.out) if args.out else check_out_dir(".")
         model = load_model(args.model)
         tokens, text = text_tokens(model, args.text)
         context = getattr(model, "context_length", None)
         if context and args.positions > context:
             raise ValueError(f"{args.positions} positions exceed the trained context of "
                              f"{args.model} ({context})")
-        if args.positions < 1:
-            raise ValueError(f"--positions must be >= 1, got {args.positions}")
         if tokens.size < args.start + args.positions:
             raise ValueError(f"text {text.name!r} has {tokens.size} tokens; {args.positions} "
                              f"from {args.start} need {args.start + args.positions}")
@@ -142,7 +145,11 @@ def cmd_dump_kv(args):
     meta = {"model": model.describe(), "model_name": str(args.model), "text": text.describe(),
             "positions": int(args.positions), "start": int(args.start),
             "cache": "f32, one prefill of the positions from an empty cache"}
-    write_kv_rows(out, rows, meta)
+    try:
+        write_kv_rows(out, rows, meta)
+    except OSError as exc:
+        raise SystemExit(f"kvquant dump-kv: writing {out} failed ({exc.strerror or exc}); "
+                         "nothing was left behind")
     for name, x in rows.items():
         print(f"{name}: {x.shape} ({STREAM_NOTES.get(name, name)})")
     print(f"wrote {out}")

@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+from kvquant.outputs import atomic_write
 from kvquant_experiments.common import read_json
 
 __all__ = [
@@ -115,9 +116,8 @@ def _figure(ncols=1, nrows=1, width=5.0, height=3.8):
 def _save(fig, out):
     import matplotlib
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with matplotlib.rc_context(_RC):
-        fig.savefig(out)
+        atomic_write(out, lambda f: fig.savefig(f, format=out.suffix[1:] or "png"), binary=True)
     return out
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvquant_experiments.common import read_json, spec_tag, write_json
+from kvquant.outputs import check_out_dir
 
 __all__ = ["DEFAULT_CODECS", "add_cli", "format_markdown", "read_log", "run_tasks",
            "summarize", "task_meta"]
@@ -314,21 +315,6 @@ def _model_tag(name, gguf_file=None):
     return model_tag(gguf_file or name)
 
 
-def _check_out(out):
-    """The output folder, checked before any work: creatable and writable."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".kvquant-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"--out {out} is not writable: {exc}") from None
-    return out
-
-
 def _items_note(task, n, member_limit=None):
     if task == "hellaswag" and n <= 1000:
         return "the first validation items: all ActivityNet contexts, no WikiHow"
@@ -386,7 +372,7 @@ def cmd_tasks(args):
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         tag = _model_tag(args.model, args.gguf_file)
-        out = _check_out(args.out or f"tasks-{tag}-{Path(args.task).stem}-{args.num_fewshot}shot")
+        out = check_out_dir(args.out or f"tasks-{tag}-{Path(args.task).stem}-{args.num_fewshot}shot")
         if args.backend == "hf" and (args.workers or 1) > 1:
             raise ValueError("--backend hf runs in this process: drop --workers")
         model = _model(args.model, args.backend, args.gguf_file)

@@ -58,6 +58,7 @@ from kvquant import get_codec
 from kvquant.cache import softmax
 from kvquant.reference import softmax as numpy_softmax
 from kvquant._kernels import consumers
+from kvquant.outputs import atomic_write, check_out_dir
 
 DEFAULT_DIMS = (512, 64)
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
@@ -543,17 +544,15 @@ def format_markdown(result):
 def write_results(result, out_dir, stem):
     """Markdown, CSV and JSON files named by the run's parameters; returns their paths."""
     import csv
-    os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, stem)
-    with open(base + ".md", "w", encoding="utf-8") as f:
-        f.write(format_markdown(result) + "\n")
-    with open(base + ".csv", "w", newline="", encoding="utf-8") as f:
-        fields = list(result["rows"][0])
-        writer = csv.DictWriter(f, fieldnames=fields)
+    atomic_write(base + ".md", lambda f: f.write(format_markdown(result) + "\n"))
+
+    def write_csv(f):
+        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
         writer.writeheader()
         writer.writerows(result["rows"])
-    with open(base + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    atomic_write(base + ".csv", write_csv)
+    atomic_write(base + ".json", lambda f: json.dump(result, f, indent=1))
     return [base + ext for ext in (".md", ".csv", ".json")]
 
 
@@ -579,6 +578,8 @@ def cmd_bench(args):
             raise ValueError(f"--queries takes positive counts (query heads per KV head, e.g. "
                              f"1,3,4,8), got {args.queries!r}")
         consumers.set_simd(args.simd)
+        if args.out:        # before the timing, not after it
+            check_out_dir(args.out)
     except ValueError as exc:
         raise SystemExit(f"kvquant bench: {exc}")
 

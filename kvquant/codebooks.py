@@ -45,6 +45,8 @@ import numpy as np
 import scipy
 from scipy import linalg, special
 
+from kvquant.outputs import check_out_dir
+
 __all__ = [
     "BITS_RANGE",
     "DEFAULT_TOL",
@@ -1049,6 +1051,7 @@ def _run_fit(args, parser):
             raise ValueError("give --dist (gaussian, beta or both) or --all")
         if "beta" in dists and not dims:
             raise ValueError("--dist beta needs --dim (e.g. --dim 64,128) or --all")
+        check_out_dir(args.out)     # before the fits, not after them
         start = time.perf_counter()
         written = regenerate(dists, dims or [], bits_list, args.out, log=print)
     except ValueError as exc:
