@@ -85,3 +85,9 @@ def cache_file_rows(out_dir, modes=MODES):
                      "reload_identical": bool(same), "refusal": refusal,
                      "inspect_tier": info.get("tier")})
     return rows, None
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit("kvquant_experiments.cache_files is a section of the report, not a command: run "
+             "kvquant report (kvquant report --help), or kvquant distortion for one table")

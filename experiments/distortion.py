@@ -228,3 +228,9 @@ def theory_curves(dim, bits=range(1, 9)):
         "lloyd_gaussian": [math.sqrt(load_codebook("gaussian", None, b).mse) for b in bits],
         "bound": [2.0 ** -b for b in bits],
     }
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit("kvquant_experiments.distortion is a section of the report, not a command: run "
+             "kvquant report (kvquant report --help), or kvquant distortion for one table")

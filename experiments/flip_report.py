@@ -306,3 +306,9 @@ def finish(handle):
 def run_model(model_name, results_dir, executor=None, **kwargs):
     """:func:`submit_model` then :func:`finish` (blocking; serial when no executor is given)."""
     return finish(submit_model(model_name, results_dir, executor, **kwargs))
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit("kvquant_experiments.flip_report is a section of the report, not a command: run "
+             "kvquant report (kvquant report --help), or kvquant distortion for one table")

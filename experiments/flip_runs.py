@@ -18,10 +18,11 @@ import time
 
 import numpy as np
 
+from kvquant.cli import DefaultsHelpFormatter
 from kvquant import flips
 from kvquant_experiments.texts import Text, load_text, text_tokens
 from kvquant_experiments.common import safe_stem, write_json
-from kvquant.outputs import atomic_write, check_out_dir
+from kvquant.outputs import atomic_write, check_out_dir, dumps_strict
 
 __all__ = [
     "CSV_COLUMNS",
@@ -606,7 +607,7 @@ def cmd_flips(args):
     out = args.out if args.out is not None else result_stem(result)
     paths = () if args.no_write else write_results(result, out)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(dumps_strict(result))
     else:
         print(format_markdown(result))
         for p in paths:
@@ -622,8 +623,8 @@ def add_cli(sub):
         description="Teacher-forced and greedy agreement with the f32 cache (the engine's "
                     "protocol), and on a model with a tokenizer same-top-p, KL divergence "
                     "(also by position in the chunk) and perplexity ratio over a text; Wilson "
-                    "95%% intervals.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "95% intervals.",
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="tiny-mla",
                    help="tiny-mla, smollm2, gemma3-270m, a GGUF file path, or with --backend "
                         "hf a local transformers checkpoint folder")

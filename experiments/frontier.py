@@ -53,6 +53,7 @@ import os
 import sys
 import time
 
+from kvquant.cli import DefaultsHelpFormatter
 from .common import environment, safe_stem, write_csv, write_json
 
 __all__ = [
@@ -815,7 +816,7 @@ def main(argv=None):
     from kvquant_experiments.texts import TEXTS
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.frontier",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=MODEL,
                    help="smollm2, another name load_model knows, or a GGUF file path")
     p.add_argument("--configs", default=None,

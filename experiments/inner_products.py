@@ -114,3 +114,9 @@ def run_sweep(results_dir, codecs=None, dims=None, kinds=None, rows=None, querie
 
 def collect(results_dir):
     return read_json(Path(results_dir) / "inner_products.json")["rows"]
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit("kvquant_experiments.inner_products is a section of the report, not a command: run "
+             "kvquant report (kvquant report --help), or kvquant distortion for one table")

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from kvquant.cli import DefaultsHelpFormatter
 from kvquant.outputs import atomic_write, check_out_dir, check_out_file
 
 __all__ = ["FORMAT", "add_cli", "dump_kv", "load_kv_rows", "main", "select_rows", "write_kv_rows"]
@@ -164,7 +165,7 @@ def add_cli(sub):
         description="Prefill a text with an f32 cache and write its rows per layer and KV head "
                     "(K after RoPE and V on Llama-family models) with their metadata; "
                     "`kvquant distortion --data FILE.npz` measures codecs on them.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="smollm2, another name load_model knows, or a GGUF file path")
     p.add_argument("--text", default="pydoc",

@@ -54,3 +54,9 @@ def budget_section_data(specs=SPECS, models=MODELS, ram=RAM, contexts=CONTEXTS):
                            "match": r["layer_row_bytes"] == ref})
     out["glm_checks"] = checks
     return out, None
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit("kvquant_experiments.memory is a section of the report, not a command: run "
+             "kvquant report (kvquant report --help), or kvquant distortion for one table")

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from kvquant.cli import DefaultsHelpFormatter
 from .common import environment, safe_stem, stable_seed, write_csv, write_json
 
 __all__ = [
@@ -401,7 +402,7 @@ def _floats(text, what):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.passkey",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="smollm2, gemma3-270m, or a GGUF file path")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvquant.cli import DefaultsHelpFormatter
 from kvquant.cache import QuantizedKVCache, RowStream
 from kvquant.codecs import Codec, get_codec
 from kvquant.codecs.identity import F32Codec
@@ -759,7 +760,7 @@ def write_probes(result, out_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.probes",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--text", default="pydoc",
                    help="a UTF-8 text file or a built-in text (pydoc, code, docstrings)")
     p.add_argument("--positions", type=int, default=DEFAULTS["positions"])

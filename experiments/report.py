@@ -26,6 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
+from kvquant.cli import DefaultsHelpFormatter
 from kvquant_experiments.common import environment, is_smoke, write_json
 
 __all__ = ["HEADLINE_FIGURES", "add_cli", "main", "run_report"]
@@ -740,7 +741,7 @@ def add_cli(subparsers):
                     "model; real model when installed), the speed, memory and cache-file "
                     "sections on embedded defaults, and write REPORT.md, PNG figures and "
                     "CSV/JSON data. Set KVQUANT_SMOKE=1 (or --smoke) for a seconds-long run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--out", default="report", help="output folder")
     p.add_argument("--scheduler", default=None,
                    help="Dask scheduler address (tcp://host:8786) to run the sweep cells on a "

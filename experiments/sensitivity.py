@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from kvquant.cli import DefaultsHelpFormatter
 from .common import environment, write_csv, write_json
 
 __all__ = ["CSV_COLUMNS", "result_stem", "run_sensitivity", "shift_bits", "units_of"]
@@ -209,7 +210,7 @@ def main(argv=None):
     from kvquant_experiments.texts import TEXTS
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.sensitivity",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--base", required=True, help="base configuration: a pair spec or a plan file")
     p.add_argument("--text", default="pydoc", help="built-in text (" + ", ".join(TEXTS) +

@@ -212,3 +212,8 @@ def run_speed(results_dir, codecs=None, dims=None, T=None, threads=None, resume=
 
 def collect(results_dir):
     return read_json(Path(results_dir) / "speed.json")
+
+
+if __name__ == "__main__":
+    sys.exit("kvquant_experiments.speed is a section of the report, not a command: run "
+             "kvquant report (kvquant report --help), or kvquant distortion for one table")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvquant.cli import DefaultsHelpFormatter
 from kvquant_experiments.common import read_json, spec_tag, write_json
 from kvquant.outputs import check_out_dir
 
@@ -417,10 +418,10 @@ def add_cli(sub):
     p = sub.add_parser(
         "tasks", help="multiple-choice task accuracy per cache spec, paired against f32",
         description="Score a task (lm-eval's definitions, offline data) on a model with its KV "
-                    "cache through each codec; accuracy with Wilson 95%% intervals, the paired "
+                    "cache through each codec; accuracy with Wilson 95% intervals, the paired "
                     "table against f32 with exact McNemar, a paired bootstrap interval, choice "
                     "flips and the engine reviewer's verdict.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="smollm2, gemma3-270m, a GGUF file path; with --backend hf a local "
                         "transformers checkpoint folder")

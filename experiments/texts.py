@@ -82,6 +82,10 @@ TEXTS = {
                    + ", ".join(DOCSTRING_MODULES) + ")", docstrings_text),
 }
 MIN_CHARS = 1
+# A text is tokenized whole (the chunks are spread over all of it), which costs ~170 bytes of
+# memory and ~2 s per MB of text with these tokenizers: a file beyond this is refused up front
+# (a 100 MB file ended in the tokenizer's out-of-memory abort).
+MAX_TEXT_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,11 @@ def load_text(text):
     if not os.path.isfile(path):
         raise ValueError(f"text {path!r} is neither a built-in text ({', '.join(TEXTS)}) nor a "
                          "file; give one of those names or the path of a UTF-8 text file")
+    size = os.path.getsize(path)
+    if size > MAX_TEXT_BYTES:
+        raise ValueError(f"text file {path!r} is {size / 2**20:.1f} MiB; texts are tokenized "
+                         f"whole, up to {MAX_TEXT_BYTES >> 20} MiB: cut it first (e.g. head -c "
+                         f"{MAX_TEXT_BYTES >> 20}M {path} > shorter.txt)")
     with open(path, "rb") as f:
         raw = f.read()
     try:

@@ -47,6 +47,7 @@ the kernels cost; it is only meaningful with one thread (and BLAS held to one).
 """
 import dataclasses
 import json
+import math
 import os
 import platform
 import time
@@ -58,7 +59,7 @@ from kvquant import get_codec
 from kvquant.cache import softmax
 from kvquant.reference import softmax as numpy_softmax
 from kvquant._kernels import consumers
-from kvquant.outputs import atomic_write, check_out_dir
+from kvquant.outputs import atomic_write, check_out_dir, dumps_strict
 
 DEFAULT_DIMS = (512, 64)
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
@@ -68,6 +69,8 @@ DEFAULT_QUERIES = (1,)
 SCHEDULES = ("block", "interleaved")
 SOFTMAXES = ("compiled", "numpy")   # the codecs' softmax: the cache's, or the baseline's
 WARMUP_S = 0.2
+# the baseline holds T x d float32 rows (and --cold several copies): sizes beyond are refused
+MAX_ROWS_BYTES = 4 << 30
 COOL_DOWN_S = 0.15          # interleaved schedule: a pause longer than OpenBLAS's spinning
 # Far larger than any CPU's caches (tens of MB), so that the bandwidth is the memory's.
 BANDWIDTH_BUFFER_BYTES = 512 << 20
@@ -577,6 +580,23 @@ def cmd_bench(args):
         if not queries or min(queries) < 1:
             raise ValueError(f"--queries takes positive counts (query heads per KV head, e.g. "
                              f"1,3,4,8), got {args.queries!r}")
+        if not codecs:
+            raise ValueError(f"--codecs {args.codecs!r} names no codec")
+        if not dims or not contexts or min(dims) < 1 or min(contexts) < 1:
+            raise ValueError("--dims and --contexts take positive sizes")
+        biggest = max(dims) * max(contexts) * 4
+        if biggest > MAX_ROWS_BYTES:
+            raise ValueError(f"T={max(contexts)} rows of width {max(dims)} are "
+                             f"{biggest / 2**30:.1f} GiB of float32 (the baseline's rows), above "
+                             f"the {MAX_ROWS_BYTES >> 30} GiB benchmarked at most")
+        if not (math.isfinite(args.warmup_s) and args.warmup_s >= 0):
+            raise ValueError(f"--warmup-s takes a finite number of seconds >= 0, got "
+                             f"{args.warmup_s}")
+        if args.cache_mib is not None and not (math.isfinite(args.cache_mib)
+                                               and args.cache_mib > 0):
+            raise ValueError(f"--cache-mib takes a positive size, got {args.cache_mib}")
+        if args.seed < 0 or args.repeats < 1 or args.rounds < 1:
+            raise ValueError("--seed must be >= 0, --repeats and --rounds >= 1")
         consumers.set_simd(args.simd)
         if args.out:        # before the timing, not after it
             check_out_dir(args.out)
@@ -612,7 +632,7 @@ def cmd_bench(args):
                                                             args.softmax))
         if not args.json:
             print("wrote " + ", ".join(paths))
-    print(json.dumps(result, indent=1) if args.json else format_markdown(result))
+    print(dumps_strict(result) if args.json else format_markdown(result))
     return 0
 
 

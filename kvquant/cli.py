@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 
+from kvquant.outputs import dumps_strict
+
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """An argument error is one line naming it (argparse prints the usage first), exit status 2;
@@ -14,6 +16,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" only where the help does not already say its default, and
+    not for None or False (an option that is off or computed says so in its own words)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def parse_subcommand(add_cli, command, argv=None):
@@ -28,9 +41,17 @@ def parse_subcommand(add_cli, command, argv=None):
 def _parse_codecs(text):
     from kvquant.codecs import split_spec_list
     try:
-        return split_spec_list(text)
+        specs = split_spec_list(text)
     except ValueError as exc:
         raise SystemExit(f"kvquant: {exc}")
+    if not specs:
+        raise SystemExit(f"kvquant: --codecs {text!r} names no codec; give specs such as "
+                         "kv8,tq4 or 'all'")
+    return specs
+
+
+# Gaussian rows of distortion are drawn in memory: rows x dim float32 beyond this is refused
+MAX_DRAWN_BYTES = 2 << 30
 
 
 # `--codecs all`: every codec at its natural bit widths, llama.cpp's cache types included so that
@@ -80,6 +101,13 @@ def cmd_distortion(args):
         raise SystemExit(f"kvquant distortion: --rows must be >= 1, got {args.rows}")
     if not args.data and (not args.dim or min(args.dim) < 1):
         raise SystemExit(f"kvquant distortion: --dim needs widths >= 1, got {args.dim}")
+    if args.seed < 0:
+        raise SystemExit(f"kvquant distortion: --seed must be >= 0, got {args.seed}")
+    if not args.data and args.rows * max(args.dim) * 4 > MAX_DRAWN_BYTES:
+        raise SystemExit(f"kvquant distortion: {args.rows} rows of width {max(args.dim)} are "
+                         f"{args.rows * max(args.dim) * 4 / 2**30:.1f} GiB of float32, above "
+                         f"the {MAX_DRAWN_BYTES >> 30} GiB drawn at most: lower --rows or --dim")
+    codec_list = None if args.codecs.strip().lower() == "all" else _parse_codecs(args.codecs)
     if args.data:
         datasets = _distortion_data(args)
     else:
@@ -91,7 +119,7 @@ def cmd_distortion(args):
             X = np.random.default_rng(args.seed).standard_normal((args.rows, dim)).astype(np.float32)
         every = args.codecs.strip().lower() == "all"
         skipped = []
-        for spec in ALL_CODECS if every else _parse_codecs(args.codecs):
+        for spec in ALL_CODECS if every else codec_list:
             if "@" in spec:   # a stream spec: the codec inside a RowStream with its options
                 try:
                     row = measure_stream_distortion(spec, X, n_threads=args.threads)
@@ -116,8 +144,8 @@ def cmd_distortion(args):
             print(f"kvquant distortion: width {dim} does not suit {', '.join(skipped)} "
                   f"({WIDTH_RULE}); skipped", file=sys.stderr)
     if args.json:
-        print(json.dumps({"rows": int(X.shape[0]), "seed": args.seed,
-                          "data": args.data or "gaussian", "results": results}, indent=1))
+        print(dumps_strict({"rows": int(X.shape[0]), "seed": args.seed,
+                            "data": args.data or "gaussian", "results": results}))
         return 0
     labelled = any("data" in r for r in results)
     print(("{:<22} ".format("data") if labelled else "") +
@@ -232,6 +260,10 @@ def main(argv=None):
             print(exc.code, file=sys.stderr)
             return 2
         raise
+    except KeyboardInterrupt:
+        # one line, not the traceback of wherever the run was; 130 = 128 + SIGINT, as shells do
+        print("kvquant: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # the reader went away: stop writing, and keep Python's exit flush from failing again
         devnull = os.open(os.devnull, os.O_WRONLY)

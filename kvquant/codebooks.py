@@ -1077,6 +1077,7 @@ def add_cli(subparsers):
     argparse.ArgumentParser
         The ``codebooks`` parser.
     """
+    from kvquant.cli import DefaultsHelpFormatter
     parser = subparsers.add_parser(
         "codebooks", help="Lloyd-Max codebooks (fit and store)",
         description="Lloyd-Max codebooks for the rotated codecs, in N(0,1) units.")
@@ -1085,7 +1086,7 @@ def add_cli(subparsers):
     fit = actions.add_parser(
         "fit", help="fit codebooks and write them as JSON",
         description="Fit Lloyd-Max codebooks and write one JSON file per (dist, dim, bits).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     fit.add_argument("--dist", default=None,
                      help="gaussian, beta or gaussian,beta (default with --all: both)")
     fit.add_argument("--dim", default=None, help="beta dimensions, comma-separated (e.g. 64,128)")

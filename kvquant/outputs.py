@@ -5,11 +5,13 @@ it cannot create, and a result file must never be seen half-written: each file g
 file in its own folder and is renamed over the target (the rename is atomic on POSIX), so a kill
 or a full disk leaves the previous file or none, never a truncated one.
 """
+import json
+import math
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_out_dir", "check_out_file"]
+__all__ = ["atomic_write", "check_out_dir", "check_out_file", "dumps_strict"]
 
 
 def _probe_writable(folder, arg):
@@ -90,3 +92,19 @@ def atomic_write(path, write, binary=False):
             pass
         raise
     return path
+
+
+def _finite_or_none(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def dumps_strict(obj):
+    """JSON that any parser reads: NaN and infinities (which ``json.dumps`` writes as the
+    non-standard ``NaN``/``Infinity``) become null."""
+    return json.dumps(_finite_or_none(obj), indent=1, allow_nan=False)

@@ -93,3 +93,61 @@ def test_flips_bad_counts_and_names(tmp_path, args, needle):
               cwd=tmp_path)
     assert_one_line_error(res, needle)
     assert list(tmp_path.iterdir()) == []          # nothing written
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["distortion", "--codecs", ","], ("names no codec",)),
+    (["distortion", "--codecs", ""], ("names no codec",)),
+    (["distortion", "--seed", "-1"], ("--seed must be >= 0",)),
+    (["distortion", "--dim", "1048576"], ("GiB of float32", "lower --rows or --dim")),
+    (["bench", "--warmup-s", "inf"], ("--warmup-s takes a finite",)),
+    (["bench", "--warmup-s", "nan"], ("--warmup-s takes a finite",)),
+    (["bench", "--warmup-s", "-1"], ("--warmup-s takes a finite",)),
+    (["bench", "--cold", "--cache-mib", "inf"], ("--cache-mib takes a positive size",)),
+    (["bench", "--contexts", "100000000k"], ("GiB of float32",)),
+    (["bench", "--codecs", ","], ("names no codec",)),
+])
+def test_numbers_out_of_range_and_empty_lists_are_refused_at_once(args, needles):
+    assert_one_line_error(run(*args), *needles)
+
+
+def test_json_output_is_standard_json(tmp_path):
+    """NaN is not JSON: a value without a finite number is null (a strict parser reads it)."""
+    import json
+    from kvquant.outputs import dumps_strict
+    text = dumps_strict({"a": float("nan"), "b": [1.0, float("inf")], "c": np.float64("nan")})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard {c}")) == {
+        "a": None, "b": [1.0, None], "c": None}
+    res = run("distortion", "--codecs", "kv8", "--dim", "8", "--rows", "4", "--json")
+    json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"non-standard {c}"))
+
+
+@pytest.mark.parametrize("command", ["flips", "tasks", "dump-kv", "report"])
+def test_help_texts_show_each_default_once_and_no_doubled_percent(command):
+    res = run(command, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "%%" not in res.stdout
+    assert "(default: None)" not in res.stdout and "(default: False)" not in res.stdout
+    for block in res.stdout.split("\n  -")[1:]:          # one option's help each
+        assert block.lower().count("default") <= 1, block
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """SIGINT during a run: "interrupted", status 130, no traceback."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "kvquant.cli", "bench", "--codecs", "kv8",
+                             "--dims", "64", "--contexts", "4096", "--threads", "1",
+                             "--rounds", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)                        # past the imports, inside the work
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err and err.strip().splitlines() == ["kvquant: interrupted"]
+
+
+def test_python_m_on_a_report_section_says_what_to_run():
+    res = subprocess.run([sys.executable, "-m", "kvquant_experiments.distortion", "--help"],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "kvquant report" in res.stderr

@@ -224,6 +224,15 @@ def test_text_files_and_their_errors(tmp_path):
     empty.write_text("  \n")
     with pytest.raises(ValueError, match="holds no text"):
         texts.load_text(str(empty))
+    huge = tmp_path / "huge.txt"           # sparse: refused by its size, never read
+    with open(huge, "wb") as f:
+        f.truncate(texts.MAX_TEXT_BYTES + 1)
+    with pytest.raises(ValueError, match="8.0 MiB; texts are tokenized whole, up to 8 MiB"):
+        texts.load_text(str(huge))
+    fifo = tmp_path / "fifo.txt"           # a FIFO would block a read forever
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="nor a file"):
+        texts.load_text(str(fifo))
 
 
 def test_run_flips_on_a_text_file(tiny_llama, tmp_path):
