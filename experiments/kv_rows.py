@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import zipfile
 
 import numpy as np
 
@@ -67,18 +68,56 @@ def load_kv_rows(path):
     ValueError
         Not such a file (the message says what it holds).
     """
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise ValueError(f"{name!r} is not a file")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        _check_member_sizes(name)
+        with np.load(name, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {os.fspath(path)!r} as a .npz archive: {exc}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"cannot read {name!r} as a .npz archive: {exc}") from None
     if "meta" not in arrays:
-        raise ValueError(f"{os.fspath(path)!r} holds {sorted(arrays)}, not the rows of "
+        raise ValueError(f"{name!r} holds {sorted(arrays)}, not the rows of "
                          "`kvquant dump-kv` (no 'meta')")
-    meta = json.loads(str(arrays.pop("meta")))
+    raw = arrays.pop("meta")
+    try:
+        if raw.ndim != 0 or raw.dtype.kind != "U":
+            raise ValueError("not a JSON string")
+        meta = json.loads(str(raw))
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise ValueError(f"{name!r}: its 'meta' entry is {exc}: not a file of `kvquant dump-kv`") \
+            from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} is format {meta.get('format')!r}, not {FORMAT!r}")
+        raise ValueError(f"{name!r} is format {meta.get('format')!r}, not {FORMAT!r}")
+    for key, x in arrays.items():
+        if x.dtype.kind != "f" or x.ndim != 4:
+            raise ValueError(f"{name!r}: stream {key!r} holds {x.dtype} of shape {x.shape}; "
+                             "rows are float arrays (layer, kv_head, position, width)")
     return arrays, meta
+
+
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _check_member_sizes(path):
+    """Each array's header against its stored size, before numpy allocates what a header
+    claims (a damaged header claiming 2^33 rows would allocate them first)."""
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version not in _HEADER_READERS:
+                    raise ValueError(f"member {info.filename!r}: .npy format {version}")
+                shape, _, dtype = _HEADER_READERS[version](f)
+                header = f.tell() if f.seekable() else None
+                need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if header is not None and need > info.file_size - header:
+                    raise ValueError(f"member {info.filename!r} claims shape {shape} of {dtype} "
+                                     f"({need} bytes) but holds {info.file_size - header}")
 
 
 def select_rows(rows, stream=None, layer=None, head=None):

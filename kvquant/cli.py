@@ -80,9 +80,13 @@ def _distortion_data(args):
     if args.stream or args.layer is not None or args.head is not None:
         raise SystemExit("kvquant distortion: --stream, --layer and --head select rows of a "
                          "`kvquant dump-kv` .npz file")
+    if not os.path.isfile(args.data):
+        raise SystemExit(f"kvquant distortion: --data {args.data!r} is not a file")
     try:
-        X = np.load(args.data, allow_pickle=False)
-    except (OSError, ValueError) as exc:
+        # mapped first: numpy checks the header's shape against the file's size before
+        # anything is allocated (a header claiming 2^33 rows would allocate them)
+        X = np.load(args.data, allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
         raise SystemExit(f"kvquant distortion: cannot read {args.data!r} as a .npy array: {exc}")
     if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] < 1:
         raise SystemExit(f"kvquant distortion: {args.data!r} holds shape {X.shape}; "
@@ -90,7 +94,7 @@ def _distortion_data(args):
     if X.dtype.kind != "f":
         raise SystemExit(f"kvquant distortion: {args.data!r} holds {X.dtype} values; expected "
                          "float32 or float64 rows (convert with X.astype(np.float32))")
-    return [(args.data, X)]
+    return [(args.data, np.array(X))]
 
 
 def cmd_distortion(args):

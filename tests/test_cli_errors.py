@@ -151,3 +151,52 @@ def test_python_m_on_a_report_section_says_what_to_run():
     res = subprocess.run([sys.executable, "-m", "kvquant_experiments.distortion", "--help"],
                          capture_output=True, text=True)
     assert res.returncode != 0 and "kvquant report" in res.stderr
+
+
+def _lying_npy(path, shape):
+    """A .npy whose header claims ``shape`` over 256 bytes of data."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        f.write(b"\0" * 256)
+    return str(path)
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def _dump_meta():
+    import json
+    return np.array(json.dumps({"format": "kvquant-kv-rows/1"}))
+
+
+@pytest.mark.parametrize("make, needles", [
+    (lambda d: _lying_npy(d / "huge.npy", (2 ** 33, 64)), ("cannot read", "huge.npy")),
+    (lambda d: (os.mkfifo(d / "rows.npy"), str(d / "rows.npy"))[1], ("is not a file",)),
+    (lambda d: (os.mkfifo(d / "rows.npz"), str(d / "rows.npz"))[1], ("is not a file",)),
+    (lambda d: _npz(d / "ints.npz", meta=_dump_meta(), k=np.zeros((1, 1, 4, 8), np.int32)),
+     ("stream 'k' holds int32",)),
+    (lambda d: _npz(d / "list.npz", meta=np.array("[1, 2]"), k=np.zeros((1, 1, 4, 8))),
+     ("'meta' entry is not a JSON object",)),
+    (lambda d: _npz(d / "strs.npz", meta=np.array(["a", "b"]), k=np.zeros((1, 1, 4, 8))),
+     ("'meta' entry is not a JSON string",)),
+])
+def test_distortion_data_files_that_lie_or_block(tmp_path, make, needles):
+    res = run("distortion", "--codecs", "kv8", "--data", make(tmp_path))
+    assert_one_line_error(res, "kvquant distortion", *needles)
+
+
+def test_an_npz_member_claiming_more_than_it_holds(tmp_path):
+    import zipfile
+    path = tmp_path / "lying.npz"
+    _lying_npy(tmp_path / "k.npy", (2 ** 33, 1, 1, 64))
+    with zipfile.ZipFile(path, "w") as zf:
+        import io
+        meta = io.BytesIO()
+        np.save(meta, _dump_meta())
+        zf.writestr("meta.npy", meta.getvalue())
+        zf.write(tmp_path / "k.npy", "k.npy")
+    res = run("distortion", "--codecs", "kv8", "--data", str(path))
+    assert_one_line_error(res, "cannot read", "claims shape")
