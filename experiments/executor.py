@@ -22,8 +22,8 @@ from pathlib import Path
 
 from kvquant_experiments.common import environment, read_json, write_json
 
-__all__ = ["CellBatch", "SerialExecutor", "open_executor", "run_cells", "submit_cells",
-           "tally_batch"]
+__all__ = ["CellBatch", "SerialExecutor", "UnitStore", "open_executor", "run_cells",
+           "submit_cells", "tally_batch"]
 
 
 class SerialExecutor(cf.Executor):
@@ -33,8 +33,8 @@ class SerialExecutor(cf.Executor):
         future = cf.Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)     # (Ctrl-C is not: it stops the run at once)
         return future
 
 
@@ -270,3 +270,102 @@ def run_cells(fn, cells, out_dir, stem, executor=None, resume=True, progress=Tru
     results = batch.wait()
     tally_batch(tally, batch)
     return results
+
+
+class UnitStore:
+    """The finished units of a long run (a chunk, a group of protocol prompts), one JSON file
+    each in ``folder``, so that the same command after an interruption computes only the rest.
+
+    A unit's file name is a hash of the run's ``identity`` (model, versions: everything that
+    changes a number) and the unit's own parameters, so a unit of another run is never taken
+    for this one's. Files are written atomically; numpy arrays are stored with their dtype and
+    come back bit for bit (floats as their shortest repr).
+    """
+
+    def __init__(self, folder, identity=None):
+        self.folder = Path(folder)
+        self.identity = identity
+        self.loaded = self.saved = 0
+        self._keys = set()
+
+    def bind(self, identity):
+        """Set the run's identity once the run knows it (e.g. after loading its model)."""
+        self.identity = identity
+
+    def discard(self):
+        """Remove this run's unit files (and the folder when nothing else is in it): once the
+        results are written they hold everything the units did."""
+        for key in self._keys:
+            try:
+                os.unlink(self.folder / f"{key}.json")
+            except OSError:
+                pass
+        try:
+            self.folder.rmdir()
+        except OSError:
+            pass
+
+    def key(self, kind, params):
+        import hashlib
+        import json
+        if self.identity is None:
+            raise RuntimeError("UnitStore.bind(identity) first")
+        text = json.dumps([self.identity, kind, params], sort_keys=True, default=_plain)
+        key = f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+        self._keys.add(key)
+        return key
+
+    def get(self, key):
+        path = self.folder / f"{key}.json"
+        try:
+            stored = read_json(path)
+        except (OSError, ValueError):
+            return None             # missing, or torn by a crash before the rename
+        self.loaded += 1
+        return _from_json(stored["result"])
+
+    def put(self, key, result):
+        write_json(self.folder / f"{key}.json", {"result": _to_json(result)})
+        self.saved += 1
+
+    def done_callback(self, key):
+        """A ``Future.add_done_callback`` that stores the unit's result when it succeeds."""
+        def store(future):
+            if not future.cancelled() and future.exception() is None:
+                self.put(key, future.result())
+        return store
+
+
+def _plain(obj):
+    import numpy as np
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot hash {type(obj).__name__}")
+
+
+def _to_json(obj):
+    import numpy as np
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}
+    if isinstance(obj, np.generic):
+        return {"__scalar__": obj.dtype.str, "value": obj.item()}
+    if isinstance(obj, dict):
+        return {k: _to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def _from_json(obj):
+    import numpy as np
+    if isinstance(obj, dict):
+        if "__ndarray__" in obj:
+            return np.array(obj["data"], dtype=obj["__ndarray__"]).reshape(obj["shape"])
+        if "__scalar__" in obj:
+            return np.dtype(obj["__scalar__"]).type(obj["value"])
+        return {k: _from_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v) for v in obj]
+    return obj

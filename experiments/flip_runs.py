@@ -8,6 +8,7 @@ processes (each loads the model once and uses one BLAS thread) or a Dask cluster
 a pure function of its arguments, so where it runs does not change the numbers.
 """
 import argparse
+import concurrent.futures as cf
 import csv
 import functools
 import json
@@ -23,6 +24,7 @@ from kvquant import flips
 from kvquant_experiments.texts import Text, load_text, text_tokens
 from kvquant_experiments.common import safe_stem, write_json
 from kvquant.outputs import atomic_write, check_out_dir, dumps_strict
+from kvquant_experiments.executor import UnitStore
 
 __all__ = [
     "CSV_COLUMNS",
@@ -104,19 +106,37 @@ def _groups(items, n):
     return [g for g in (items[i::n] for i in range(max(1, n))) if g]
 
 
-def run_chunks(executor, source, specs, chunks, groups_per_chunk=1, progress=None):
+def _submit_unit(executor, units, kind, params, fn, *args):
+    """``executor.submit(fn, *args)``, or the unit's stored result when ``units`` (a
+    :class:`~kvquant_experiments.executor.UnitStore`) has it; a computed result is stored as
+    soon as it is done, so an interrupted run keeps every finished unit."""
+    if units is None:
+        return executor.submit(fn, *args)
+    key = units.key(kind, params)
+    stored = units.get(key)
+    if stored is not None:
+        future = cf.Future()
+        future.set_result(stored)
+        return future
+    future = executor.submit(fn, *args)
+    future.add_done_callback(units.done_callback(key))
+    return future
+
+
+def run_chunks(executor, source, specs, chunks, groups_per_chunk=1, progress=None, units=None):
     """:func:`kvquant.flips.chunk_stats` of every chunk, its specs cut into ``groups_per_chunk``
     groups (each a task with its own f32 reference, so that one long chunk can spread over
     workers); returns the stats in chunk order, each with every spec in the order of ``specs``.
+    With ``units``, finished tasks are stored and a rerun reuses them.
     """
     groups = _groups([s for s in specs if s != "f32"], groups_per_chunk) or [[]]
     groups = [["f32"] + g for g in groups]
     futures = {}
     for ci, (_, ids) in enumerate(chunks):
         for group in groups:
-            futures[executor.submit(chunk_task, source, group, ids)] = ci
+            futures[_submit_unit(executor, units, "chunk", {"specs": group, "ids": ids},
+                                 chunk_task, source, group, ids)] = ci
     parts = [[] for _ in chunks]
-    import concurrent.futures as cf
     for done, future in enumerate(cf.as_completed(futures), 1):
         ci = futures[future]
         parts[ci].append(future.result())
@@ -134,10 +154,13 @@ def run_chunks(executor, source, specs, chunks, groups_per_chunk=1, progress=Non
     return stats
 
 
-def _run_protocol(executor, source, codecs, prompts, n_groups, progress):
-    futures = [executor.submit(protocol_task, source, g, prompts, flips.NEW_TOKENS)
+def _run_protocol(executor, source, codecs, prompts, n_groups, progress, units=None):
+    if units is not None:       # one unit per codec: an interruption loses at most one
+        n_groups = len(codecs)
+    futures = [_submit_unit(executor, units, "protocol",
+                            {"specs": g, "prompts": prompts, "new": flips.NEW_TOKENS},
+                            protocol_task, source, g, prompts, flips.NEW_TOKENS)
                for g in _groups(codecs, n_groups)]
-    import concurrent.futures as cf
     for future in cf.as_completed(futures):
         if progress:
             progress("protocol: " + ", ".join(
@@ -153,7 +176,7 @@ def _run_protocol(executor, source, codecs, prompts, n_groups, progress):
 # --------------------------------------------------------------------------------------------
 def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUNK_TOKENS,
               n_prompts=None, workers=None, model=None, progress=None, text="pydoc",
-              scheduler=None, score="all"):
+              scheduler=None, score="all", units=None):
     """Build the flip table of a model.
 
     Parameters
@@ -183,6 +206,10 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     score : {"all", "second-half"}
         Text positions that enter the statistics: every one (default), or the second half of
         each chunk as llama-perplexity scores (:func:`kvquant.flips.scored_from`).
+    units : kvquant_experiments.executor.UnitStore, optional
+        Keep each finished unit (a chunk's task, a codec's protocol) there as it finishes and
+        reuse the ones it holds, so that the same call after an interruption computes only the
+        rest and gives the same numbers (its identity is bound here: the model and version).
 
     Returns
     -------
@@ -245,14 +272,18 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         raise ValueError(f"text {resolved.name!r} ({resolved.source}): {exc}") from None
     if scheduler is None and workers == 1:
         scheduler = "serial"
+    if units is not None:
+        import kvquant
+        units.bind({"model": model.describe(), "model_name": str(model_name),
+                    "kvquant": kvquant.__version__})
     with open_executor(scheduler, workers) as ex:
         source = model if ex.kind == "serial" else (model_name, None)
         lanes = workers if ex.kind == "local" else 2
         proto = _run_protocol(ex, source, codecs, prompts,
-                              1 if ex.kind == "serial" else lanes, progress)
+                              1 if ex.kind == "serial" else lanes, progress, units)
         stats = run_chunks(ex, source, codecs, chunks,
                            1 if ex.kind == "serial" else math.ceil(lanes / max(1, len(chunks))),
-                           progress) if chunks else []
+                           progress, units) if chunks else []
         executor_description = ex.description
     rows = proto["rows"]
     meta = {
@@ -279,8 +310,15 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     meta["executor"] = executor_description
     meta["workers"] = workers
     meta["elapsed_s"] = time.perf_counter() - t_start
+    if units is not None:
+        meta["resumed_units"] = units.loaded
+        if units.loaded and progress:
+            progress(f"resumed: {units.loaded} finished unit(s) reused from {units.folder}")
     add_storage(rows, meta)
     return {"meta": meta, "rows": rows}
+
+
+UNITS_FOLDER = ".flips-units"
 
 
 def storage_context(meta):
@@ -598,14 +636,25 @@ def cmd_flips(args):
         model = None
         if args.backend == "hf":
             model = _hf_model(args)
+        # finished units are kept beside the results (or in the working folder until the
+        # run's own folder is known) so that the same command resumes after an interruption
+        units = None if args.no_write else UnitStore(os.path.join(
+            args.out if args.out is not None else ".", UNITS_FOLDER))
         result = run_flips(args.model, codecs=codecs, positions=args.positions,
                            chunk_tokens=args.chunk_tokens, n_prompts=args.prompts,
                            workers=args.workers, progress=_progress(args.quiet), text=args.text,
-                           scheduler=args.scheduler, score=args.score, model=model)
+                           scheduler=args.scheduler, score=args.score, model=model,
+                           units=units)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"kvquant flips: {exc}")
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            f"{units.saved + units.loaded} finished unit(s) are saved in {units.folder}: rerun "
+            "the same command to resume" if units else "nothing was saved (--no-write)") from None
     out = args.out if args.out is not None else result_stem(result)
     paths = () if args.no_write else write_results(result, out)
+    if units is not None:       # the results hold everything the units did
+        units.discard()
     if args.json:
         print(dumps_strict(result))
     else:

@@ -264,9 +264,9 @@ def main(argv=None):
             print(exc.code, file=sys.stderr)
             return 2
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # one line, not the traceback of wherever the run was; 130 = 128 + SIGINT, as shells do
-        print("kvquant: interrupted", file=sys.stderr)
+        print("kvquant: interrupted" + (f"; {exc}" if exc.args else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:
         # the reader went away: stop writing, and keep Python's exit flush from failing again

@@ -436,3 +436,45 @@ def test_dump_kv_command_on_smollm2(tmp_path):
     cache = model.new_cache("f32")
     model.forward(model.encode(text.read_text())[:32], cache)
     assert np.array_equal(rows["v"][29, 2], cache.stream(29, "v", 2).decode())
+
+
+def _numbers(path):
+    """A flips result's rows without their timings."""
+    import json
+    rows = json.loads(open(path).read())["rows"]
+    return [{k: v for k, v in r.items() if not (k.endswith("_s") or k == "seconds")}
+            for r in rows]
+
+
+def test_an_interrupted_flips_run_resumes_to_the_same_numbers(tmp_path):
+    """Ctrl-C mid-run: one line, exit 130, the finished units kept; the same command then
+    finishes with the numbers of an uninterrupted run and leaves no units behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    codecs = "kv8,tq2,tq3,tq4,polar2,polar3,polar4,polar5,polar6,tq8"
+    argv = [sys.executable, "-m", "kvquant.cli", "flips", "--model", "tiny-mla", "--codecs",
+            codecs, "--workers", "1", "--quiet"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    subprocess.run(argv + ["--out", str(whole)], check=True, capture_output=True)
+    proc = subprocess.Popen(argv + ["--out", str(cut)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    units = cut / flip_runs.UNITS_FOLDER
+    deadline = time.monotonic() + 120
+    while not (units.is_dir() and len(list(units.glob("*.json"))) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "rerun the same command to resume" in err
+    saved = len(list(units.glob("*.json")))
+    assert 2 <= saved < 11                       # f32 and ten codecs: one unit each
+    assert not list(cut.glob("flips-*.json"))   # no result yet
+    done = subprocess.run(argv[:-1] + ["--out", str(cut)], check=True, capture_output=True,
+                          text=True)
+    assert f"resumed: {saved} finished unit(s)" in done.stderr
+    [a], [b] = whole.glob("flips-*.json"), cut.glob("flips-*.json")
+    assert _numbers(a) == _numbers(b)
+    assert not units.exists()
