@@ -4,17 +4,31 @@ A spec is a base name with optional options after a colon, e.g. ``kv8``, ``kv8-g
 ``tq3:codebook=gaussian,side=unbiased``, ``tq4:compat=colibri``, ``tq4:seed=0x1234``,
 ``polar4:side_dtype=f16`` (side values stored as fp16, 2 bytes, on tq and polar). Keyword
 options given to ``get_codec`` are merged with those in the spec (a conflict is an error).
-Each family module exposes ``parse(base, dim, options)`` returning a codec or None.
+Each family module exposes ``parse(base, dim, options)`` returning a codec or None; codecs
+from elsewhere come in through :mod:`kvquant.codecs.registry` (``register_codec`` or the
+``kvquant.codecs`` entry-point group) and are looked up after the built-in families.
 """
 import re
 
 from kvquant.codecs import fp8, ggml, identity, lloyd, polar
+from kvquant.codecs import registry
 from kvquant.codecs.base import WIDTH_RULE, Codec, EncodedRows
+from kvquant.codecs.registry import register_codec, unregister_codec
 
 _FAMILIES = (identity.parse, fp8.parse, lloyd.parse, polar.parse, ggml.parse)
 _INT_OPTIONS = ("seed", "group", "bits")
+# the built-in families' spec forms, as users write them
+BUILTIN_FORMS = ("f32", "kv8", "kv8-g<N>", "tq<b> (b = 1..8)", "polar<b> (b = 2..6)",
+                 *(f"{k} (+rot)" for k in ggml.KINDS))
 
-__all__ = ["WIDTH_RULE", "Codec", "EncodedRows", "get_codec", "parse_spec", "split_spec_list"]
+__all__ = ["BUILTIN_FORMS", "WIDTH_RULE", "Codec", "EncodedRows", "available_codecs",
+           "get_codec", "parse_spec", "register_codec", "split_spec_list", "unregister_codec"]
+
+
+def available_codecs():
+    """Every codec spec form this process can build: the built-in families' (``tq<b>`` ...),
+    then the registered and installed plug-ins' names."""
+    return list(BUILTIN_FORMS) + registry.plugin_names()
 
 
 def parse_spec(spec):
@@ -84,15 +98,31 @@ def get_codec(spec, dim, **options):
                 f"option {key!r} is {spec_options[key]!r} in the spec and {value!r} as a keyword"
             )
     merged = {**spec_options, **options}
+    try:
+        codec = builtin_codec(base, dim, merged)
+    except TypeError as exc:
+        raise ValueError(f"spec {spec!r}: unknown option ({exc})") from None
+    if codec is not None:
+        return codec
+    factory = registry.registered_factory(base)
+    if factory is None:
+        raise ValueError(f"unknown codec spec {spec!r}; known: {', '.join(available_codecs())}"
+                         " (kvquant.register_codec adds one)")
+    try:
+        codec = factory(dim, **merged)
+    except TypeError as exc:
+        raise ValueError(f"spec {spec!r}: the codec's factory refuses its options ({exc})") \
+            from None
+    if not isinstance(codec, Codec) or codec.dim != dim:
+        raise ValueError(f"spec {spec!r}: its factory returned {codec!r}, not a kvquant Codec "
+                         f"of width {dim}")
+    return codec
+
+
+def builtin_codec(base, dim, options):
+    """The built-in family's codec of spec base ``base``, or None when no family has it."""
     for family_parse in _FAMILIES:
-        try:
-            codec = family_parse(base, dim, merged)
-        except TypeError as exc:
-            raise ValueError(f"spec {spec!r}: unknown option ({exc})") from None
+        codec = family_parse(base, dim, options)
         if codec is not None:
             return codec
-    raise ValueError(
-        f"unknown codec spec {spec!r}; known: f32, kv8, kv8-g<N>, tq<b> (b = 1..8), "
-        "polar<b> (b = 2..6), and llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl (each also "
-        "+rot)"
-    )
+    return None
