@@ -19,6 +19,8 @@ The built-in codecs' tests run this same check (tests/test_codec_contract.py).
 """
 import numpy as np
 
+from kvquant._threads import MIN_ELEMENTS_PER_THREAD, resolve_n_threads
+
 __all__ = ["check_codec"]
 
 
@@ -69,9 +71,16 @@ def check_codec(codec, n_rows=48, seed=0, rebuild=True):
                      f"{codec.bytes_per_row} each")
     if not _same_bytes(enc, codec.encode(X, n_threads=1)):
         _fail(codec, "encoding the same rows twice gives different bytes")
+    # enough rows that 3 threads really run (small work stays on one: kvquant._threads)
+    big = rng.standard_normal((-(-3 * MIN_ELEMENTS_PER_THREAD // dim), dim)).astype(np.float32)
+    assert resolve_n_threads(3, big.size) == 3
+    big_enc = codec.encode(big, n_threads=1)
+    big_dec = codec.decode(big_enc, n_threads=1)
     for n_threads in (2, 3):
-        if not _same_bytes(enc, codec.encode(X, n_threads=n_threads)):
+        if not _same_bytes(big_enc, codec.encode(big, n_threads=n_threads)):
             _fail(codec, f"encode with {n_threads} threads differs from 1 thread")
+        if not np.array_equal(big_dec, codec.decode(big_enc, n_threads=n_threads)):
+            _fail(codec, f"decode with {n_threads} threads differs from 1 thread")
     one_by_one = [codec.encode(X[i:i + 1], n_threads=1) for i in range(0, n_rows, 7)]
     for i, part in zip(range(0, n_rows, 7), one_by_one):
         if not (np.array_equal(np.asarray(part.codes)[0], codes[i])
@@ -87,9 +96,6 @@ def check_codec(codec, n_rows=48, seed=0, rebuild=True):
         _fail(codec, "decode of finite rows is not finite")
     if np.any(Xh[n_rows // 2] != 0):
         _fail(codec, "a zero row does not decode to zeros")
-    for n_threads in (2, 3):
-        if not np.array_equal(Xh, codec.decode(enc, n_threads=n_threads)):
-            _fail(codec, f"decode with {n_threads} threads differs from 1 thread")
 
     scale = float(np.abs(Xh).max()) or 1.0
     for n_queries in (1, 4):
@@ -106,10 +112,13 @@ def check_codec(codec, n_rows=48, seed=0, rebuild=True):
             _fail(codec, f"scores with {n_queries} quer(ies) disagree with decode(enc) @ q")
         if got_c.shape != want_c.shape or np.abs(got_c - want_c).max() > tol_c:
             _fail(codec, f"context with {n_queries} weight row(s) disagrees with w @ decode(enc)")
+        # the consumers over the big rows: each thread takes a share of them
+        Wb = rng.random((n_queries, big.shape[0])).astype(np.float32)
+        wb = Wb[0] if n_queries == 1 else Wb
+        s1, c1 = codec.scores(big_enc, q, n_threads=1), codec.context(big_enc, wb, n_threads=1)
         for n_threads in (2, 3):
-            if not (np.array_equal(got_s, np.atleast_2d(codec.scores(enc, q, n_threads)))
-                    and np.array_equal(got_c, np.atleast_2d(codec.context(enc, w,
-                                                                          n_threads)))):
+            if not (np.array_equal(s1, codec.scores(big_enc, q, n_threads=n_threads))
+                    and np.array_equal(c1, codec.context(big_enc, wb, n_threads=n_threads))):
                 _fail(codec, f"consumers with {n_threads} threads differ from 1 thread")
 
     if rebuild:

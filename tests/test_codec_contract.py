@@ -77,8 +77,14 @@ def test_the_check_catches_each_broken_promise():
             np.matmul(X, Q.T, out=out.T)
             out += 0.1
 
+    class ThreadDependent(SignCodec):                   # a scale summed in per-thread order
+        def _encode(self, X, n_threads):
+            codes, side, status = super()._encode(X, n_threads)
+            return codes, side * np.float32(1 + 1e-6 * (n_threads - 1)), status
+
     for cls, message in ((WrongSize, "code_bytes"), (GlobalScale, "encoded alone"),
-                         (Float64Decode, "expected float32"), (BadScores, "scores")):
+                         (Float64Decode, "expected float32"), (BadScores, "scores"),
+                         (ThreadDependent, "encode with 2 threads")):
         with pytest.raises(AssertionError, match=message):
             check_codec(cls(64), rebuild=False)
     with pytest.raises(AssertionError, match="get_codec"):
