@@ -424,7 +424,7 @@ def cmd_budget(args):
     if args.codecs and missing:
         _fail(f"codec(s) {', '.join(missing)} unknown or unable to take the widths of "
               f"{shape.name} ({', '.join(str(s.dim) for s in shape.streams)}); see "
-              "`kvquant info` and the README's codec section")
+              "`kvquant info` and docs/codecs.md")
     rows = budget_table(shape, specs, args.ram, contexts, args.slots, args.reserve)
     if args.json:
         print(json.dumps({"model": shape.to_json(), "ram_bytes": parse_bytes(args.ram),

@@ -142,7 +142,7 @@ def write_f32_gguf(src, dst):
     """A copy of the GGUF file ``src`` with every tensor dequantized to float32 (the values
     kvquant's forward computes with), metadata unchanged. llama.cpp then runs its matrix
     products in float32 instead of quantizing their inputs to the weights' dot type (q8_1 for
-    Q4_1 weights): differences that would otherwise mask the cache's (see the README)."""
+    Q4_1 weights): differences that would otherwise mask the cache's (see docs/llama-cpp-as-run.md)."""
     import gguf
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
