@@ -627,7 +627,10 @@ def cmd_flips(args):
     try:
         if not args.no_write:   # before any work: a run must not find out at its end
             check_out_dir(args.out if args.out is not None else ".")
-        codecs = split_spec_list(args.codecs) if args.codecs else None
+        codecs = split_spec_list(args.codecs) if args.codecs is not None else None
+        if codecs == []:
+            raise ValueError(f"--codecs {args.codecs!r} names no codec; give specs such as "
+                             "kv8,tq4, or leave --codecs out for the model's list")
         if args.plan:   # cache plans: configurations beside (or instead of) the pair specs
             from kvquant.models.plan import CachePlan
             for path in args.plan:

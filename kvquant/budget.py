@@ -132,6 +132,13 @@ def format_bytes(n):
     return f"{n} B"
 
 
+def _count(value, key, low=1):
+    """A whole count from JSON: 1.5 or "8" is an error, not 1 or 8."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} is {value!r}, not an integer >= {low}")
+    return value
+
+
 def load_shape(model):
     """A ModelShape from a preset name, a JSON file path or a JSON string."""
     if isinstance(model, ModelShape):
@@ -147,10 +154,14 @@ def load_shape(model):
         text = path.read_text(encoding="utf-8")
     try:
         d = json.loads(text)
-        streams = tuple(Stream(s["name"], int(s["dim"]), int(s.get("count", 1)),
+        if not isinstance(d, dict) or not isinstance(d.get("streams"), list):
+            raise ValueError("not an object with a list of streams")
+        streams = tuple(Stream(s["name"], _count(s["dim"], "dim"),
+                               _count(s.get("count", 1), "count"),
                                bool(s.get("grouped_scales", True))) for s in d["streams"])
-        shape = ModelShape(d.get("name", "custom"), int(d["n_layers"]), streams,
-                           int(d.get("extra_layers", 0)), int(d.get("extra_f32_per_token", 0)),
+        shape = ModelShape(d.get("name", "custom"), _count(d["n_layers"], "n_layers"), streams,
+                           _count(d.get("extra_layers", 0), "extra_layers", 0),
+                           _count(d.get("extra_f32_per_token", 0), "extra_f32_per_token", 0),
                            d.get("note", ""))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(

@@ -82,6 +82,14 @@ def test_parse_errors():
         budget.load_shape("no-such-model")
     with pytest.raises(ValueError, match="bad model shape"):
         budget.load_shape('{"n_layers": 3}')
+    # counts are whole numbers: 1.5 heads is a damaged file, not one head
+    for bad, match in (('"count": 1.5', "count is 1.5"), ('"count": "8"', "count is '8'"),
+                       ('"count": true', "count is True"), ('"dim": 0', "dim is 0")):
+        with pytest.raises(ValueError, match=match):
+            budget.load_shape('{"n_layers": 2, "streams": [{"name": "k", "dim": 64, '
+                              + bad + '}]}'.replace('"dim": 64, "dim"', '"dim"'))
+    with pytest.raises(ValueError, match="not an object"):
+        budget.load_shape('[1, 2]'.replace("[", "{\"x\": [", 1) + "}")
 
 
 def test_cli_table(capsys):

@@ -66,6 +66,11 @@ def test_a_plan_round_trips_through_its_file(tmp_path):
     ({"kind": "kvquant-cache-plan", "version": 1, "n_kv_heads": 2,
       "layers": [{"k": ["tq4"], "v": "tq4"}]}, "1 specs per head for 2"),
     ({"kind": "kvquant-cache-plan", "version": 1, "pair": "tq4"}, "needs \"n_layers\""),
+    # an 80-byte file claiming 2e8 layers: refused before any list of them is built
+    ({"kind": "kvquant-cache-plan", "version": 1, "pair": "tq4", "n_layers": 200000000},
+     "n_layers.* is 200000000"),
+    ({"kind": "kvquant-cache-plan", "version": 1, "pair": "tq4", "n_layers": 1.5}, "is 1.5"),
+    ({"kind": "kvquant-cache-plan", "version": 1, "pair": "tq4", "n_layers": True}, "is True"),
 ])
 def test_bad_plans_are_refused_naming_the_problem(tmp_path, obj, match):
     path = tmp_path / "bad.json"
@@ -305,3 +310,15 @@ def test_a_head_scan_moves_one_kv_head(tiny_llama, prose):
                for r in result["rows"])
     curves = allocate.unit_curves([result], span=1)
     assert set(curves[(0, "k", 1)]) == {2, 3, 4}
+
+
+def test_a_calibration_that_is_not_a_file_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "stats.npz"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="no such regular file"):
+        StreamStatistics.load(str(fifo))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kind": "kvquant-cache-plan", "version": 1, "pair": "tq4",
+                                "n_layers": 2, "calibration": "stats.npz"}))
+    with pytest.raises(ValueError, match="no such regular file"):
+        CachePlan.load(str(plan)).statistics()

@@ -29,6 +29,7 @@ __all__ = ["CachePlan", "PLAN_KIND", "is_plan_ref"]
 
 PLAN_KIND = "kvquant-cache-plan"
 PLAN_VERSION = 1
+MAX_LAYERS = 4096          # no model comes near it; a damaged count is refused before any list
 STREAMS = ("k", "v")
 
 
@@ -110,8 +111,13 @@ class CachePlan:
             raise ValueError(f"{where}: cache plan version {obj.get('version')!r}; this kvquant "
                              f"reads version {PLAN_VERSION}")
         layers = obj.get("layers")
+        n_layers = obj.get("n_layers")
+        if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int)
+                                     or not 1 <= n_layers <= MAX_LAYERS):
+            raise ValueError(f"{where}: \"n_layers\" is {n_layers!r}; a count of layers from "
+                             f"1 to {MAX_LAYERS} is expected")
         if "pair" in obj and layers is None:   # one pair for every layer
-            if not isinstance(obj.get("n_layers"), int) or obj["n_layers"] < 1:
+            if n_layers is None:
                 raise ValueError(f"{where}: a plan of one \"pair\" needs \"n_layers\"")
             try:
                 from kvquant.models import split_pair_spec
@@ -119,7 +125,7 @@ class CachePlan:
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
             layers = [{"k": k, "v": v}] * obj["n_layers"]
-        if not isinstance(layers, list) or not layers:
+        if not isinstance(layers, list) or not layers or len(layers) > MAX_LAYERS:
             raise ValueError(f"{where}: \"layers\" must be a non-empty list of {{\"k\": spec, "
                              "\"v\": spec}")
         pairs = []

@@ -146,6 +146,8 @@ class StreamStatistics:
         """Read a file :meth:`save` wrote (ValueError naming the file and the problem; its
         recorded digest must match its arrays)."""
         path = os.fspath(path)
+        if not os.path.isfile(path):       # a FIFO or a device would block the read
+            raise ValueError(f"{path}: not a stream statistics file (no such regular file)")
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
@@ -157,8 +159,10 @@ class StreamStatistics:
                     if kind not in ("offsets", "scales") or not name:
                         raise ValueError(f"unknown array {key!r}")
                     (offsets if kind == "offsets" else scales)[name] = z[key]
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, EOFError) as exc:
             raise ValueError(f"{path}: not a stream statistics file ({exc})") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: not a stream statistics file (its meta is not an object)")
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{path}: not a stream statistics file of version {VERSION} "
                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
