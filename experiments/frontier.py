@@ -54,6 +54,7 @@ import sys
 import time
 
 from kvquant.cli import DefaultsHelpFormatter
+from kvquant.outputs import check_out_dir
 from .common import environment, safe_stem, write_csv, write_json
 
 __all__ = [
@@ -490,10 +491,30 @@ def merge_tune_runs(results, names=None):
     return merged
 
 
+def read_result(path, what="a frontier result"):
+    """A frontier (or flips) result JSON: a dict with ``meta`` and a list of ``rows``
+    (ValueError naming the file otherwise)."""
+    result = _read_json_file(path)
+    if not (isinstance(result, dict) and isinstance(result.get("meta"), dict)
+            and isinstance(result.get("rows"), list)
+            and all(isinstance(r, dict) for r in result["rows"])):
+        raise ValueError(f"{path} is not {what} (a JSON object with \"meta\" and \"rows\")")
+    return result
+
+
+def _read_json_file(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
 def load_choices(path):
     """Read a choices file (:func:`choose`), checking its layout; returns the dict."""
-    with open(path) as f:
-        choices = json.load(f)
+    choices = _read_json_file(path)
     if not isinstance(choices, dict) or not choices:
         raise ValueError(f"{path}: a choices file maps budgets to picks, got {type(choices)}")
     for budget, pick in choices.items():
@@ -501,6 +522,8 @@ def load_choices(path):
             float(budget)
         except ValueError:
             raise ValueError(f"{path}: key {budget!r} is not a budget in bits") from None
+        if not isinstance(pick, dict):
+            raise ValueError(f"{path}: budget {budget} is {pick!r}, not a pick (an object)")
         missing = {"pair", "bits", "tune_text"} - set(pick)
         if missing:
             raise ValueError(f"{path}: budget {budget} lacks {sorted(missing)}")
@@ -867,16 +890,16 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     if args.choose_from:
-        runs = []
-        for path in args.choose_from:
-            with open(path) as f:
-                runs.append(json.load(f))
         names = [os.path.basename(p) for p in args.choose_from]
         try:
+            runs = [read_result(path) for path in args.choose_from]
             tuned = merge_tune_runs(runs, names)
+            choices = choose(tuned, source=", ".join(names))
         except ValueError as exc:
             raise SystemExit(f"frontier: {exc}")
-        choices = choose(tuned, source=", ".join(names))
+        except (KeyError, TypeError) as exc:
+            raise SystemExit(f"frontier: {', '.join(args.choose_from)}: not frontier results "
+                             f"of this version ({type(exc).__name__}: {exc})")
         write_json(args.choices_out, choices)
         for budget, pick in choices.items():
             print(f"<= {budget} bits: {pick['pair']} ({pick['bits']:.2f} bits, mean KLD "
@@ -884,14 +907,13 @@ def main(argv=None):
         print(f"wrote {args.choices_out}")
         return 0
     if args.goals:
-        results = []
-        for path in args.goals:
-            with open(path) as f:
-                results.append(json.load(f))
         try:
-            print(goals_table(results))
+            print(goals_table([read_result(path) for path in args.goals]))
         except ValueError as exc:
             raise SystemExit(f"frontier: {exc}")
+        except (KeyError, TypeError) as exc:
+            raise SystemExit(f"frontier: {', '.join(args.goals)}: not frontier results of this "
+                             f"version ({type(exc).__name__}: {exc})")
         return 0
     choices = None
     extra = []
@@ -921,15 +943,21 @@ def main(argv=None):
             print(f"{bits_per_value(c, head_dim, tokens=args.chunk_tokens):5.2f}  {c}")
         return 0
     if args.plot_only:
-        with open(args.plot_only) as f:
-            result = json.load(f)
-        # the CSV and markdown again only where --out says; the figure beside the JSON or at
-        # --figure
-        paths = write_frontier(result, args.out)[1:] if args.out else []
-        out = args.out or os.path.dirname(os.path.abspath(args.plot_only))
-        paths.append(plot_frontier(result, args.figure or os.path.join(
-            out, result_stem(result) + ".png")))
-        print(format_markdown(result))
+        try:
+            result = read_result(args.plot_only)
+            # the CSV and markdown again only where --out says; the figure beside the JSON or
+            # at --figure
+            paths = write_frontier(result, check_out_dir(args.out))[1:] if args.out else []
+            out = args.out or os.path.dirname(os.path.abspath(args.plot_only))
+            paths.append(plot_frontier(result, args.figure or os.path.join(
+                out, result_stem(result) + ".png")))
+            table = format_markdown(result)
+        except ValueError as exc:
+            raise SystemExit(f"frontier: {exc}")
+        except (KeyError, TypeError) as exc:
+            raise SystemExit(f"frontier: {args.plot_only} is not a frontier result of this "
+                             f"version ({type(exc).__name__}: {exc})")
+        print(table)
         for path in paths:
             print(f"wrote {path}")
         return 0

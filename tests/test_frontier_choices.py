@@ -130,3 +130,26 @@ def test_plot_only_file_names_stay_in_out_whatever_the_json_says(tmp_path, capsy
     assert written and all(p.parent == out for p in written)
     assert not any(p.name.startswith(".") for p in written)
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("content, match", [
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "not a frontier result"),
+    ('{"meta": {}, "rows": [1]}', "not a frontier result"),
+    ('{"meta": {}, "rows": [{"codec": "kv8"}]}', "of this version"),
+])
+def test_frontier_json_readers_name_a_bad_file(tmp_path, capsys, content, match):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    for argv in (["--plot-only", str(bad), "--out", str(tmp_path / "o")], ["--goals", str(bad)],
+                 ["--choose-from", str(bad), "--choices-out", str(tmp_path / "c.json")]):
+        if match == "of this version" and argv[0] == "--goals":
+            continue        # a result without picks: the goals table says "(no run of the picks)"
+        with pytest.raises(SystemExit) as exc:
+            frontier.main(argv)
+        assert isinstance(exc.value.code, str) and "bad.json" in exc.value.code, argv
+        if match != "of this version" or argv[0] == "--plot-only":
+            assert match in exc.value.code, (argv, exc.value.code)
+    bad.write_text('{"4.5": 7}')
+    with pytest.raises(ValueError, match="not a pick"):
+        frontier.load_choices(bad)
