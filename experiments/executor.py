@@ -174,7 +174,9 @@ class CellBatch:
                     stored = read_json(path)
                 except (OSError, ValueError):
                     stored = None
-                if stored is not None and stored.get("params") == cell:
+                # a file that is valid JSON but not a cell of ours is recomputed, not trusted
+                if (isinstance(stored, dict) and stored.get("params") == cell
+                        and "result" in stored):
                     self.results[i] = stored["result"]
                     self.reused += 1
                     continue
@@ -321,6 +323,8 @@ class UnitStore:
             stored = read_json(path)
         except (OSError, ValueError):
             return None             # missing, or torn by a crash before the rename
+        if not (isinstance(stored, dict) and "result" in stored):
+            return None             # not a unit of ours: computed again
         self.loaded += 1
         return _from_json(stored["result"])
 

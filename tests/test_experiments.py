@@ -99,6 +99,11 @@ def test_run_cells_writes_resumes_and_never_stores_missing(tmp_path):
     assert again[2]["value"] == -1
     fresh = run_cells(_count_cell, cells, tmp_path, stem, resume=False, progress=False)
     assert fresh[2]["value"] == 4
+    # a cell file that is valid JSON but not an object (or lacks its result) is recomputed
+    for junk in ("[1, 2]", '"text"', '{"params": {"x": 3}}'):
+        (tmp_path / "x3.json").write_text(junk)
+        again = run_cells(_count_cell, cells, tmp_path, stem, progress=False)
+        assert again[3]["value"] == 9
 
 
 SMALL = {"codecs": ["kv8", "tq2", "tq4:compat=colibri"], "dims": [64], "kinds": ["gaussian",

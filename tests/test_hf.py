@@ -261,6 +261,16 @@ def test_refuses_other_caches_and_attentions():
             model(ids, past_key_values=KVQuantCache(model.config, "tq4"), use_cache=True)
 
 
+def test_refuses_a_cache_built_for_fewer_layers():
+    import copy
+    model = _model("llama")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    with torch.no_grad(), pytest.raises(ValueError, match="layer 1, but this KVQuantCache was "
+                                                          "built for 1 layers"):
+        model(_prompt(model), past_key_values=KVQuantCache(config, "tq4"), use_cache=True)
+
+
 def test_refuses_batches_padding_and_custom_masks():
     model = _model("llama")
     ids = _prompt(model)

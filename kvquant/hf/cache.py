@@ -276,6 +276,11 @@ class KVQuantCache(Cache):
                 "attn_implementation='kvquant' (import kvquant.hf first) or call "
                 "model.set_attn_implementation('kvquant'), and build the cache from that "
                 "model's config (KVQuantCache(model.config, spec))")
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"the model asks for layer {layer_idx}, but this KVQuantCache was built for "
+                f"{len(self.layers)} layers: build it from the model's own config "
+                "(KVQuantCache(model.config, spec))")
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     # -- what it holds ---------------------------------------------------------------------------
