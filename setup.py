@@ -4,7 +4,7 @@ Every ``kvquant/_kernels/*.pyx`` becomes an extension module, built by the compi
 picks (``$CC`` when set: GCC and Clang both work, ``CC=clang``). OpenMP is used when that compiler
 builds and links a program with ``-fopenmp`` (probed below; Clang needs LLVM's libomp, Debian's
 ``libomp-dev``); without it the kernels build and run single-threaded, and the build says so.
-Flags: ``-O3``, never ``-ffast-math`` (NaN handling and rounding are part of the formats) and
+Flags: ``-O3 -g0``, never ``-ffast-math`` (NaN handling and rounding are part of the formats) and
 ``-ffp-contract=off`` (no silent FMA: the same rounding with or without -march=native).
 Set ``KVQUANT_NATIVE=1`` to add ``-march=native`` (faster on the build machine, not portable).
 Set ``KVQUANT_MARCH=<cpu>`` to add ``-march=<cpu>`` instead, e.g. ``KVQUANT_MARCH=x86-64-v2``
@@ -70,8 +70,12 @@ class BuildExt(build_ext):
         use_openmp = os.environ.get("KVQUANT_NO_OPENMP") != "1" and _compiler_accepts_openmp(
             compiler
         )
-        # no contraction into FMA: results must not depend on -march (and match the numpy references)
-        extra_compile = ["-O3", "-fno-fast-math", "-ffp-contract=off"]
+        # no contraction into FMA: results must not depend on -march (and match the numpy references).
+        # -g0 drops the debug information Python's own flags ask for: the code generated is the
+        # same (GCC and Clang never let -g change it), and consumers.c compiles in 549 s instead
+        # of 743 s with half the memory (1.1 instead of 2.3 GB; two compiles side by side on
+        # the 2-core machine)
+        extra_compile = ["-O3", "-g0", "-fno-fast-math", "-ffp-contract=off"]
         march = os.environ.get("KVQUANT_MARCH", "").strip()
         if os.environ.get("KVQUANT_NATIVE") == "1":
             if march:
