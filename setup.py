@@ -58,7 +58,53 @@ def _build_jobs():
         return max(1, os.cpu_count() or 1)
 
 
+# Built modules kept by the hash of everything that goes into them (below), so that installing
+# one more extra later, or reinstalling, copies them instead of compiling again: pip builds an
+# editable install in a fresh temporary folder each time.
+MODULE_CACHE = Path(__file__).resolve().parent / "build" / "kvquant-modules"
+
+
+def _compiler_identity(compiler):
+    try:
+        out = subprocess.run(compiler[:1] + ["--version"], capture_output=True, text=True)
+        return out.stdout
+    except OSError:
+        return ""
+
+
 class BuildExt(build_ext):
+    def _module_key(self, ext):
+        """A hash of the module's C source, the kernel headers it reads, the flags, the compiler
+        and its version, Python's and numpy's versions: equal keys give the same module."""
+        import hashlib
+        import numpy
+        h = hashlib.sha256()
+        for path in list(ext.sources) + sorted(ext.depends or []):
+            h.update(path.encode() + b"\0" + Path(path).read_bytes())
+        compiler = list(getattr(self.compiler, "compiler_so", None) or ["cc"])
+        for part in (compiler, ext.extra_compile_args, ext.extra_link_args, ext.define_macros,
+                     ext.include_dirs, _compiler_identity(compiler), sys.version,
+                     numpy.__version__, self.get_ext_filename(ext.name)):
+            h.update(repr(part).encode() + b"\0")
+        return h.hexdigest()[:32]
+
+    def build_extension(self, ext):
+        target = Path(self.get_ext_fullpath(ext.name))
+        cached = MODULE_CACHE / self._module_key(ext) / target.name
+        if cached.is_file() and not self.force:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cached, target)
+            print(f"kvquant: {ext.name} unchanged, reused from {cached.parent}", file=sys.stderr)
+            return
+        before = target.stat().st_mtime_ns if target.exists() else None
+        super().build_extension(ext)
+        if not target.exists() or target.stat().st_mtime_ns == before:
+            return      # setuptools found it up to date: not built here with these flags
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(cached.name + f".{os.getpid()}.tmp")
+        shutil.copy2(target, tmp)
+        os.replace(tmp, cached)
+
     def finalize_options(self):
         super().finalize_options()
         if not self.parallel:       # setuptools compiles one module after another by default
