@@ -127,6 +127,9 @@ def environment():
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "openmp": bool(_build_info.openmp_enabled()),
         "openmp_max_threads": int(_build_info.openmp_max_threads()),
+        # what can move a result's last bits: the BLAS and its kernel (OPENBLAS_CORETYPE), the
+        # consumers' instruction set (every path gives the same bits; recorded all the same)
+        **_numerics(),
         "versions": {
             "kvquant": kvquant.__version__,
             "numpy": np.__version__,
@@ -136,6 +139,15 @@ def environment():
             "distributed": _version("distributed"),
         },
     }
+
+
+def _numerics():
+    from kvquant._kernels import consumers
+    from kvquant.bench import blas_info
+    try:
+        return {"blas": blas_info(), "simd": consumers.get_simd()}
+    except Exception as exc:  # noqa: BLE001 - an environment record never stops a result
+        return {"blas": f"unknown ({exc})"}
 
 
 def write_json(path, obj):
