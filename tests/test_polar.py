@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+
+from kvquant._threads import resolve_n_threads
 from scipy import integrate
 
 from kvquant import get_codec, reference
@@ -600,7 +602,9 @@ def test_inert_rows(rng, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_thread_count_invariance(rng, variant):
     d = 128
-    X = gaussian_rows(rng, 401, d)
+    # enough rows that two threads really run (below 32,768 elements a thread, work stays on one)
+    X = gaussian_rows(rng, 1601, d)
+    assert resolve_n_threads(2, X.size) == 2
     codec = polar(5, variant, d)
     one, two = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
     assert np.array_equal(one.codes, two.codes) and np.array_equal(one.side, two.side)
