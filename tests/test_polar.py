@@ -7,12 +7,11 @@ import math
 
 import numpy as np
 import pytest
-
-from kvquant._threads import resolve_n_threads
 from scipy import integrate
 
 from kvquant import get_codec, reference
 from kvquant._kernels import polar as polar_kernels
+from kvquant._threads import resolve_n_threads
 from kvquant.codebooks import polar_angle_density
 from kvquant.codecs.polar import (DEFAULT_PATH, PolarCodebookError, engine_grid_centres,
                                   fit_polar_codebooks, load_polar_codebooks)
