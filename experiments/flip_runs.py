@@ -7,11 +7,9 @@ executor (:func:`kvquant_experiments.executor.open_executor`): in this process, 
 processes (each loads the model once and uses one BLAS thread) or a Dask cluster. Each task is
 a pure function of its arguments, so where it runs does not change the numbers.
 """
-import argparse
 import concurrent.futures as cf
 import csv
 import functools
-import json
 import math
 import os
 import sys

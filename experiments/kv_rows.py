@@ -8,7 +8,6 @@ The file is a ``.npz`` archive (numpy, no pickle):
   (n_layers, n_kv_heads, positions, width), float32, read from an f32 cache after one prefill;
 * ``meta``: a JSON string (model description, text, positions, start, layout of the arrays).
 """
-import argparse
 import json
 import os
 import sys

@@ -15,7 +15,6 @@ code is not in the build says "not available: <why>" in REPORT.md.
 Cells already in ``data/`` are reused (the report says how many); ``--fresh`` recomputes them.
 ``KVQUANT_SMOKE=1`` (or ``--smoke``) shrinks every grid to seconds.
 """
-import argparse
 import datetime
 import os
 import re

@@ -10,12 +10,10 @@ block by block; a run resumes from them (a header that differs is refused, an in
 line from a killed run is dropped), and a larger ``--limit`` reuses the items already scored.
 The summary of a limit, ``<out>/summary-n<N>.json`` and ``.md``, is computed from the logs.
 """
-import argparse
 import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

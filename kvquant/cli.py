@@ -1,6 +1,5 @@
 """kvquant: what a KV-cache codec costs in bytes, error, speed and next-token flips."""
 import argparse
-import json
 import os
 import sys
 

@@ -27,7 +27,6 @@ reinstall). :func:`load_codebook` reads them (checking a SHA-256 of the levels) 
 else on the fly. :func:`use_codebooks` lends codebooks of one's own (a refit, levels fitted to
 another density) to the codecs built inside a ``with`` block, without installing them.
 """
-import argparse
 import contextlib
 import functools
 import hashlib

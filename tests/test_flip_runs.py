@@ -1,6 +1,5 @@
 """Flip runs: texts, the row-block text metrics, position bins, the executor, dump-kv."""
 import json
-import math
 import os
 import subprocess
 import sys
