@@ -12,14 +12,19 @@ from kvquant.testing import check_codec
 
 from _toy_codec import SignCodec, factory as toy_factory
 
-BUILTIN = (["f32", "kv8", "kv8-g32", "tq4:compat=colibri", "tq3:codebook=gaussian,side=unbiased",
-            "tq4:side_dtype=f16", "polar4:compat=colibri", "polar3:side_dtype=f16"]
+# Every family, bit width and option that changes what the kernels do. This one contract test
+# replaces the per-family thread-invariance tests (test_tq, test_fp8, test_polar, test_ggml,
+# test_ggml_more each had one, with small inputs that could leave a second thread idle).
+BUILTIN = (["f32", "kv8", "kv8-g16", "kv8-g32", "tq4:compat=colibri", "tq3:side=unbiased",
+            "tq3:codebook=gaussian,side=unbiased", "tq4:side_dtype=f16",
+            "polar4:compat=colibri", "polar5:compat=colibri", "polar5:alloc=level",
+            "polar5:alloc=radius", "polar3:side_dtype=f16"]
            + [f"tq{b}" for b in range(1, 9)] + [f"polar{b}" for b in range(2, 7)]
            + [k + r for k in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
               for r in ("", "+rot")])
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 512])
 @pytest.mark.parametrize("spec", BUILTIN)
 def test_every_builtin_codec_keeps_the_contract(spec, dim):
     check_codec(kvquant.get_codec(spec, dim))

@@ -136,9 +136,3 @@ def test_nonfinite_rows_raise_by_default():
         get_codec("kv8", 16).encode(X)
 
 
-def test_thread_count_invariance(rng):
-    X = gaussian_rows(rng, 4099, 256)
-    codec = get_codec("kv8-g16", 256)
-    a, b = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
-    assert np.array_equal(a.codes, b.codes) and np.array_equal(a.side, b.side)
-    assert np.array_equal(codec.decode(a, n_threads=1), codec.decode(a, n_threads=2))

@@ -309,15 +309,6 @@ def test_the_cache_file_holds_them(tmp_path, rng, spec):
 
 # -- threads, bad input ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", ALL_SPECS)
-def test_thread_count_invariance(rng, spec):
-    X = gaussian_rows(rng, 301, 256)
-    codec = get_codec(spec, 256)
-    one, two = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
-    assert np.array_equal(one.codes, two.codes)
-    assert np.array_equal(codec.decode(one, n_threads=1), codec.decode(one, n_threads=2))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_nonfinite_and_overflowing_rows(rng, kind):
     X = gaussian_rows(rng, 6, 64)

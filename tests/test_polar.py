@@ -11,7 +11,6 @@ from scipy import integrate
 
 from kvquant import get_codec, reference
 from kvquant._kernels import polar as polar_kernels
-from kvquant._threads import resolve_n_threads
 from kvquant.codebooks import polar_angle_density
 from kvquant.codecs.polar import (DEFAULT_PATH, PolarCodebookError, engine_grid_centres,
                                   fit_polar_codebooks, load_polar_codebooks)
@@ -596,18 +595,6 @@ def test_inert_rows(rng, variant):
     with pytest.raises(ValueError, match=r"norm above 3\.4e38 .*\(rows 1\)"):
         strict.encode(huge)
     assert codec.encode(huge).side[1, 0] == 0
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_thread_count_invariance(rng, variant):
-    d = 128
-    # enough rows that two threads really run (below 32,768 elements a thread, work stays on one)
-    X = gaussian_rows(rng, 1601, d)
-    assert resolve_n_threads(2, X.size) == 2
-    codec = polar(5, variant, d)
-    one, two = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
-    assert np.array_equal(one.codes, two.codes) and np.array_equal(one.side, two.side)
-    assert np.array_equal(codec.decode(one, n_threads=1), codec.decode(one, n_threads=2))
 
 
 def test_float64_and_strided_input(rng):

@@ -99,15 +99,6 @@ def test_seed_changes_rotation_and_roundtrips(rng):
     assert relative_l2(X, b.roundtrip(X)).mean() < 0.1
 
 
-def test_thread_count_invariance(rng):
-    X = gaussian_rows(rng, 3001, 512)
-    for spec in ("tq4", "tq3:side=unbiased", "tq4:compat=colibri", "tq7"):
-        codec = get_codec(spec, 512)
-        a, b = codec.encode(X, n_threads=1), codec.encode(X, n_threads=2)
-        assert np.array_equal(a.codes, b.codes) and np.array_equal(a.side, b.side)
-        assert np.array_equal(codec.decode(a, n_threads=1), codec.decode(a, n_threads=2))
-
-
 # -- the nearest-level rule: counted compares (<= 31 boundaries) and bucket tables above ----------
 
 def _adversarial_values(rng, bnd):
