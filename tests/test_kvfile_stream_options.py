@@ -586,3 +586,26 @@ def test_a_damaged_window_slot(tmp_path, rng):
             np.testing.assert_array_equal(back.records.decode("K"), cf.records.decode("K"))
         slots = inspect_file(bad)["window_slots"]
         assert slots[index] is None and slots[1 - index] in (8, 10)
+
+
+def test_inspect_exits_1_on_a_file_this_kvquant_refuses_as_written(tmp_path, rng, monkeypatch,
+                                                                     capsys):
+    """A file written under another codebook than the one installed here (simulated: the
+    running codec's codebook checksum changed) is refused by the loader even under its own
+    header's settings: inspect says so and exits 1, not 0."""
+    from kvquant.kvfile import loader
+    path = tmp_path / "c.kvq"
+    write(path, {"K": "tq4"}, {"K": keys(rng, 4)})
+    assert cli.main(["inspect", os.fspath(path)]) == 0
+    capsys.readouterr()
+    real = loader.codec_identity
+
+    def another_codebook(codec):
+        ident = real(codec)
+        if ident.get("codebook"):
+            ident = {**ident, "codebook": {**ident["codebook"], "checksum": "0" * 16}}
+        return ident
+    monkeypatch.setattr(loader, "codec_identity", another_codebook)
+    assert cli.main(["inspect", os.fspath(path)]) == 1
+    out = capsys.readouterr().out
+    assert "refuses it as written" in out and "codebook" in out

@@ -46,6 +46,12 @@ def _check_losses(info):
     """Compare what the header commits with what reading the file as written recovers: lost
     or changed records are the file's problem (``inspect`` exits 1)."""
     r = info.get("as_written")
+    if r and r["result"] in ("refused", "error", "ignored"):
+        # a file this kvquant will not load even under its own header's settings (e.g. its
+        # codebook differs from the one installed here): a problem, whatever else it holds
+        info["problem"] = ("this kvquant refuses it as written: "
+                           + ("; ".join(r["messages"]) or r["result"]))
+        return
     if not r or r["result"] not in ("loads", "upgrade"):
         return
     committed = max(0, info.get("count") or 0)
