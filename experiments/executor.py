@@ -352,7 +352,8 @@ def _plain(obj):
 def _to_json(obj):
     import numpy as np
     if isinstance(obj, np.ndarray):
-        return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}
+        return {"__ndarray__": obj.dtype.str, "shape": list(obj.shape),
+                "data": obj.ravel().tolist()}
     if isinstance(obj, np.generic):
         return {"__scalar__": obj.dtype.str, "value": obj.item()}
     if isinstance(obj, dict):

@@ -371,7 +371,8 @@ def cmd_tasks(args):
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         tag = _model_tag(args.model, args.gguf_file)
-        out = check_out_dir(args.out or f"tasks-{tag}-{Path(args.task).stem}-{args.num_fewshot}shot")
+        out = check_out_dir(
+            args.out or f"tasks-{tag}-{Path(args.task).stem}-{args.num_fewshot}shot")
         if args.backend == "hf" and (args.workers or 1) > 1:
             raise ValueError("--backend hf runs in this process: drop --workers")
         model = _model(args.model, args.backend, args.gguf_file)
