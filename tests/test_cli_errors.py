@@ -132,6 +132,13 @@ def test_help_texts_show_each_default_once_and_no_doubled_percent(command):
         assert block.lower().count("default") <= 1, block
 
 
+def _sigint_default():
+    """In the child: SIGINT back to its default, so that Python installs its Ctrl-C handler (a
+    job started in the background by a non-interactive shell inherits SIGINT ignored)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """SIGINT during a run: "interrupted", status 130, no traceback."""
     import signal
@@ -139,7 +146,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvquant.cli", "bench", "--codecs", "kv8",
                              "--dims", "64", "--contexts", "4096", "--threads", "1",
                              "--rounds", "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
     time.sleep(3)                        # past the imports, inside the work
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -457,8 +457,11 @@ def test_an_interrupted_flips_run_resumes_to_the_same_numbers(tmp_path):
             codecs, "--workers", "1", "--quiet"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     subprocess.run(argv + ["--out", str(whole)], check=True, capture_output=True)
+    # SIGINT back to its default in the child: a job started in the background by a
+    # non-interactive shell inherits it ignored, and Python then installs no Ctrl-C handler
     proc = subprocess.Popen(argv + ["--out", str(cut)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     units = cut / flip_runs.UNITS_FOLDER
     deadline = time.monotonic() + 120
     while not (units.is_dir() and len(list(units.glob("*.json"))) >= 2):
