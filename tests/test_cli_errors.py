@@ -148,9 +148,12 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
                              "--rounds", "100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_sigint_default)
-    time.sleep(3)                        # past the imports, inside the work
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        time.sleep(3)                        # past the imports, inside the work
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()                          # never left running when the test fails
     assert proc.returncode == 130, (proc.returncode, err)
     assert "Traceback" not in err and err.strip().splitlines() == ["kvquant: interrupted"]
 

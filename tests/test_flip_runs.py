@@ -464,11 +464,14 @@ def test_an_interrupted_flips_run_resumes_to_the_same_numbers(tmp_path):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     units = cut / flip_runs.UNITS_FOLDER
     deadline = time.monotonic() + 120
-    while not (units.is_dir() and len(list(units.glob("*.json"))) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        while not (units.is_dir() and len(list(units.glob("*.json"))) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()                          # never left running when the test fails
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "rerun the same command to resume" in err
     saved = len(list(units.glob("*.json")))
