@@ -13,6 +13,7 @@ AVX2 or AVX-512 runs them (run it with ``KVQUANT_SIMD=portable``: the AVX2 and A
 carry their own targets). The portable consumers' vector kernels need SSSE3 on x86: a build for
 the baseline ISA (SSE2) keeps their scalar kernels.
 """
+import functools
 import os
 import re
 import shutil
@@ -64,9 +65,11 @@ def _build_jobs():
 MODULE_CACHE = Path(__file__).resolve().parent / "build" / "kvquant-modules"
 
 
+@functools.lru_cache(maxsize=None)
 def _compiler_identity(compiler):
+    """``compiler --version`` (a tuple: the command), asked once per build."""
     try:
-        out = subprocess.run(compiler[:1] + ["--version"], capture_output=True, text=True)
+        out = subprocess.run([compiler[0], "--version"], capture_output=True, text=True)
         return out.stdout
     except OSError:
         return ""
@@ -83,7 +86,7 @@ class BuildExt(build_ext):
             h.update(path.encode() + b"\0" + Path(path).read_bytes())
         compiler = list(getattr(self.compiler, "compiler_so", None) or ["cc"])
         for part in (compiler, ext.extra_compile_args, ext.extra_link_args, ext.define_macros,
-                     ext.include_dirs, _compiler_identity(compiler), sys.version,
+                     ext.include_dirs, _compiler_identity(tuple(compiler)), sys.version,
                      numpy.__version__, self.get_ext_filename(ext.name)):
             h.update(repr(part).encode() + b"\0")
         return h.hexdigest()[:32]

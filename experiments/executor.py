@@ -312,7 +312,7 @@ class UnitStore:
         import json
         if self.identity is None:
             raise RuntimeError("UnitStore.bind(identity) first")
-        text = json.dumps([self.identity, kind, params], sort_keys=True, default=_plain)
+        text = json.dumps(_to_json([self.identity, kind, params]), sort_keys=True)
         key = f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
         self._keys.add(key)
         return key
@@ -338,15 +338,6 @@ class UnitStore:
             if not future.cancelled() and future.exception() is None:
                 self.put(key, future.result())
         return store
-
-
-def _plain(obj):
-    import numpy as np
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"cannot hash {type(obj).__name__}")
 
 
 def _to_json(obj):

@@ -166,7 +166,10 @@ def cmd_dump_kv(args):
             raise ValueError(f"--positions must be >= 1, got {args.positions}")
         if args.start < 0:
             raise ValueError(f"--start must be >= 0, got {args.start}")
-        check_out_file(args.out) if args.out else check_out_dir(".")
+        if args.out:
+            check_out_file(args.out)
+        else:
+            check_out_dir(".")
         model = load_model(args.model)
         tokens, text = text_tokens(model, args.text)
         context = getattr(model, "context_length", None)

@@ -110,7 +110,8 @@ def cmd_distortion(args):
         raise SystemExit(f"kvquant distortion: {args.rows} rows of width {max(args.dim)} are "
                          f"{args.rows * max(args.dim) * 4 / 2**30:.1f} GiB of float32, above "
                          f"the {MAX_DRAWN_BYTES >> 30} GiB drawn at most: lower --rows or --dim")
-    codec_list = None if args.codecs.strip().lower() == "all" else _parse_codecs(args.codecs)
+    every = args.codecs.strip().lower() == "all"    # every codec that can take each width
+    codec_list = ALL_CODECS if every else _parse_codecs(args.codecs)
     if args.data:
         datasets = _distortion_data(args)
     else:
@@ -120,9 +121,8 @@ def cmd_distortion(args):
                                else args.dim):
         if not args.data:
             X = np.random.default_rng(args.seed).standard_normal((args.rows, dim)).astype(np.float32)
-        every = args.codecs.strip().lower() == "all"
         skipped = []
-        for spec in ALL_CODECS if every else codec_list:
+        for spec in codec_list:
             if "@" in spec:   # a stream spec: the codec inside a RowStream with its options
                 try:
                     row = measure_stream_distortion(spec, X, n_threads=args.threads)

@@ -58,7 +58,7 @@ def check_out_file(path, arg="--out"):
         raise ValueError(f"{arg} {out} is a folder; give a file name")
     if out.exists() and not out.is_file():
         raise ValueError(f"{arg} {out} exists and is not a regular file")
-    check_out_dir(out.parent if str(out.parent) else ".", arg)
+    check_out_dir(out.parent, arg)
     return out
 
 
@@ -78,7 +78,8 @@ def atomic_write(path, write, binary=False):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"newline": ""})) as f:
+        text = {} if binary else {"newline": "", "encoding": "utf-8"}
+        with os.fdopen(fd, "wb" if binary else "w", **text) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

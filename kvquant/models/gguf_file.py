@@ -17,6 +17,7 @@ the file; tensor offsets are not checked, so a shifted tensor loads silently). H
 is a ``GGUFFileError`` naming the file and the field, raised before any allocation beyond the
 file's own size. Tensors stay memory-mapped; the gguf package's quantizers dequantize them.
 """
+import functools
 import os
 import struct
 
@@ -176,11 +177,11 @@ class GGUFFile:
                 cur.fail(f"{n_dims} dimensions (1 to {MAX_DIMS} are possible)")
             dims = tuple(cur.scalar("<Q", "a dimension") for _ in range(n_dims))
             entries.append((name, dims, cur.scalar("<I", "the tensor type"),
-                            cur.scalar("<Q", "the data offset"), cur.where))
+                            cur.scalar("<Q", "the data offset")))
         self.data_offset = -(-cur.pos // alignment) * alignment
         self.tensors = {}
         spans = []
-        for name, dims, type_id, rel, where in entries:
+        for name, dims, type_id, rel in entries:
             t = self._tensor(name, dims, type_id, rel, alignment, size)
             if name in self.tensors:
                 raise GGUFFileError(f"{path}: tensor {name!r} appears twice")
@@ -252,26 +253,21 @@ class GGUFFile:
         return GGUFTensor(name, ttype, dims, n_elements, start, data)
 
 
-_READABLE = None
-
-
+@functools.lru_cache(maxsize=1)
 def _readable_types():
     """The ggml types ``gguf.quants.dequantize`` turns into float32 (found by asking it once)."""
-    global _READABLE
-    if _READABLE is None:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-        from gguf.quants import dequantize
-        ok = set()
-        for ttype, (_, type_size) in GGML_QUANT_SIZES.items():
-            if ttype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                ok.add(ttype)
-                continue
-            if ttype.name.startswith(("I8", "I16", "I32", "I64", "F64")):
-                continue                # integer/f64 tensors are no weights of these models
-            try:
-                dequantize(np.zeros((1, type_size), np.uint8), ttype)
-            except (NotImplementedError, ValueError, TypeError, AssertionError):
-                continue
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+    ok = set()
+    for ttype, (_, type_size) in GGML_QUANT_SIZES.items():
+        if ttype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             ok.add(ttype)
-        _READABLE = frozenset(ok)
-    return _READABLE
+            continue
+        if ttype.name.startswith(("I8", "I16", "I32", "I64", "F64")):
+            continue                # integer/f64 tensors are no weights of these models
+        try:
+            dequantize(np.zeros((1, type_size), np.uint8), ttype)
+        except (NotImplementedError, ValueError, TypeError, AssertionError):
+            continue
+        ok.add(ttype)
+    return frozenset(ok)
