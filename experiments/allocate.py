@@ -140,7 +140,8 @@ def allocate(base_plan, curves, budget, head_dim, tokens, group=1):
 
 def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
     """Allocate every budget from the scans; write one plan file per budget; return paths."""
-    from kvquant.models.plan import CachePlan, is_plan_ref
+    from kvquant.models.plan import CachePlan
+    from kvquant.specs import parse_cache_spec
     from kvquant_experiments.flip_runs import model_tag
     from kvquant_experiments.sensitivity import load_result
     scans = [load_result(p) for p in scan_paths]
@@ -149,7 +150,8 @@ def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
     L, H = meta["model"]["n_layers"], meta["model"]["n_kv_heads"]
     tokens = tokens or meta["text"]["chunk_tokens"]
     base = meta["base"]
-    base_plan = CachePlan.of(base) if is_plan_ref(base) else CachePlan.uniform(base, L, H)
+    parsed = parse_cache_spec(base)
+    base_plan = parsed if isinstance(parsed, CachePlan) else CachePlan.uniform(parsed, L, H)
     base_plan = CachePlan(base_plan.layers, H, base_plan.calibration, {})
     curves = unit_curves(scans, span, ratio)
     # the scans' base tags, units (h: KV heads, g<N>: groups of N layers) and steps

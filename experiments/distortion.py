@@ -7,7 +7,6 @@ is ``distortion.csv`` (+ ``distortion.json`` with the grid and the environment).
 """
 import functools
 import math
-import re
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +21,10 @@ __all__ = [
     "DEFAULT_DIMS",
     "LLOYD_MAX_GAUSSIAN_MSE",
     "SMOKE_CODECS",
-    "codec_family",
     "collect",
     "default_grid",
     "distortion_cell",
     "make_cells",
-    "nominal_bits",
     "run_sweep",
     "theory_curves",
 ]
@@ -50,36 +47,6 @@ DEFAULT_CODECS = (
 )
 SMOKE_CODECS = ["kv8", "tq2", "tq4", "tq4:compat=colibri", "polar4", "q4_0"]
 STEM_ORDER = ("kind", "dim", "codec", "rows", "seed")
-
-
-def nominal_bits(spec):
-    """Code bits per element named by the spec (tq4 -> 4, polar3 -> 3, q4_0 -> 4, kv8 -> 8)."""
-    base = spec.split(":", 1)[0]
-    m = re.match(r"(?:tq|polar|q|kv)(\d+)", base)
-    return int(m.group(1)) if m else None
-
-
-def codec_family(spec):
-    """The line a spec belongs to in the figures.
-
-    ``tq`` (Beta codebook fitted at d), ``tq gaussian`` (the engine's N(0,1) levels), ``tq
-    colibri``, ``polar``, ``polar colibri``, ``kv8`` (row and group scales), and the llama.cpp
-    baselines ``q8_0``, ``q4_0``, ``q8_0+rot``, ``q4_0+rot`` (drawn as points).
-    """
-    base, _, opts = spec.partition(":")
-    if base.startswith("tq"):
-        if "compat=colibri" in opts:
-            return "tq colibri"
-        if "codebook=gaussian" in opts:
-            return "tq gaussian"
-        if "side=unbiased" in opts:
-            return "tq unbiased"
-        return "tq"
-    if base.startswith("polar"):
-        return "polar colibri" if "compat=colibri" in opts else "polar"
-    if base.startswith("kv8"):
-        return "kv8"
-    return base
 
 
 def default_grid(smoke=None):
@@ -113,6 +80,17 @@ def _theory_mse(codec):
     return quantizer_mse(levels, beta_density(codec.dim))
 
 
+def family_and_bits(spec):
+    """The figure series and nominal bits a codec spec declares (None when it builds at no
+    width)."""
+    from kvquant.codecs import describe_codec
+    try:
+        series, bits = describe_codec(spec)
+    except ValueError:
+        series, bits = None, None
+    return {"family": series, "bits": bits}
+
+
 def distortion_cell(cell, data_dir=None):
     """Encode and decode the cell's rows; a pure function of ``cell``.
 
@@ -126,7 +104,7 @@ def distortion_cell(cell, data_dir=None):
     """
     spec, dim = cell["codec"], cell["dim"]
     codec, reason = codec_status(spec, dim)
-    base = {"codec": spec, "family": codec_family(spec), "bits": nominal_bits(spec)}
+    base = {"codec": spec, **family_and_bits(spec)}
     if codec is None:
         return {**base, "available": False, "reason": reason}
     from kvquant.metrics import relative_l2

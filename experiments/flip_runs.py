@@ -216,7 +216,7 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     """
     from kvquant.models import load_model
     from kvquant_experiments.executor import open_executor
-    from kvquant_experiments.simulated_caches import is_simulation, with_simulations
+    from kvquant.specs import parse_cache_specs
     t_start = time.perf_counter()
     # counts fail before any work, with the option's name
     for name, value, low in (("positions", positions, 0), ("chunk tokens", chunk_tokens, 1),
@@ -225,7 +225,8 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
                                   or value < low):
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     kind = _kind(model_name)
-    codecs = list(codecs or DEFAULT_CODECS[kind])
+    # parsed once here; rows are named by each spec's canonical text
+    codecs = [s.text for s in parse_cache_specs(list(codecs or DEFAULT_CODECS[kind]))]
     if "f32" not in codecs:
         codecs.insert(0, "f32")
     if len(set(codecs)) != len(codecs):
@@ -237,12 +238,6 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
     resolved = None if kind == "tiny-mla" else (
         text if isinstance(text, Text) else load_text(text))
     model = model if model is not None else load_model(model_name)
-    if any(is_simulation(c) for c in codecs):
-        # simulated caches (kvquant_experiments.simulated_caches) are built in this process
-        if (workers or 1) > 1 or scheduler not in (None, "serial"):
-            raise ValueError("simulated caches (sim: specs) run in this process only: use "
-                             "--workers 1 and no scheduler")
-        model, workers, scheduler = with_simulations(codecs, model), 1, "serial"
     for spec in codecs:          # fail on a bad spec before any long run
         model.new_cache(spec)
     n_prompts = DEFAULT_PROMPTS[kind] if n_prompts is None else int(n_prompts)
@@ -334,17 +329,19 @@ def add_storage(rows, meta):
     fixed / context (all the cache stores, per token of that context), ``bits_per_value`` and
     ``compression`` (f32 bytes per token over it). Rows of older results, whose
     ``bytes_per_token`` was the marginal one, are read as such."""
-    from kvquant_experiments import simulated_caches
+    from kvquant.specs import parse_cache_spec
     context = storage_context(meta)
     for r in rows:
         if "marginal_bytes_per_token" not in r:
             r["marginal_bytes_per_token"] = r["bytes_per_token"]
         r["fixed_bytes"] = int(r.get("fixed_bytes", 0))
-        if simulated_caches.is_simulation(r["codec"]):
-            # a simulation's float32 rows depend on the length: count them at this context
+        spec = parse_cache_spec(r["codec"])
+        if hasattr(spec, "fixed_bytes"):
+            # a cache whose fixed rows depend on the length (a simulation's float32 residual):
+            # counted at this context
             m = meta["model"]
-            r["fixed_bytes"] = int(round(simulated_caches.fixed_bytes(
-                r["codec"], m["n_layers"], m["n_kv_heads"], m["head_dim"], context)))
+            r["fixed_bytes"] = int(round(spec.fixed_bytes(
+                m["n_layers"], m["n_kv_heads"], m["head_dim"], context)))
         r["context_tokens"] = context
         r["bytes_per_token"] = r["marginal_bytes_per_token"] + r["fixed_bytes"] / context
     f32 = next(r for r in rows if r["codec"] == "f32")
@@ -367,8 +364,9 @@ def _pct(p):
 
 
 def _streams(row):
-    from kvquant.models.plan import is_plan_ref
-    if is_plan_ref(row["codec"]):   # specs by layer: named by its file
+    from kvquant.models.plan import CachePlan
+    from kvquant.specs import parse_cache_spec
+    if isinstance(parse_cache_spec(row["codec"]), CachePlan):   # specs by layer: its file
         return "plan " + row["codec"]
     (na, a), (nb, b) = row["streams"].items()
     return a if a == b else f"{na.upper()} {a} / {nb.upper()} {b}"
@@ -621,11 +619,11 @@ def _hf_model(args):
 
 
 def cmd_flips(args):
-    from kvquant.codecs import split_spec_list
+    from kvquant.specs import split_spec_text
     try:
         if not args.no_write:   # before any work: a run must not find out at its end
             check_out_dir(args.out if args.out is not None else ".")
-        codecs = split_spec_list(args.codecs) if args.codecs is not None else None
+        codecs = split_spec_text(args.codecs) if args.codecs is not None else None
         if codecs == []:
             raise ValueError(f"--codecs {args.codecs!r} names no codec; give specs such as "
                              "kv8,tq4, or leave --codecs out for the model's list")

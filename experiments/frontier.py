@@ -54,6 +54,7 @@ import sys
 import time
 
 from kvquant.cli import DefaultsHelpFormatter
+from kvquant.ggml_attention import GGML_FAMILY
 from kvquant.outputs import check_out_dir
 from .common import environment, safe_stem, write_csv, write_json
 
@@ -122,7 +123,6 @@ WINDOW_CONFIGS = [
 ]
 # llama.cpp's cache types with its attention arithmetic (kvquant.ggml_attention), "as it
 # runs", beside the storage-only baselines (q8_0+rot, ...)
-GGML_FAMILY = "llama.cpp as run"
 GGML_CONFIGS = ["ggml:f16/f16", "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
 DEFAULT_CONFIGS = (UNIFORM + SPLITS_LOW + SPLITS_HIGH + SPLITS_MID + STREAM_OPTION_CONFIGS
                    + WINDOW_CONFIGS + GGML_CONFIGS)
@@ -136,70 +136,22 @@ BASELINES = tuple(k + r for k in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_n
 # --------------------------------------------------------------------------------------------
 # Bits, families, front
 # --------------------------------------------------------------------------------------------
-def bits_per_value(pair_spec, head_dim, tokens=None):
-    """(K bytes + V bytes per row) x 8 / (2 x head_dim), side values included.
+def bits_per_value(spec, head_dim, tokens=None):
+    """(K bytes + V bytes per row) x 8 / (2 x head_dim), side values included
+    (:meth:`kvquant.specs.CacheSpec.bits_per_value`).
 
     With ``tokens`` (the context length measured), the fixed cost of stream options is spread
     over the rows: a centered stream stores its f32 offset (head_dim floats), a stream with sinks
     stores those rows in f32 instead of their codes. Without it: the bytes each further token adds.
     """
-    from kvquant.codecs import get_codec
-    from kvquant.ggml_attention import is_ggml_pair, parse_ggml_pair
-    from kvquant.models import split_pair_spec
-    from kvquant.models.plan import CachePlan, is_plan_ref
-    from kvquant.streams.spec import StreamSpec
-    from kvquant.streams.store import stream_bytes
-    if is_ggml_pair(pair_spec):   # llama.cpp's cache types: no fixed costs
-        return parse_ggml_pair(pair_spec).bits_per_value(head_dim)
-    from kvquant_experiments import simulated_caches
-    if simulated_caches.is_simulation(pair_spec):
-        return simulated_caches.bits_per_value(pair_spec, head_dim, tokens)
-    if is_plan_ref(pair_spec):   # a cache plan: the mean over its layers and KV heads
-        return CachePlan.of(pair_spec).bits_per_value(head_dim, tokens)
-    nbytes = 0.0
-    for stream_spec in split_pair_spec(pair_spec):
-        spec = StreamSpec.parse(stream_spec)
-        codec = get_codec(spec.codec_spec, head_dim)
-        nbytes += (stream_bytes(codec, spec.options, tokens) / tokens if tokens
-                   else codec.bytes_per_row)
-    return 8.0 * nbytes / (2 * head_dim)
+    from kvquant.specs import parse_cache_spec
+    return parse_cache_spec(spec).bits_per_value(head_dim, tokens)
 
 
-def codec_family(spec):
-    """Family of one codec spec (as in the report's figures)."""
-    base, _, opts = spec.partition(":")
-    if base.startswith("tq"):
-        if "codebook=gaussian" in opts:
-            return "tq gaussian"
-        if "side=unbiased" in opts:
-            return "tq unbiased"
-        return "tq colibri" if "compat=colibri" in opts else "tq"
-    if base.startswith("polar"):
-        return "polar colibri" if "compat=colibri" in opts else "polar"
-    if base.startswith("kv8"):
-        return "kv8"
-    return base
-
-
-def pair_family(pair_spec):
-    """Family of a pair: ``"stream options"`` when a stream centers or keeps sinks, else the
-    codec's family when K and V share it, else ``"K/V split"``."""
-    from kvquant.models import split_pair_spec
-    from kvquant.models.plan import is_plan_ref
-    if is_plan_ref(pair_spec):
-        return "cache plan"
-    if pair_spec.startswith("ggml"):
-        return GGML_FAMILY
-    if pair_spec.startswith("sim:"):
-        return "simulation"
-    if "recent=" in pair_spec:
-        return "recent window"
-    if "@" in pair_spec:
-        return "stream options"
-    k_spec, v_spec = split_pair_spec(pair_spec)
-    if k_spec == v_spec:
-        return codec_family(k_spec)
-    return "K/V split"
+def pair_family(spec):
+    """The family a configuration is drawn in (:attr:`kvquant.specs.CacheSpec.family`)."""
+    from kvquant.specs import parse_cache_spec
+    return parse_cache_spec(spec).family
 
 
 def pareto_front(points):
@@ -218,17 +170,15 @@ def _boot_columns(row):
 
 
 def _pair(config):
-    """(K spec, V spec) of a pair spec; a cache plan's path for both (its specs differ by
-    layer)."""
-    from kvquant.models import split_pair_spec
-    from kvquant.models.plan import is_plan_ref
-    return (config, config) if is_plan_ref(config) else split_pair_spec(config)
+    """(K spec, V spec) texts of a pair spec; the configuration's text for both when it is of
+    another kind (a cache plan's specs differ by layer)."""
+    from kvquant.specs import PairSpec, parse_cache_spec
+    spec = parse_cache_spec(config)
+    return tuple(map(str, spec.streams)) if isinstance(spec, PairSpec) else (spec.text,) * 2
 
 
 def frontier_rows(result):
     """Flat rows of a frontier result: bits, family, metrics, front membership, goal flags."""
-    from kvquant.models import split_pair_spec
-
     from kvquant_experiments.flip_runs import add_storage
     add_storage(result["rows"], result["meta"])
     rows = []
@@ -435,7 +385,6 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
     dict ``{"<budget>": {"pair": "<K spec>/<V spec>", "bits", "tune_text", "model",
     "tune_kld_mean", "from"}}``, the layout of ``data/results/frontier-choices.json``.
     """
-    from kvquant.models import split_pair_spec
     # llama.cpp's own attention is a bar to measure against, not a configuration to store with
     rows = [x for x in frontier_rows(result) if x["codec"] != "f32"
             and x["family"] != GGML_FAMILY]
@@ -917,9 +866,9 @@ def main(argv=None):
         return 0
     choices = None
     extra = []
-    from kvquant.codecs import split_spec_list
+    from kvquant.specs import split_spec_text
     if args.configs:
-        extra = configs = split_spec_list(args.configs)
+        extra = configs = split_spec_text(args.configs)
     else:
         configs = list(DEFAULT_CONFIGS)
     if args.choices:
@@ -934,7 +883,7 @@ def main(argv=None):
                 raise SystemExit(f"frontier: {args.choices} has no pick for {missing} bits; it "
                                  f"has {', '.join(choices)}")
             choices = {b: choices[b] for b in wanted}
-        baselines = split_spec_list(args.baselines) if args.baselines else None
+        baselines = split_spec_text(args.baselines) if args.baselines else None
         configs = choice_configs(choices, extra, baselines)
     if args.list:
         from kvquant.models import load_model

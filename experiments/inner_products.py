@@ -20,7 +20,7 @@ import numpy as np
 
 from kvquant_experiments.common import (cell_stem, codec_status, environment, is_smoke,
                                         read_json, stable_seed, write_csv, write_json)
-from kvquant_experiments.distortion import codec_family, nominal_bits
+from kvquant_experiments.distortion import family_and_bits
 from kvquant_experiments.executor import run_cells
 from kvquant_experiments.inputs import make_rows
 
@@ -60,7 +60,7 @@ def inner_product_cell(cell, data_dir=None):
     """Slope and errors of q . x^ for one (kind, d, codec); a pure function of ``cell``."""
     spec, dim = cell["codec"], cell["dim"]
     codec, reason = codec_status(spec, dim)
-    base = {"codec": spec, "family": codec_family(spec), "bits": nominal_bits(spec)}
+    base = {"codec": spec, **family_and_bits(spec)}
     if codec is None:
         return {**base, "available": False, "reason": reason}
     X = make_rows(cell["kind"], dim, cell["rows"], cell["seed"], data_dir=data_dir)

@@ -422,10 +422,10 @@ def main(argv=None):
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
-    from kvquant.codecs import split_spec_list
+    from kvquant.specs import split_spec_text
     lengths = [int(n) for n in _floats(args.lengths, "lengths")]
     depths = _floats(args.depths, "depths")
-    configs = split_spec_list(args.configs) if args.configs else list(DEFAULT_BASELINES)
+    configs = split_spec_text(args.configs) if args.configs else list(DEFAULT_BASELINES)
     choices = None
     if args.choices:
         from kvquant_experiments.frontier import load_choices

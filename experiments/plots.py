@@ -47,42 +47,18 @@ KIND_TITLES = {"gaussian": "Gaussian rows", "heavy": "heavy-tailed rows with out
                "smollm2-k": "SmolLM2 K rows (after RoPE)", "smollm2-v": "SmolLM2 V rows"}
 
 
-_STREAM_WORDS = {"center": "centered", "normalize": "normalized"}
+def spec_label(spec, streams=("K", "V")):
+    """A cache spec in words for a legend (:meth:`kvquant.specs.CacheSpec.describe`): ``"K polar5
+    (f16 side, centered, ...) / V polar4 (...)"`` (``streams``: the two streams' names, L and R
+    on the MLA model); a cache plan is named by its file."""
+    from kvquant.specs import parse_cache_spec
+    return parse_cache_spec(spec).describe(streams)
 
 
-def _stream_label(stream_spec):
-    codec, _, opts = stream_spec.partition("@")
-    base, _, copts = codec.partition(":")
-    words = [base]
-    for opt in filter(None, copts.split(",")):
-        k, _, v = opt.partition("=")
-        words.append({"side_dtype": f"{v} side", "alloc": f"{v} alloc",
-                      "codebook": f"{v} codebook", "side": f"{v} side",
-                      "compat": v}.get(k, opt))
-    for opt in filter(None, opts.split(",")):
-        k, _, v = opt.partition("=")
-        words.append(_STREAM_WORDS.get(k) or {"sinks": f"{v} f32 sink", "recent":
-                                             f"last {v} rows f32"}.get(k, opt))
-    return words[0] + (" (" + ", ".join(words[1:]) + ")" if len(words) > 1 else "")
-
-
-def spec_label(pair_spec, streams=("K", "V")):
-    """A codec or pair spec in words for a legend: ``"K polar5 (f16 side, centered, ...) /
-    V polar4 (...)"`` (``streams``: the two streams' names, L and R on the MLA model); a plain
-    spec is kept as it is; a cache plan is named by its file."""
-    from kvquant.models.plan import is_plan_ref
-    if is_plan_ref(pair_spec):
-        return "plan " + os.path.basename(pair_spec)
-    if pair_spec.startswith(("ggml:", "ggml-norot:")):   # llama.cpp's cache types, as run
-        kind, _, pair = pair_spec.partition(":")
-        k, _, v = pair.partition("/")
-        return (f"llama.cpp as run{'' if kind == 'ggml' else ' (no rotation)'}: "
-                f"{streams[0]} {k} / {streams[1]} {v or k}")
-    if "/" not in pair_spec:
-        return _stream_label(pair_spec)
-    k, v = pair_spec.split("/", 1)
-    a, b = streams
-    return f"{a} {_stream_label(k)} / {b} {_stream_label(v)}"
+def _series(codec_spec):
+    """The figure series a codec spec declares (:attr:`kvquant.codecs.Codec.series`)."""
+    from kvquant.codecs import describe_codec
+    return describe_codec(codec_spec)[0]
 
 
 def _stream_names(row_or_model):
@@ -228,7 +204,7 @@ def plot_flip_pareto(table_json, out):
     """KL divergence from the f32 cache (log) against bits per value stored (every byte: the
     fixed bytes of stream options spread over the context), Pareto front drawn; points are
     numbered and a key beside the axes names each configuration in words."""
-    from kvquant_experiments.distortion import codec_family
+    from kvquant.specs import PairSpec, parse_cache_spec
     from kvquant_experiments.flip_report import pareto_front, pareto_points
     table = read_json(table_json)
     pts = pareto_points(table)
@@ -245,8 +221,10 @@ def plot_flip_pareto(table_json, out):
     x_near = max(0.25, 0.04 * (max(xs) - min(xs)))
     for n, i in enumerate(order, 1):
         p = pts[i]
-        fam = codec_family(p["codec"].split("/")[0])
-        st = _style(fam if "/" not in p["codec"] else "")
+        spec = parse_cache_spec(p["codec"])
+        # a pair of one codec is drawn in its codec's style, anything else plainly
+        st = _style(_series(spec.k.codec_spec) if isinstance(spec, PairSpec) and spec.k == spec.v
+                    else "")
         y = max(p["kld"], floor * 0.5)
         ax.plot(p["bits_per_value"], y, marker=st["marker"], color=st["color"], ls="none", ms=6)
         near = sum(1 for x0, ly0 in placed
@@ -321,7 +299,6 @@ def plot_speed_step(results, out, threads=None):
         threads = min(int(k.split("_")[-1][:-1]) for k in rows[0] if k.startswith("numpy_s_"))
     dims = sorted({r["dim"] for r in rows}, reverse=True)
     fig, axes = _figure(ncols=len(dims), width=5.0, height=4.0)
-    from kvquant_experiments.distortion import codec_family
     for ax, dim in zip(axes[0], dims):
         sub = [r for r in rows if r["dim"] == dim]
         # numpy's time per T: the median over the cells that timed it (one per codec)
@@ -334,7 +311,7 @@ def plot_speed_step(results, out, threads=None):
         codecs = list(dict.fromkeys(r["codec"] for r in sub))
         for ci, codec in enumerate(codecs):
             pts = sorted((r for r in sub if r["codec"] == codec), key=lambda r: r["T"])
-            st = _style(codec_family(codec))
+            st = _style(_series(codec))
             # one colour per codec (families share markers): tq2/tq4/tq8 must stay apart
             ax.plot([p["T"] for p in pts], [1e6 * p[f"codec_s_{threads}t"] for p in pts],
                     marker=st["marker"], color=f"C{ci % 10}" if codec != "f32" else "0.5",

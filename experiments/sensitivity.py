@@ -134,12 +134,14 @@ def run_sensitivity(model_name="smollm2", base="polar4/polar3", text="pydoc", po
     """
     from kvquant import flips
     from kvquant.models import load_model
-    from kvquant.models.plan import CachePlan, is_plan_ref
+    from kvquant.models.plan import CachePlan
+    from kvquant.specs import parse_cache_spec
     from kvquant_experiments.texts import load_text, text_tokens
     resolved = load_text(text)
     model = model if model is not None else load_model(model_name)
     L, H, d = model.n_layers, model.n_kv_heads, model.head_dim
-    plan = (CachePlan.of(base) if is_plan_ref(base) else CachePlan.uniform(base, L, H))
+    parsed = parse_cache_spec(base)
+    plan = parsed if isinstance(parsed, CachePlan) else CachePlan.uniform(parsed, L, H)
     plan = CachePlan(plan.layers, H, plan.calibration, plan.meta)
     plan.check(L, H, d)
     tokens, resolved = text_tokens(model, resolved)

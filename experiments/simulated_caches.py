@@ -48,20 +48,18 @@ value plus 32 bits (fp16 scale + zero point) per group, codec rows their bytes p
 in float32 (residual, partial groups) cost 32 bits; K and V averaged.
 """
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SIM_PREFIX", "SimulatedCache", "SimulatingModel", "bits_per_value", "expand",
-           "fixed_bytes",
-           "is_simulation", "parse", "with_simulations"]
+from kvquant.specs import CacheSpec, SpecKind
+
+__all__ = ["SIM_PREFIX", "SPEC_KIND", "SimulatedCache", "SimulationSpec", "bits_per_value",
+           "expand", "fixed_bytes", "parse"]
 
 SIM_PREFIX = "sim:"
 F32_BITS = 32.0
 SIDE_BITS = 32.0          # an fp16 scale and an fp16 zero point per group
-
-
-def is_simulation(pair_spec):
-    return isinstance(pair_spec, str) and pair_spec.strip().startswith(SIM_PREFIX)
 
 
 def expand(pair_spec):
@@ -185,14 +183,19 @@ def _minmax_roundtrip(G, bits, axis):
     return (np.clip(q, 0, top) * scale + zero).astype(np.float32)
 
 
-def parse(pair_spec, dim):
-    """(K side, V side) of a simulation spec, for rows of width ``dim``."""
-    body = expand(pair_spec)[len(SIM_PREFIX):]
-    parts = body.split("/")
+def _sides(pair_spec):
+    """The texts of the K side and the V side of a simulation spec."""
+    parts = expand(pair_spec)[len(SIM_PREFIX):].split("/")
     if len(parts) != 2 or not all(p.strip() for p in parts):
         raise ValueError(f"{pair_spec!r}: a simulation is sim:<K side>/<V side> or an alias "
                          "(sim:kivi<b>[-g<G>][-r<R>], sim:hf-quanto<b>)")
-    return Side(parts[0].strip(), dim, True), Side(parts[1].strip(), dim, False)
+    return parts[0].strip(), parts[1].strip()
+
+
+def parse(pair_spec, dim):
+    """(K side, V side) of a simulation spec, for rows of width ``dim``."""
+    k, v = _sides(pair_spec)
+    return Side(k, dim, True), Side(v, dim, False)
 
 
 def bits_per_value(pair_spec, head_dim, tokens=None):
@@ -350,25 +353,42 @@ def _padded(X, T):
     return np.concatenate([X, np.zeros((T - X.shape[0],) + X.shape[1:], np.float32)])
 
 
-class SimulatingModel:
-    """A model whose ``new_cache`` also builds :class:`SimulatedCache` for ``sim:`` specs;
-    everything else is the wrapped model's."""
+@dataclass(frozen=True)
+class SimulationSpec(CacheSpec):
+    """A ``sim:`` spec as written (aliases kept: rows are named by it), checked when parsed:
+    the ``sim`` kind of :class:`kvquant.specs.CacheSpec`, installed through the entry-point
+    group ``kvquant.cache_specs`` so that every process (workers, Dask) parses it."""
 
-    def __init__(self, model):
-        self._model = model
+    written: str
+    kind = "sim"
 
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+    @property
+    def text(self):
+        return self.written
 
-    def new_cache(self, pair_spec="f32"):
-        if is_simulation(pair_spec):
-            m = self._model
-            return SimulatedCache(pair_spec, m.n_layers, m.n_kv_heads, m.head_dim)
-        return self._model.new_cache(pair_spec)
+    @classmethod
+    def parse(cls, text):
+        text = text.strip()
+        _sides(text)   # the form checked here; each side is checked against a width when built
+        return cls(text)
+
+    @property
+    def family(self):
+        return "simulation"
+
+    def describe(self, streams=("K", "V")):
+        return "simulated " + expand(self.text)[len(SIM_PREFIX):]
+
+    def bits_per_value(self, head_dim, tokens=None):
+        return bits_per_value(self.text, head_dim, tokens)
+
+    def new_kv_cache(self, layout):
+        return SimulatedCache(self.text, layout.n_layers, layout.n_kv_heads, layout.head_dim)
+
+    def fixed_bytes(self, n_layers, n_kv_heads, head_dim, tokens):
+        """The float32 rows' bytes at a context of ``tokens`` (they depend on the length)."""
+        return fixed_bytes(self.text, n_layers, n_kv_heads, head_dim, tokens)
 
 
-def with_simulations(specs, model):
-    """``model`` wrapped in :class:`SimulatingModel` when a spec is a simulation, else as is."""
-    if any(is_simulation(s) for s in specs) and not isinstance(model, SimulatingModel):
-        return SimulatingModel(model)
-    return model
+# what kvquant.specs loads from the entry point "sim" (setup.cfg)
+SPEC_KIND = SpecKind("sim", lambda text: text.startswith(SIM_PREFIX), SimulationSpec.parse)

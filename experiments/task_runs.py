@@ -353,11 +353,11 @@ def _read_summary(path):
 
 
 def cmd_tasks(args):
-    from kvquant.codecs import split_spec_list
+    from kvquant.specs import split_spec_text
     from kvquant.tasks import task_members
     from kvquant_experiments.executor import open_executor
     try:
-        specs = split_spec_list(args.codecs)
+        specs = split_spec_text(args.codecs)
         if not specs:
             raise ValueError("--codecs names no cache spec")
         if args.reference not in specs:

@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.codecs import get_codec, split_spec_list
+from kvquant.codecs import get_codec
+from kvquant.specs import split_spec_text
 # Stream options (the one import of them here: the module may move with the streams).
 from kvquant.streams.options import parse_stream_spec
 
@@ -418,7 +419,7 @@ def cmd_budget(args):
         contexts = [parse_tokens(c) for c in args.contexts.split(",") if c.strip()]
         if not contexts:
             raise ValueError(f"--contexts {args.contexts!r} names no context; use e.g. 32k,128k")
-        specs = split_spec_list(args.codecs) if args.codecs else list(DEFAULT_CODECS)
+        specs = split_spec_text(args.codecs) if args.codecs else list(DEFAULT_CODECS)
         if not specs:
             raise ValueError(f"--codecs {args.codecs!r} names no codec")
         _check_slots(args.slots)

@@ -38,9 +38,9 @@ def parse_subcommand(add_cli, command, argv=None):
 
 
 def _parse_codecs(text):
-    from kvquant.codecs import split_spec_list
+    from kvquant.specs import split_spec_text
     try:
-        specs = split_spec_list(text)
+        specs = split_spec_text(text)
     except ValueError as exc:
         raise SystemExit(f"kvquant: {exc}")
     if not specs:

@@ -47,7 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CACHE_TYPES", "GGMLAttentionCache", "GGMLPair", "hadamard_matrix", "is_ggml_pair",
+from kvquant.specs import CacheSpec, SpecKind, register_spec_kind
+
+__all__ = ["CACHE_TYPES", "GGML_FAMILY", "GGMLAttentionCache", "GGMLPair", "hadamard_matrix",
            "parse_ggml_pair", "quantize_q8_0_x86", "rotate_blocks", "round_query",
            "stored_values"]
 
@@ -56,6 +58,7 @@ TILE_Q = 64                   # ggml's GGML_FA_TILE_Q: queries at once that take
 ROT_MIN = 64                  # llama.cpp rotates only head widths that 64 divides
 CACHE_TYPES = {"f16": None, "q8_0": 34, "q4_0": 18}   # type -> bytes per block of 32 (f16: 2/value)
 PREFIXES = {"ggml": True, "ggml-norot": False}        # prefix -> llama.cpp's cache rotation on
+GGML_FAMILY = "llama.cpp as run"
 F16_MAX = 65504.0
 
 
@@ -65,20 +68,35 @@ def _type_bytes(cache_type, dim):
 
 
 @dataclass(frozen=True)
-class GGMLPair:
-    """A parsed ``ggml:<K>/<V>`` pair spec: llama.cpp's cache types and its rotation switch."""
+class GGMLPair(CacheSpec):
+    """A parsed ``ggml:<K>/<V>`` pair spec: llama.cpp's cache types and its rotation switch (the
+    ``ggml`` kind of :class:`~kvquant.specs.CacheSpec`)."""
 
     k_type: str
     v_type: str
     rotation: bool = True
+    kind = "ggml"
 
     @property
-    def spec(self):
+    def text(self):
         prefix = "ggml" if self.rotation else "ggml-norot"
         return f"{prefix}:{self.k_type}/{self.v_type}"
 
-    def __str__(self):
-        return self.spec
+    spec = text
+
+    @property
+    def family(self):
+        return GGML_FAMILY
+
+    def describe(self, streams=("K", "V")):
+        return (f"llama.cpp as run{'' if self.rotation else ' (no rotation)'}: "
+                f"{streams[0]} {self.k_type} / {streams[1]} {self.v_type}")
+
+    def new_kv_cache(self, layout):
+        # llama.cpp's Gemma 3 graph scales the queries before attention
+        return GGMLAttentionCache(layout.n_layers, layout.n_kv_heads, layout.head_dim, self,
+                                  prescale_query=layout.architecture == "gemma3",
+                                  capacity=layout.capacity)
 
     def rotation_widths(self, head_dim):
         """(K rotation width or None, V rotation width or None), as llama.cpp picks them."""
@@ -94,8 +112,8 @@ class GGMLPair:
     def bytes_per_row(self, stream, head_dim):
         return _type_bytes(self.k_type if stream == "k" else self.v_type, head_dim)
 
-    def bits_per_value(self, head_dim):
-        """(K + V bytes per row) * 8 / (2 * head_dim)."""
+    def bits_per_value(self, head_dim, tokens=None):
+        """(K + V bytes per row) * 8 / (2 * head_dim); no fixed costs, whatever ``tokens``."""
         return 8.0 * (self.bytes_per_row("k", head_dim) + self.bytes_per_row("v", head_dim)) \
             / (2 * head_dim)
 
@@ -107,10 +125,8 @@ class GGMLPair:
         return self
 
 
-def is_ggml_pair(pair_spec):
-    """True when ``pair_spec`` names llama.cpp's attention (``ggml:`` / ``ggml-norot:``)."""
-    return isinstance(pair_spec, (str, GGMLPair)) and (
-        isinstance(pair_spec, GGMLPair) or pair_spec.strip().split(":", 1)[0] in PREFIXES)
+def _claims(text):
+    return text.split(":", 1)[0] in PREFIXES
 
 
 def parse_ggml_pair(pair_spec):
@@ -118,7 +134,7 @@ def parse_ggml_pair(pair_spec):
     ``ggml:f16/f16``; ``ggml-norot:`` turns the rotation off. ValueError naming what is wrong."""
     if isinstance(pair_spec, GGMLPair):
         return pair_spec
-    if not is_ggml_pair(pair_spec):
+    if not isinstance(pair_spec, str) or not _claims(pair_spec.strip()):
         raise ValueError(f"{pair_spec!r} is not a llama.cpp attention spec (ggml:<K>/<V>)")
     prefix, _, types = pair_spec.strip().partition(":")
     parts = [p.strip().lower() for p in types.split("/")]
@@ -133,6 +149,9 @@ def parse_ggml_pair(pair_spec):
             raise ValueError(f"{pair_spec!r}: {p!r} is not a llama.cpp cache type modelled here "
                              f"(known: {known}); for kvquant's own codecs drop '{prefix}:'")
     return GGMLPair(parts[0], parts[1], PREFIXES[prefix])
+
+
+register_spec_kind(SpecKind("ggml", _claims, parse_ggml_pair))
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ ensure_importable()
 
 from kvquant import get_codec  # noqa: E402
 from kvquant.cache import QuantizedKVCache  # noqa: E402
-from kvquant.models.plan import CachePlan, is_plan_ref  # noqa: E402
+from kvquant.models.plan import CachePlan  # noqa: E402
+from kvquant.specs import parse_cache_spec  # noqa: E402
 from kvquant.streams.calibration import StreamStatistics  # noqa: E402
 from kvquant_experiments import allocate, sensitivity, texts  # noqa: E402
 
@@ -49,7 +50,7 @@ def test_a_plan_round_trips_through_its_file(tmp_path):
     path = str(tmp_path / "p.json")
     plan.save(path)
     back = CachePlan.load(path)
-    assert back == plan and is_plan_ref(path) and back.source == path
+    assert back == plan == parse_cache_spec(path) and back.source == path
     obj = json.load(open(path))
     assert obj["layers"][1] == {"k": "polar5@center,sinks=1", "v": "polar3"}
     assert obj["layers"][2]["v"] == ["polar3", "tq2"]

@@ -144,9 +144,9 @@ def test_local_workers_run_one_thread_each():
 @pytest.mark.parametrize("tokens", [1, 2, 37, 512])
 def test_frontier_bits_are_the_bytes_a_cache_holds(rng, pair, tokens):
     from kvquant.cache import QuantizedKVCache
-    from kvquant.models import split_pair_spec
+    from kvquant.specs import parse_cache_spec
     from kvquant_experiments.frontier import bits_per_value
-    k_spec, v_spec = split_pair_spec(pair)
+    k_spec, v_spec = parse_cache_spec(pair).streams
     cache = QuantizedKVCache(1, {"k": (k_spec, 64), "v": (v_spec, 64)})
     K, V = (rng.standard_normal((tokens, 64)).astype(np.float32) for _ in range(2))
     cache.append(0, k=K, v=V)

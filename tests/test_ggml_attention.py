@@ -14,7 +14,7 @@ import scipy.linalg
 gguf = pytest.importorskip("gguf", reason="the model extra (gguf) is not installed")
 
 from kvquant.ggml_attention import (  # noqa: E402
-    GGMLAttentionCache, GGMLPair, attend_rows, hadamard_matrix, is_ggml_pair, parse_ggml_pair,
+    GGMLAttentionCache, GGMLPair, attend_rows, hadamard_matrix, parse_ggml_pair,
     quantize_q8_0_x86, rotate_blocks, round_query, stored_values)
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
@@ -142,8 +142,10 @@ def test_pair_specs():
     assert parse_ggml_pair("ggml:f16") == GGMLPair("f16", "f16", True)
     assert parse_ggml_pair("ggml-norot:q4_0/q4_0") == GGMLPair("q4_0", "q4_0", False)
     assert str(parse_ggml_pair("ggml-norot:q4_0")) == "ggml-norot:q4_0/q4_0"
-    assert is_ggml_pair("ggml:q8_0") and not is_ggml_pair("q8_0+rot")
-    assert not is_ggml_pair("tq4:seed=3")
+    from kvquant.specs import PairSpec, parse_cache_spec
+    assert parse_cache_spec("ggml:q8_0") == GGMLPair("q8_0", "q8_0", True)
+    assert isinstance(parse_cache_spec("q8_0+rot"), PairSpec)
+    assert isinstance(parse_cache_spec("tq4:seed=3"), PairSpec)
     for bad, match in (("ggml:q5_1/q8_0", "not a llama.cpp cache type"),
                        ("ggml:q8_0+rot", "not a llama.cpp cache type"),
                        ("ggml:q8_0/q8_0/f16", "expected ggml:<K type>/<V type>"),
@@ -394,5 +396,5 @@ def test_rotation_is_the_butterfly_of_each_row_alone(rng):
 
 def test_a_ggml_spec_is_refused_where_it_cannot_run():
     from kvquant.models import load_model
-    with pytest.raises(ValueError, match="only a whole K/V pair of a GGUF model"):
+    with pytest.raises(ValueError, match="MLA model.s cache takes a pair spec.*not a ggml spec"):
         load_model("tiny-mla").new_cache("ggml:q8_0/q8_0")

@@ -6,7 +6,7 @@ import pytest
 
 from kvquant import get_codec
 from kvquant.cache import QuantizedKVCache, RowStream
-from kvquant.codecs import split_spec_list
+from kvquant.specs import split_spec_text
 from kvquant.streams.options import MAX_RECENT, parse_stream_spec
 
 D = 32
@@ -160,7 +160,7 @@ def test_a_window_in_any_layer_counts():
 
 def test_spec_language_and_where_a_window_cannot_go():
     assert parse_stream_spec("tq4@center,recent=16") == ("tq4", {"center": True, "recent": 16})
-    assert split_spec_list("tq4@recent=16,kv8") == ["tq4@recent=16", "kv8"]
+    assert split_spec_text("tq4@recent=16,kv8") == ["tq4@recent=16", "kv8"]
     with pytest.raises(ValueError, match=f"0 <= N <= {MAX_RECENT}"):
         parse_stream_spec(f"tq4@recent={MAX_RECENT + 1}")
     assert RowStream(get_codec("tq4", D), recent=16, sinks=1).spec == "tq4@sinks=1,recent=16"

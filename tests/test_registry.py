@@ -56,15 +56,15 @@ def test_sizes():
     assert get_codec("tq4:side_dtype=f16", 512).bytes_per_row == 256 + 2
 
 
-def test_split_spec_list():
-    from kvquant.codecs import split_spec_list
-    assert split_spec_list("polar5@center,sinks=1/polar4:alloc=level,seed=3@sinks=1,q8_0") == [
+def test_split_spec_text():
+    from kvquant.specs import split_spec_text
+    assert split_spec_text("polar5@center,sinks=1/polar4:alloc=level,seed=3@sinks=1,q8_0") == [
         "polar5@center,sinks=1/polar4:alloc=level,seed=3@sinks=1", "q8_0"]
-    assert split_spec_list("tq4@sinks=2,center,kv8") == ["tq4@sinks=2,center", "kv8"]
-    assert split_spec_list("kv8,tq3:codebook=gaussian,side=unbiased,tq4") == [
+    assert split_spec_text("tq4@sinks=2,center,kv8") == ["tq4@sinks=2,center", "kv8"]
+    assert split_spec_text("kv8,tq3:codebook=gaussian,side=unbiased,tq4") == [
         "kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]
     with pytest.raises(ValueError, match="follows no spec"):
-        split_spec_list("side=unbiased,tq4")
+        split_spec_text("side=unbiased,tq4")
 
 
 @pytest.mark.parametrize("spec", ["f32", "kv8", "tq4", "polar4", "q4_0"])

@@ -13,7 +13,7 @@ ensure_importable()
 from kvquant import get_codec  # noqa: E402
 from kvquant_experiments import frontier  # noqa: E402
 from kvquant_experiments.simulated_caches import (  # noqa: E402
-    Side, SimulatedCache, SimulatingModel, bits_per_value, expand, parse)
+    Side, SimulatedCache, bits_per_value, expand, parse)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_bad_specs_are_refused_with_the_reason():
 # -- through the model -----------------------------------------------------------------------------
 
 def test_a_float32_simulation_is_the_float32_cache(tiny_llama):
-    model = SimulatingModel(tiny_llama)
+    model = tiny_llama   # sim: specs are a plug-in kind (entry point kvquant.cache_specs)
     ids = (np.arange(1, 50) * 7) % 50 + 3
     ref = model.forward(ids, model.new_cache("f32"))
     for spec in ("sim:f32/f32", "sim:f32@prerope/f32"):
@@ -189,7 +189,7 @@ def test_a_float32_simulation_is_the_float32_cache(tiny_llama):
 
 
 def test_pre_rope_keys_are_quantized_unrotated_and_rotated_after(tiny_llama):
-    model = SimulatingModel(tiny_llama)
+    model = tiny_llama   # sim: specs are a plug-in kind (entry point kvquant.cache_specs)
     ids = (np.arange(1, 41) * 5) % 50 + 3
     cache = model.new_cache("sim:chan4-g8@prerope/f32")
     assert cache.keys_before_rope
@@ -227,6 +227,11 @@ def test_the_frontier_and_flips_run_simulations(tiny_llama, tmp_path):
     for spec in specs[1:]:
         assert rows[spec]["kld_mean"] > 0 and np.isfinite(rows[spec]["kld_mean"])
     assert frontier.pair_family("sim:kivi4") == "simulation"
-    with pytest.raises(ValueError, match="in this process only"):
-        from kvquant_experiments.flip_runs import run_flips
-        run_flips(tiny_llama.path, codecs=["sim:kivi4"], positions=0, n_prompts=1, workers=2)
+    # a plug-in kind parses in spawned workers too (its entry point): the same numbers
+    from kvquant_experiments.flip_runs import run_flips
+    args = dict(codecs=["sim:kivi4-g8-r16"], positions=64, chunk_tokens=32, n_prompts=1,
+                text=str(text))
+    here = run_flips(tiny_llama.path, workers=1, model=tiny_llama, **args)["rows"]
+    spawned = run_flips(tiny_llama.path, workers=2, **args)["rows"]
+    assert [r["kld_mean"] for r in spawned] == [r["kld_mean"] for r in here]
+    assert here[1]["kld_mean"] > 0

@@ -56,8 +56,8 @@ def test_stream_spec_builds_its_codec_once_per_width_and_names_a_bad_width():
 
 
 def test_a_model_cache_takes_the_checked_spec_without_building_a_second_codec():
-    from kvquant.models import check_stream_spec
-    spec = check_stream_spec("polar4@center,sinks=1", 64, "K")
+    from kvquant.specs import parse_cache_spec
+    spec, _ = parse_cache_spec("polar4@center,sinks=1").checked((64, 64), ("K", "V"))
     assert isinstance(spec, StreamSpec)
     cache = QuantizedKVCache(2, {"k": (spec, 64), "v": (spec, 64)}, n_kv_heads=3)
     assert cache.codec(0, "k") is spec.codec(64) is cache.codec(1, "v")

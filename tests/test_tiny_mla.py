@@ -16,7 +16,8 @@ from kvquant_experiments import flip_runs, texts  # noqa: E402
 from kvquant.cache import QuantizedKVCache
 from kvquant.codecs.base import Codec
 from kvquant.metrics import wilson_interval
-from kvquant.models import load_model, split_pair_spec
+from kvquant.models import load_model
+from kvquant.specs import parse_cache_spec
 from kvquant.models.tiny_mla import ORACLE_PROMPT, TinyMLA, TinyMLAConfig, rope_interleaved
 
 FIXTURE = os.path.join(os.path.dirname(__file__), os.pardir, "data", "oracle",
@@ -98,7 +99,7 @@ def test_cache_streams_and_pair_specs(model):
     assert {n: cache.codec(0, n).spec for n in ("L", "R")} == {"L": "kv8-g8", "R": "kv8"}
     cache = model.new_cache("tq4/kv8")
     assert (cache.codec(0, "L").spec, cache.codec(0, "R").spec) == ("tq4", "kv8")
-    assert split_pair_spec("tq3") == ("tq3", "tq3")
+    assert [str(s) for s in parse_cache_spec("tq3").streams] == ["tq3", "tq3"]
     with pytest.raises(ValueError, match="R \\(rope\\) rows \\(width 8\\)"):
         model.new_cache("q4_0")            # blocks of 32 do not fit an 8-wide R row
     with pytest.raises(ValueError, match="two separated by '/'"):

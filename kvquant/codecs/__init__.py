@@ -8,8 +8,6 @@ Each family module exposes ``parse(base, dim, options)`` returning a codec or No
 from elsewhere come in through :mod:`kvquant.codecs.registry` (``register_codec`` or the
 ``kvquant.codecs`` entry-point group) and are looked up after the built-in families.
 """
-import re
-
 from kvquant.codecs import fp8, ggml, identity, lloyd, polar
 from kvquant.codecs import registry
 from kvquant.codecs.base import WIDTH_RULE, Codec, EncodedRows
@@ -22,7 +20,7 @@ BUILTIN_FORMS = ("f32", "kv8", "kv8-g<N>", "tq<b> (b = 1..8)", "polar<b> (b = 2.
                  *(f"{k} (+rot)" for k in ggml.KINDS))
 
 __all__ = ["BUILTIN_FORMS", "WIDTH_RULE", "Codec", "EncodedRows", "available_codecs",
-           "get_codec", "parse_spec", "register_codec", "split_spec_list", "unregister_codec"]
+           "describe_codec", "get_codec", "parse_spec", "register_codec", "unregister_codec"]
 
 
 def available_codecs():
@@ -50,31 +48,6 @@ def parse_spec(spec):
                 raise ValueError(f"option {key}={value!r} in spec {spec!r} must be an integer")
         options[key] = value
     return base.lower(), options
-
-
-def split_spec_list(text):
-    """Split a comma-separated list of specs whose options may hold commas too.
-
-    A piece that starts with an option (``key=value``, or the stream flag ``center``) continues
-    the spec before it when that spec is open for options (its last ``/`` part has ``:`` codec
-    options or ``@`` stream options):
-    ``"kv8,tq3:codebook=gaussian,side=unbiased,tq4"`` -> ``["kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]``;
-    ``"polar5@center,sinks=1/polar4@sinks=1,q8_0"`` -> ``["polar5@center,sinks=1/polar4@sinks=1", "q8_0"]``.
-    """
-    specs = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        head = re.split(r"[/@]", piece)[0]
-        # bare flags: the stream options of kvquant.streams.options.parse_stream_spec
-        is_option = head in ("center", "normalize") or ("=" in head and ":" not in head)
-        if is_option:
-            if not specs or not any(c in specs[-1].split("/")[-1] for c in ":@"):
-                raise ValueError(f"option {piece!r} in {text!r} follows no spec with options")
-            specs[-1] += "," + piece
-        else:
-            specs.append(piece)
-    return specs
 
 
 def get_codec(spec, dim, **options):
@@ -117,6 +90,21 @@ def get_codec(spec, dim, **options):
         raise ValueError(f"spec {spec!r}: its factory returned {codec!r}, not a kvquant Codec "
                          f"of width {dim}")
     return codec
+
+
+def describe_codec(spec):
+    """``(series, nominal_bits)`` a codec spec declares (:attr:`Codec.series`,
+    :attr:`Codec.nominal_bits`), whatever width it is built for: the first of a few widths
+    that the codec takes (ValueError naming the spec when it takes none)."""
+    error = None
+    for dim in (64, 128, 512, 96):
+        try:
+            codec = get_codec(spec, dim)
+        except ValueError as exc:   # a width this codec refuses (a group size, a block)
+            error = error or exc
+            continue
+        return codec.series, codec.nominal_bits
+    raise error
 
 
 def builtin_codec(base, dim, options):

@@ -95,6 +95,8 @@ class Codec:
     """
 
     family = "base"
+    # bits per element a spec names (tq4 -> 4), None when the codec names none; subclasses set it
+    nominal_bits = None
     engine_tag = None  # the engine's format tag where this codec is one of its tiers
     side_dtype = "f32"
     # what nonfinite="inert" does with a refused row (error messages)
@@ -126,6 +128,12 @@ class Codec:
     def bits_per_value(self):
         """Stored bits per element, side values included."""
         return 8.0 * self.bytes_per_row / self.dim
+
+    @property
+    def series(self):
+        """The line this codec is drawn on in figures and grouped under in tables: the family,
+        or a finer name where options change what the codec is (``tq gaussian``)."""
+        return self.family
 
     @property
     def compression_ratio(self):

@@ -32,6 +32,7 @@ class FP8Codec(Codec):
     """
 
     family = "kv8"
+    nominal_bits = 8
     inert_rule = ("stores them as the engine does: a NaN element becomes 0 and the rest of its "
                   "row stays live; a row (kv8-g<N>: a group) holding an inf or an element above "
                   "3.4e38 is stored as zero bytes with scale 1")

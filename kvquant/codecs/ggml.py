@@ -107,6 +107,11 @@ class GGMLCodec(Codec):
         self.n_side = 0
         self.spec = name + (f":seed={self.seed:#x}" if rotate and self.seed != ENGINE_SEED
                             else "")
+        self.nominal_bits = int(kind[kind.index("q") + 1])   # q8_0 -> 8, iq4_nl -> 4
+
+    @property
+    def series(self):
+        return self.kind + ("+rot" if self.rotate else "")
 
     def _raise_on_bad_rows(self, status):
         bad = np.flatnonzero(status)

@@ -7,6 +7,7 @@ from kvquant.codecs.base import Codec
 
 class F32Codec(Codec):
     family = "f32"
+    nominal_bits = 32
     engine_tag = 0
 
     def __init__(self, dim, nonfinite="raise"):

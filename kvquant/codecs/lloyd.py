@@ -96,9 +96,10 @@ class LloydCodec(Codec):
             raise ValueError(
                 "compat='colibri' is the engine's format, which stores f32 side values: use "
                 f"'tq{bits}:compat=colibri' without side_dtype, or drop compat to store f16 sides")
-        self.bits = int(bits)
+        self.bits = self.nominal_bits = int(bits)
         self.seed = int(seed)
         self.compat = compat
+        self.codebook = codebook
         self.side_kind = side
         self.side_dtype = side_dtype
         if compat == "colibri":
@@ -145,6 +146,14 @@ class LloydCodec(Codec):
             self.safe_norm = None if self.side_kind == "unbiased" else ROW_LIMIT / decoded
         if self.side_dtype == "f16":
             self.safe_norm = None if self.safe_norm is None else F16_MAX
+
+    @property
+    def series(self):
+        if self.compat:
+            return "tq colibri"
+        if self.codebook == "gaussian":
+            return "tq gaussian"
+        return "tq unbiased" if self.side_kind == "unbiased" else "tq"
 
     def _canonical_spec(self, codebook):
         opts = []

@@ -399,7 +399,7 @@ class PolarCodec(Codec):
                 "compat='colibri' is the engine's format, which stores f32 side values: use "
                 f"'polar{bits}:compat=colibri' without side_dtype, or drop compat to store f16 "
                 "sides")
-        self.bits = int(bits)
+        self.bits = self.nominal_bits = int(bits)
         self.side_dtype = side_dtype
         self.seed = int(seed)
         self.compat = compat
@@ -471,6 +471,10 @@ class PolarCodec(Codec):
         cos_tab.flags.writeable = sin_tab.flags.writeable = False
         self._angle_tables = (cos_tab, sin_tab)
         self.spec = self._canonical_spec()
+
+    @property
+    def series(self):
+        return "polar colibri" if self.compat else "polar"
 
     def _canonical_spec(self):
         opts = []

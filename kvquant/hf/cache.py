@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvquant.cache import QuantizedKVCache
-from kvquant.models import check_stream_spec, split_pair_spec
+from kvquant.specs import PairSpec, parse_cache_spec
 
 ATTN_IMPLEMENTATION = "kvquant"
 _TAG = "_kvquant_layer"     # attribute of the tensors update() returns: their KVQuantLayer
@@ -35,7 +35,7 @@ class KVQuantLayer(CacheLayerMixin):
     Parameters
     ----------
     k_spec, v_spec : StreamSpec
-        Checked stream specs of the K and V rows (:func:`kvquant.models.check_stream_spec`).
+        Checked stream specs of the K and V rows (:meth:`kvquant.specs.PairSpec.checked`).
     n_kv_heads, head_dim : int
     sliding_window : int or None
         The layer's attention window (None: full attention). Every row is kept either way.
@@ -187,16 +187,32 @@ def _key_order(key_channels, head_dim):
 
 
 def _per_layer_specs(spec, n_layers):
-    """One ``"K/V"`` (or one-for-both) spec string per layer from a string or a list."""
-    if isinstance(spec, str):
-        return [spec] * n_layers
-    if isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):
+    """One :class:`~kvquant.specs.PairSpec` per layer from a cache spec (a pair for every layer,
+    or a per-layer plan with one spec per stream) or a list of one pair spec per layer."""
+    from kvquant.models.plan import CachePlan
+    if isinstance(spec, (list, tuple)):
         if len(spec) != n_layers:
             raise ValueError(f"{len(spec)} specs for a model of {n_layers} layers: give one spec "
                              "for all layers (e.g. 'tq4' or 'kv8/tq4') or one per layer")
-        return list(spec)
-    raise TypeError(f"spec must be a stream spec string ('tq4', 'polar5/polar4@center') or a list "
-                    f"of one per layer, got {spec!r}")
+        pairs = [parse_cache_spec(s) for s in spec]
+    else:
+        parsed = parse_cache_spec(spec)
+        if isinstance(parsed, CachePlan):
+            if parsed.n_layers != n_layers:
+                raise ValueError(f"{parsed.text}: a plan of {parsed.n_layers} layers for a model "
+                                 f"of {n_layers}")
+            if parsed.calibration is not None or any(isinstance(s, tuple)
+                                                     for pair in parsed.layers for s in pair):
+                raise ValueError(f"{parsed.text}: KVQuantCache takes plans of one spec per "
+                                 "layer and stream, without calibrated statistics")
+            pairs = [PairSpec.parse("/".join(pair)) for pair in parsed.layers]
+        else:
+            pairs = [parsed] * n_layers
+    for p in pairs:
+        if not isinstance(p, PairSpec):
+            raise ValueError(f"{p.text!r}: KVQuantCache takes pair specs ('tq4', "
+                             f"'polar5/polar4@center') and per-layer plans, not {p.kind} specs")
+    return pairs
 
 
 class KVQuantCache(Cache):
@@ -208,9 +224,10 @@ class KVQuantCache(Cache):
         The model's config (``model.config``); its decoder config gives the layers, their types
         (full or sliding-window attention), the KV heads and the head width. The model must
         run the ``"kvquant"`` attention (``attn_implementation="kvquant"``).
-    spec : str or list of str, default "f32"
+    spec : str, CacheSpec or list, default "f32"
         A stream spec for K and V (``"tq4"``), a K/V pair (``"kv8/tq4"``,
-        ``"polar5/polar4@center"``), or a list of one such spec per layer. Stream options:
+        ``"polar5/polar4@center"``), a per-layer plan (one spec per layer and stream), or a
+        list of one pair spec per layer (strings or :class:`~kvquant.specs.PairSpec`). Stream options:
         ``center``, ``normalize``, ``sinks=N``, ``recent=W``
         (:func:`kvquant.streams.options.parse_stream_spec`).
     key_channels : {"model", "interleaved"}, default "model"
@@ -253,15 +270,11 @@ class KVQuantCache(Cache):
         n_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         key_order = _key_order(key_channels, head_dim)
-        parsed = {}   # each spec string once, however many layers repeat it
         layers = []
-        for i, (pair, kwargs) in enumerate(zip(_per_layer_specs(spec, len(layer_types)),
-                                               layer_kwargs)):
-            if pair not in parsed:
-                k_spec, v_spec = split_pair_spec(pair)
-                parsed[pair] = (check_stream_spec(k_spec, head_dim, "K"),
-                                check_stream_spec(v_spec, head_dim, "V"))
-            layers.append(KVQuantLayer(*parsed[pair], n_kv_heads, head_dim,
+        for pair, kwargs in zip(_per_layer_specs(spec, len(layer_types)), layer_kwargs):
+            # StreamSpec.check builds each codec once per width, however many layers share it
+            layers.append(KVQuantLayer(*pair.checked((head_dim, head_dim), ("K", "V")),
+                                       n_kv_heads, head_dim,
                                        kwargs.get("sliding_window"), key_order,
                                        n_threads, **codec_options))
         super().__init__(layers=layers)

@@ -7,11 +7,13 @@ attention reads them through the codecs' compressed-domain consumers (``codec.sc
 ``codec.context``), except where a model's docstring says it uses the cache's decoded-block
 prefill (``attend_prefill``, which agrees with the consumers to rounding).
 
-A cache is given codecs by a *pair spec*: ``"tq4"`` (one codec for both streams of a layer) or
-``"kv8/tq4"`` (first stream / second stream: K / V for Llama, L / R for MLA).
+A cache is named by a cache spec (:mod:`kvquant.specs`: a string, parsed once, or a
+:class:`~kvquant.specs.CacheSpec`): ``"tq4"`` (one stream spec for both streams of a layer),
+``"kv8/tq4"`` (first stream / second stream: K / V for Llama, L / R for MLA), a per-layer plan
+file, llama.cpp's attention as it runs (``"ggml:q8_0/q8_0"``, GGUF models) or a plug-in kind.
 
 Models expose ``name``, ``vocab_size``, ``context_length`` (the trained context; longer chunks
-are refused), ``bos_token_id`` (the id that starts every input, or None), ``n_layers``, ``n_kv_heads``, ``head_dim``, ``describe()``, ``new_cache(pair_spec)``,
+are refused), ``bos_token_id`` (the id that starts every input, or None), ``n_layers``, ``n_kv_heads``, ``head_dim``, ``describe()``, ``new_cache(spec)``,
 ``forward(tokens, cache, last_only=False)`` which returns float32 logits of shape
 (n_tokens, vocab_size) and appends the tokens to the cache, ``forward_hidden(tokens, cache)``
 (the final hidden states after the output norm, float32 (n_tokens, hidden)) and
@@ -23,7 +25,6 @@ have ``encode(text)`` (int64 ids), ``decode(ids)`` and ``decode_step``.
 import numpy as np
 
 from kvquant.cache import softmax
-from kvquant.streams.spec import StreamSpec
 
 __all__ = [
     "MODEL_NAMES",
@@ -31,46 +32,14 @@ __all__ = [
     "cache_streams",
     "load_model",
     "masked_softmax",
-    "split_pair_spec",
 ]
 
 MODEL_NAMES = ("tiny-mla", "smollm2", "gemma3-270m")
 
 
-def split_pair_spec(pair_spec):
-    """``"kv8/tq4"`` -> ``("kv8", "tq4")``; ``"tq4"`` -> ``("tq4", "tq4")``."""
-    if not isinstance(pair_spec, str) or not pair_spec.strip():
-        raise ValueError(f"a codec spec must be a non-empty string, got {pair_spec!r}")
-    parts = [p.strip() for p in pair_spec.split("/")]
-    if len(parts) == 1:
-        return parts[0], parts[0]
-    if len(parts) != 2 or not all(parts):
-        raise ValueError(
-            f"{pair_spec!r}: expected one codec spec, or two separated by '/' (e.g. 'kv8/tq4' for "
-            "K kv8 and V tq4, or L and R on the MLA model)"
-        )
-    return parts[0], parts[1]
-
-
 def cache_streams(cache):
     """``{stream name: stream spec}`` of a cache (layer 0)."""
     return {name: cache.stream(0, name).spec for name in cache.stream_names}
-
-
-def check_stream_spec(spec, dim, stream):
-    """The :class:`~kvquant.streams.StreamSpec` of a stream spec (codec spec + optional
-    ``@center,sinks=N``, see :func:`kvquant.streams.options.parse_stream_spec`), checked for rows
-    of width ``dim``; errors name the stream. The cache takes it as it is (parsed once, its codec
-    built once)."""
-    if isinstance(spec, str) and spec.strip().split(":", 1)[0] in ("ggml", "ggml-norot"):
-        raise ValueError(
-            f"{stream} rows: {spec!r} names llama.cpp's attention, which only a whole K/V pair "
-            "of a GGUF model takes (e.g. 'ggml:q8_0/q8_0', kvquant.ggml_attention); for one "
-            "stream use a codec such as q8_0 or q8_0+rot")
-    try:
-        return StreamSpec.of(spec).check(dim)
-    except ValueError as exc:
-        raise ValueError(f"{stream} rows (width {dim}): {exc}") from None
 
 
 def causal_mask(query_pos, n_rows):

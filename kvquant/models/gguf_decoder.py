@@ -30,10 +30,9 @@ import numpy as np
 from kvquant._kernels import matvec as _matvec
 from kvquant._kernels._build_info import openmp_enabled
 from kvquant._threads import blas_threads, resolve_n_threads
-from kvquant.cache import QuantizedKVCache
-from kvquant.ggml_attention import GGMLAttentionCache, is_ggml_pair
-from kvquant.models import check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
-from kvquant.models.plan import CachePlan, is_plan_ref
+from kvquant.ggml_attention import GGMLAttentionCache
+from kvquant.models import masked_softmax, rms_norm, silu
+from kvquant.specs import KVLayout, parse_cache_spec
 from kvquant.models.gguf_config import config_from_gguf, gguf_field, layer_tensor_names
 from kvquant.models.gguf_file import GGUFFile
 from kvquant.models.gguf_weights import DEFAULT_BUDGET_BYTES, GGUFWeights
@@ -158,26 +157,17 @@ def _append(cache, layer, k, v, pre_rope, rows=None):
         cache.append(layer, n_threads=CACHE_THREADS, k=k, v=v)
 
 
-def new_kv_cache(cfg, pair_spec="f32"):
-    """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v`` per KV head.
-
-    ``pair_spec`` is ``"tq4"`` for keys and values, or ``"kv8/tq4"`` for K / V, or a cache
-    plan (specs per layer and KV head: the path of its JSON file, or a
-    :class:`~kvquant.models.plan.CachePlan`); ``cfg`` needs ``n_layers``, ``n_kv_heads``,
-    ``head_dim``. ``"ggml:q8_0/q8_0"`` (llama.cpp's cache types and its attention arithmetic,
-    :mod:`kvquant.ggml_attention`) gives a :class:`~kvquant.ggml_attention.GGMLAttentionCache`
-    instead.
+def new_kv_cache(cfg, spec="f32"):
+    """The cache that the cache spec ``spec`` (:mod:`kvquant.specs`: a string or a CacheSpec)
+    builds for a model of config ``cfg`` (``n_layers``, ``n_kv_heads``, ``head_dim``,
+    ``architecture``): a :class:`~kvquant.cache.QuantizedKVCache` with streams ``k`` and ``v``
+    per KV head for ``"tq4"``, ``"kv8/tq4"`` or a per-layer plan; a
+    :class:`~kvquant.ggml_attention.GGMLAttentionCache` for ``"ggml:q8_0/q8_0"`` (llama.cpp's
+    cache types and its attention arithmetic); a plug-in kind's own cache.
     """
-    if is_plan_ref(pair_spec):
-        return CachePlan.of(pair_spec).new_cache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    if is_ggml_pair(pair_spec):   # llama.cpp's attention as it runs (kvquant.ggml_attention)
-        return GGMLAttentionCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pair_spec,
-                                  prescale_query=getattr(cfg, "architecture", "") == "gemma3",
-                                  capacity=256)
-    k_spec, v_spec = split_pair_spec(pair_spec)
-    streams = {"k": (check_stream_spec(k_spec, cfg.head_dim, "K"), cfg.head_dim),
-               "v": (check_stream_spec(v_spec, cfg.head_dim, "V"), cfg.head_dim)}
-    return QuantizedKVCache(cfg.n_layers, streams, n_kv_heads=cfg.n_kv_heads, capacity=256)
+    layout = KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                      getattr(cfg, "architecture", ""), capacity=256)
+    return parse_cache_spec(spec).new_kv_cache(layout)
 
 
 class GGUFDecoder:

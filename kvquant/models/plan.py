@@ -23,20 +23,16 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from kvquant.specs import CacheSpec, PairSpec, SpecKind, register_spec_kind
 from kvquant.streams.spec import StreamSpec
+from kvquant.streams.store import stream_bytes
 
-__all__ = ["CachePlan", "PLAN_KIND", "is_plan_ref"]
+__all__ = ["CachePlan", "PLAN_KIND"]
 
 PLAN_KIND = "kvquant-cache-plan"
 PLAN_VERSION = 1
 MAX_LAYERS = 4096          # no model comes near it; a damaged count is refused before any list
 STREAMS = ("k", "v")
-
-
-def is_plan_ref(spec):
-    """True when ``spec`` names a plan: a CachePlan, or a string ending in ``.json`` (a path)."""
-    return isinstance(spec, CachePlan) or (isinstance(spec, str)
-                                           and spec.strip().lower().endswith(".json"))
 
 
 def _spec_text(value, where):
@@ -54,8 +50,9 @@ def _spec_text(value, where):
 
 
 @dataclass(frozen=True)
-class CachePlan:
-    """Stream specs per layer of a K/V cache.
+class CachePlan(CacheSpec):
+    """Stream specs per layer of a K/V cache: the ``plan`` kind of :class:`~kvquant.specs.CacheSpec`
+    (its text is the file's path).
 
     Parameters
     ----------
@@ -78,6 +75,7 @@ class CachePlan:
     calibration: str = None
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     source: str = field(default=None, compare=False)
+    kind = "plan"
 
     def __post_init__(self):
         if not isinstance(self.layers, tuple) or not self.layers:
@@ -95,8 +93,7 @@ class CachePlan:
     @classmethod
     def uniform(cls, pair_spec, n_layers, n_kv_heads=None, calibration=None):
         """Every layer the pair ``pair_spec`` (``"K/V"`` or one spec for both)."""
-        from kvquant.models import split_pair_spec
-        pair = tuple(_spec_text(s, "pair spec") for s in split_pair_spec(pair_spec))
+        pair = tuple(str(s) for s in PairSpec.parse(str(pair_spec)).streams)
         return cls((pair,) * int(n_layers), n_kv_heads, calibration)
 
     @classmethod
@@ -120,8 +117,9 @@ class CachePlan:
             if n_layers is None:
                 raise ValueError(f"{where}: a plan of one \"pair\" needs \"n_layers\"")
             try:
-                from kvquant.models import split_pair_spec
-                k, v = split_pair_spec(obj["pair"])
+                if not isinstance(obj["pair"], str):
+                    raise ValueError(f"\"pair\" must be a pair spec, got {obj['pair']!r}")
+                k, v = (str(s) for s in PairSpec.parse(obj["pair"]).streams)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
             layers = [{"k": k, "v": v}] * obj["n_layers"]
@@ -167,6 +165,27 @@ class CachePlan:
     def of(cls, spec):
         """``spec`` itself when it is a CachePlan, else :meth:`load` of the path."""
         return spec if isinstance(spec, cls) else cls.load(spec)
+
+    # -- as a cache spec ---------------------------------------------------------------------
+    @property
+    def text(self):
+        """The plan file's path (a plan made in memory has none: it travels as the object)."""
+        return self.source or "<unsaved cache plan>"
+
+    @property
+    def label(self):
+        return "plan " + os.path.basename(self.text)
+
+    @property
+    def family(self):
+        return "cache plan"
+
+    def describe(self, streams=("K", "V")):
+        return self.label
+
+    def new_kv_cache(self, layout):
+        return self.new_cache(layout.n_layers, layout.n_kv_heads, layout.head_dim,
+                              capacity=layout.capacity)
 
     def as_dict(self, base_dir=None):
         """The JSON layout (``calibration`` relative to ``base_dir`` when given)."""
@@ -265,15 +284,17 @@ class CachePlan:
         """Mean bits per value over every layer, stream and KV head: each row's codes and side
         values x 8 / head_dim, with ``tokens`` the fixed cost of stream options spread over
         that many rows (as the frontier counts a pair)."""
-        from kvquant.codecs import get_codec
-        from kvquant.streams.store import stream_bytes
         total, rows = 0.0, 0
         for layer in range(self.n_layers):
             for stream in STREAMS:
                 for spec in self.head_specs(layer, stream):
                     s = StreamSpec.parse(spec)
-                    codec = get_codec(s.codec_spec, head_dim)
+                    codec = s.codec(head_dim)
                     total += (stream_bytes(codec, s.options, tokens) / tokens if tokens
                               else codec.bytes_per_row)
                     rows += 1
         return 8.0 * total / (rows * head_dim)
+
+
+# a string ending in .json names a plan file
+register_spec_kind(SpecKind("plan", lambda text: text.lower().endswith(".json"), CachePlan.load))

@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvquant.cache import QuantizedKVCache
-from kvquant.models import causal_mask, check_stream_spec, masked_softmax, rms_norm, silu, split_pair_spec
+from kvquant.models import causal_mask, masked_softmax, rms_norm, silu
+from kvquant.specs import PairSpec, parse_cache_spec
+from kvquant.streams.spec import StreamSpec
 
 __all__ = ["ORACLE_PROMPT", "ORACLE_NEW_TOKENS", "TinyMLA", "TinyMLAConfig", "new_mla_cache",
            "weight_shapes"]
@@ -133,14 +135,21 @@ def rope_interleaved(X, positions, theta):
 def new_mla_cache(cfg, pair_spec="f32"):
     """A :class:`~kvquant.cache.QuantizedKVCache` with streams ``L`` (kv_lora) and ``R`` (qk_rope).
 
-    ``pair_spec`` is ``"tq4"`` for both streams or ``"kv8/tq4"`` for L / R. As in the engine's KV8
-    mode, a lone grouped ``kv8-g<N>`` applies to L while R keeps one scale per row (``kv8``).
+    ``pair_spec`` is ``"tq4"`` for both streams or ``"kv8/tq4"`` for L / R (a pair spec,
+    :class:`~kvquant.specs.PairSpec`, or its string). As in the engine's KV8 mode, a lone grouped
+    ``kv8-g<N>`` applies to L while R keeps one scale per row (``kv8``).
     """
-    l_spec, r_spec = split_pair_spec(pair_spec)
-    if "/" not in pair_spec and l_spec.startswith("kv8-g"):
-        r_spec = "kv8"
-    streams = {"L": (check_stream_spec(l_spec, cfg.kv_lora_rank, "L (latent)"), cfg.kv_lora_rank),
-               "R": (check_stream_spec(r_spec, cfg.qk_rope_head_dim, "R (rope)"), cfg.qk_rope_head_dim)}
+    spec = parse_cache_spec(pair_spec)
+    if not isinstance(spec, PairSpec):
+        raise ValueError(f"{spec.text!r}: the MLA model's cache takes a pair spec (L/R stream "
+                         f"specs), not a {spec.kind} spec")
+    dims = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    l_spec, r_spec = spec.streams
+    l_codec = l_spec.codec(dims[0])
+    if l_spec == r_spec and l_codec.family == "kv8" and l_codec.spec != "kv8":
+        r_spec = StreamSpec("kv8", l_spec.options)   # the engine's R keeps a row scale
+    l_spec, r_spec = PairSpec(l_spec, r_spec).checked(dims, ("L (latent)", "R (rope)"))
+    streams = {"L": (l_spec, dims[0]), "R": (r_spec, dims[1])}
     return QuantizedKVCache(cfg.n_layers, streams, capacity=64)
 
 

@@ -8,8 +8,14 @@ codec the stream then uses.
 """
 from dataclasses import dataclass, field
 
-from kvquant.codecs import get_codec
+from kvquant.codecs import get_codec, parse_spec
 from kvquant.streams.options import StreamOptions, parse_stream_spec
+
+
+# codec options in words (StreamSpec.describe)
+_CODEC_WORDS = {"side_dtype": "{} side".format, "alloc": "{} alloc".format,
+                "codebook": "{} codebook".format, "side": "{} side".format, "compat": str,
+                "seed": "seed {:#x}".format}
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,19 @@ class StreamSpec:
     def plain(self):
         """True when the stream only encodes its rows (no stream options)."""
         return self.options.plain
+
+    def describe(self):
+        """The spec in words for a legend: ``"polar5 (f16 side, centered, 1 f32 sink)"``."""
+        base, codec_options = parse_spec(self.codec_spec)
+        words = [base] + [_CODEC_WORDS[k](v) if k in _CODEC_WORDS else f"{k}={v}"
+                          for k, v in codec_options.items()]
+        o = self.options
+        words += (["centered"] if o.center else []) + (["normalized"] if o.normalize else [])
+        if o.calibrated:
+            words.append("calibrated")
+        words += ([f"{o.sinks} f32 sink"] if o.sinks else []) + (
+            [f"last {o.recent} rows f32"] if o.recent else [])
+        return words[0] + (" (" + ", ".join(words[1:]) + ")" if len(words) > 1 else "")
 
     def codec(self, dim, **codec_options):
         """The codec of this spec for rows of width ``dim`` (:func:`kvquant.get_codec`; built
