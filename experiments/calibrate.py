@@ -49,13 +49,18 @@ MODES = ("prefill", "decode-only")
 
 def calibrated(pair_spec):
     """The pair with ``center``/``normalize`` taken from the calibration (``center=calib``)."""
-    out = []
-    for spec in pair_spec.split("/"):
-        codec, at, opts = spec.partition("@")
-        names = [o.strip() for o in opts.split(",") if o.strip()]
-        names = [o + "=calib" if o in ("center", "normalize") else o for o in names]
-        out.append(codec + (at + ",".join(names) if names else ""))
-    return "/".join(out)
+    from dataclasses import replace
+
+    from kvquant.specs import PairSpec, parse_cache_spec
+    from kvquant.streams.spec import StreamSpec
+    pair = parse_cache_spec(pair_spec)
+    if not isinstance(pair, PairSpec):
+        raise ValueError(f"{pair.text!r}: calibrated statistics apply to a pair spec's streams")
+    streams = [StreamSpec(s.codec_spec, replace(s.options, calibrated=s.options.center
+                                                 or s.options.normalize))
+               for s in pair.streams]
+    # both sides written out: a plan stores the two streams' texts
+    return "/".join(map(str, streams))
 
 
 def _chunks(model, text, positions, chunk_tokens):

@@ -353,13 +353,15 @@ def _read_summary(path):
 
 
 def cmd_tasks(args):
-    from kvquant.specs import split_spec_text
+    from kvquant.specs import parse_cache_spec, parse_cache_specs
     from kvquant.tasks import task_members
     from kvquant_experiments.executor import open_executor
     try:
-        specs = split_spec_text(args.codecs)
+        # parsed once; logs and rows are named by each spec's canonical text
+        specs = [s.text for s in parse_cache_specs(args.codecs)]
         if not specs:
             raise ValueError("--codecs names no cache spec")
+        args.reference = parse_cache_spec(args.reference).text
         if args.reference not in specs:
             specs = [args.reference] + specs
         task_members(args.task)        # an unknown task fails here, before any work

@@ -99,6 +99,7 @@ def _distortion_data(args):
 def cmd_distortion(args):
     from kvquant.codecs import WIDTH_RULE, get_codec
     from kvquant.metrics import measure_distortion, measure_stream_distortion
+    from kvquant.streams.spec import StreamSpec
 
     if args.rows < 1:
         raise SystemExit(f"kvquant distortion: --rows must be >= 1, got {args.rows}")
@@ -123,7 +124,7 @@ def cmd_distortion(args):
             X = np.random.default_rng(args.seed).standard_normal((args.rows, dim)).astype(np.float32)
         skipped = []
         for spec in codec_list:
-            if "@" in spec:   # a stream spec: the codec inside a RowStream with its options
+            if not StreamSpec.parse(spec).plain:   # the codec inside a RowStream with options
                 try:
                     row = measure_stream_distortion(spec, X, n_threads=args.threads)
                 except ValueError as exc:

@@ -28,8 +28,8 @@ independent trials: the Wilson intervals and llama.cpp's standard errors are nom
 KLD and the PPL ratio also get a paired bootstrap interval over chunks
 (:func:`kvquant.metrics.chunk_bootstrap`), which does not assume independent positions.
 
-A codec configuration is a pair spec (:func:`kvquant.models.split_pair_spec`): ``"tq4"`` or
-``"kv8/tq4"`` (K / V on Llama, L / R on the MLA model).
+A cache configuration is a cache spec (:mod:`kvquant.specs`, docs/specs.md): ``"tq4"``,
+``"kv8/tq4"`` (K / V on Llama, L / R on the MLA model), a plan file, ``"ggml:q8_0/q8_0"``...
 
 This module holds the protocol and the metrics. Texts, whole runs over an executor, result files
 and the ``kvquant flips`` command are research code: ``kvquant_experiments.texts`` and

@@ -170,7 +170,8 @@ def test_no_engine_tier_for_f16_side_values(tmp_path):
 def test_append_refuses_f16_rows_with_f32_side_values(tmp_path, rng):
     mode = "tq4:side_dtype=f16"
     rows = make_rows(rng, 3, mode="tq4")
-    forged = [EncodedRows(e.codes, e.side * np.float32(1.0001), mode, e.dim) for e in rows["L"]]
+    forged = [EncodedRows(e.codes, e.side * np.float32(1.0001), mode, e.dim, "f16")
+              for e in rows["L"]]
     cf = CacheFile.open(tmp_path / "x", SHAPE, mode=mode)
     with pytest.raises(ValueError, match="float16 cannot represent"):
         cf.append(rows["tokens"], L=forged, R=rows["Rf"], index=rows["index"])

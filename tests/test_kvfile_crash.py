@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _kvfile_data import deadline, records_equal
-from kvquant.codecs import EncodedRows
 from kvquant.kvfile import (
     CacheFile, CacheFileRefused, CacheFileSaveError, KVFileShape, inspect_file)
 from kvquant.kvfile.schema import SIDE_MAX
@@ -75,8 +74,8 @@ def batch(start, stop, owner, cf):
     for s in cf.streams:
         c = cf.codecs[s.name]
         codes, side = np.stack(per[s.name][0]), np.stack(per[s.name][1])
-        streams[s.name] = [EncodedRows(np.ascontiguousarray(codes[:, j]),
-                                       np.ascontiguousarray(side[:, j]), c.spec, c.dim)
+        streams[s.name] = [c.encoded_rows(np.ascontiguousarray(codes[:, j]),
+                                          np.ascontiguousarray(side[:, j]))
                            for j in range(s.rows)]
     return np.array(tokens, np.int32), streams
 

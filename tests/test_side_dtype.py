@@ -191,7 +191,7 @@ def test_decode_refuses_side_values_that_are_not_fp16(rng):
     X = _rows_of_many_scales(rng, 20, 64)
     c16 = get_codec("tq4:side_dtype=f16", 64)
     e32 = get_codec("tq4", 64).encode(X)
-    forged = EncodedRows(e32.codes, e32.side.copy(), c16.spec, 64)
+    forged = c16.encoded_rows(e32.codes, e32.side.copy())
     with pytest.raises(ValueError, match="float16 cannot represent"):
         c16.decode(forged)
     with pytest.raises(ValueError, match="float16 cannot represent"):

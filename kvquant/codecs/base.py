@@ -20,13 +20,6 @@ FLT_MAX = float(np.finfo(np.float32).max)
 F16_MAX = 65504.0
 
 
-def side_dtype_of_spec(spec):
-    """The side dtype a canonical spec names: ``"f16"`` when its options say
-    ``side_dtype=f16``, else ``"f32"``."""
-    _, _, options = spec.partition(":")
-    return "f16" if "side_dtype=f16" in options.split(",") else "f32"
-
-
 @dataclass(frozen=True)
 class EncodedRows:
     """Rows as a codec stores them.
@@ -39,15 +32,18 @@ class EncodedRows:
         Side values of each row (scale, radius, ...). Always float32 in memory; a codec with
         ``side_dtype=f16`` stores fp16-exact values here and 2 bytes per value in sizes and files.
     spec : str
-        Canonical spec of the codec that wrote them (it names the side dtype).
+        Canonical spec of the codec that wrote them.
     dim : int
         Row width.
+    side_dtype : {"f32", "f16"}
+        How the side values are stored (the writing codec's ``side_dtype``).
     """
 
     codes: np.ndarray
     side: np.ndarray
     spec: str
     dim: int
+    side_dtype: str = "f32"
 
     @property
     def n_rows(self):
@@ -55,11 +51,6 @@ class EncodedRows:
 
     def __len__(self):
         return self.codes.shape[0]
-
-    @property
-    def side_dtype(self):
-        """``"f32"`` or ``"f16"``: how the side values are stored (read from the spec)."""
-        return side_dtype_of_spec(self.spec)
 
     @property
     def nbytes(self):
@@ -79,7 +70,8 @@ class EncodedRows:
             rows = slice(i, i + 1)
         elif isinstance(rows, tuple):
             raise IndexError("EncodedRows take one index (rows), not a tuple")
-        return EncodedRows(self.codes[rows], self.side[rows], self.spec, self.dim)
+        return EncodedRows(self.codes[rows], self.side[rows], self.spec, self.dim,
+                           self.side_dtype)
 
 
 class Codec:
@@ -164,14 +156,18 @@ class Codec:
             )
         return np.ascontiguousarray(X, dtype=np.float32)
 
+    def encoded_rows(self, codes, side):
+        """``codes`` and ``side`` as EncodedRows of this codec (its spec, width, side dtype)."""
+        return EncodedRows(codes, side, self.spec, self.dim, self.side_dtype)
+
     def check_encoded(self, enc):
         """Refuse rows written by another codec or with the wrong layout."""
         if not isinstance(enc, EncodedRows):
             raise TypeError(f"expected EncodedRows, got {type(enc).__name__}")
-        if enc.spec != self.spec or enc.dim != self.dim:
+        if (enc.spec, enc.dim, enc.side_dtype) != (self.spec, self.dim, self.side_dtype):
             raise ValueError(
-                f"rows were encoded by {enc.spec!r} (dim {enc.dim}); "
-                f"this codec is {self.spec!r} (dim {self.dim})"
+                f"rows were encoded by {enc.spec!r} (dim {enc.dim}, {enc.side_dtype} side "
+                f"values); this codec is {self.spec!r} (dim {self.dim}, {self.side_dtype})"
             )
         if (enc.codes.dtype != np.uint8 or enc.codes.ndim != 2
                 or enc.codes.shape[1] != self.code_bytes):
@@ -257,7 +253,7 @@ class Codec:
             self._round_side_f16(codes, side, status)
         if status is not None:
             self._raise_on_bad_rows(status)
-        return EncodedRows(codes, side, self.spec, self.dim)
+        return self.encoded_rows(codes, side)
 
     def decode(self, enc, n_threads=None):
         """Rebuild rows, float32 of shape (n_rows, dim)."""

@@ -8,7 +8,6 @@ zero row's codes (placeholders, never read; kept as loaded).
 """
 import numpy as np
 
-from kvquant.codecs import EncodedRows
 from kvquant.streams.options import StreamOptions
 from kvquant.streams.store import RowStream, StreamStore
 
@@ -134,8 +133,8 @@ class CacheRecords:
         (streams without stream options)."""
         self._check_plain(name, "EncodedRows of its codes")
         store = self._stores[name]
-        return EncodedRows(np.array(store.encoded(row).codes), np.array(store.encoded(row).side),
-                           store.codec.spec, store.codec.dim)
+        return store.codec.encoded_rows(np.array(store.encoded(row).codes),
+                                        np.array(store.encoded(row).side))
 
     def stream(self, name):
         """A list with one EncodedRows per row slot of stream ``name``."""
@@ -195,8 +194,7 @@ class CacheRecords:
         given slot by slot), encoded through a store of the stream's codec."""
         store = self._stores[name]
         prepared = StreamStore(store.codec).prepare(X, n_threads)
-        return EncodedRows(prepared.codes[:, 0], prepared.side[:, 0], store.codec.spec,
-                           store.codec.dim)
+        return store.codec.encoded_rows(prepared.codes[:, 0], prepared.side[:, 0])
 
     def placeholder(self, name, n, codec=None):
         """(codes, side) of the records of ``n`` sink tokens of stream ``name``: a zero row's

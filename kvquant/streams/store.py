@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvquant.codecs import Codec, EncodedRows
+from kvquant.codecs import Codec
 from kvquant.streams.options import StreamOptions, split_rows, window_start
 
 _MIN_CAPACITY = 16
@@ -195,9 +195,9 @@ class StreamStore:
                              f"the same rows, got {codes.shape} and {side.shape}")
         n_coded, slots = codes.shape[:2]
         dim = codec.dim
-        checked = codec.check_encoded(EncodedRows(
+        checked = codec.check_encoded(codec.encoded_rows(
             codes.reshape(n_coded * slots, codes.shape[2]),
-            side.reshape(n_coded * slots, side.shape[2]), codec.spec, dim))
+            side.reshape(n_coded * slots, side.shape[2])))
         if (recent_rows is not None) != bool(options.recent) or (
                 recent_rows is not None and (np.ndim(recent_rows) != 3
                                              or np.shape(recent_rows)[1:] != (slots, dim)
@@ -326,10 +326,9 @@ class StreamStore:
                 "rows; append the float rows instead")
         codes, side = np.asarray(codes), np.asarray(side)
         n = codes.shape[0]
-        checked = self.codec.check_encoded(EncodedRows(
+        checked = self.codec.check_encoded(self.codec.encoded_rows(
             codes.reshape(n * self.slots, codes.shape[-1]),
-            side.reshape(n * self.slots, side.shape[-1]),
-            self.codec.spec, self.codec.dim))
+            side.reshape(n * self.slots, side.shape[-1])))
         return PreparedRows(checked[0].reshape(n, self.slots, self.codec.code_bytes),
                             checked[1].reshape(n, self.slots, self.codec.n_side),
                             np.zeros((0, self.slots, self.codec.dim), np.float32))
@@ -450,8 +449,7 @@ class StreamStore:
     def encoded(self, slot=0, length=None):
         """The coded rows of one slot among the first ``length`` (all by default) as
         EncodedRows: a view (for a store with sinks, the rows after them)."""
-        return EncodedRows(*self._coded(slot, self._length(length)), self.codec.spec,
-                           self.codec.dim)
+        return self.codec.encoded_rows(*self._coded(slot, self._length(length)))
 
     def window_start(self, length=None):
         """First row that a read of the first ``length`` rows (a query at position
@@ -727,7 +725,7 @@ class RowStream:
         """A stream of its own holding rows stored elsewhere: :meth:`StreamStore.from_state`
         for one slot, each argument without its slot axis ((n_coded, code_bytes), (dim,),
         (n_sinks, dim), (m, dim))."""
-        codes, side = codec.check_encoded(EncodedRows(codes, side, codec.spec, codec.dim))
+        codes, side = codec.check_encoded(codec.encoded_rows(codes, side))
         if recent_rows is not None and np.ndim(recent_rows) != 2:
             raise ValueError(f"recent_rows must be given exactly with a recent window (options "
                              f"{options.as_dict()}), as copies of at most the {codes.shape[0]} "

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from kvquant.specs import parse_cache_spec
 from kvquant.tasks.requests import encode_pair
 
 __all__ = ["ItemScorer", "choice_predictions", "score_items"]
@@ -61,15 +62,15 @@ class ItemScorer:
     Parameters
     ----------
     model : a kvquant model (``kvquant.models.load_model`` or ``kvquant.hf.HFModel``)
-    cache_spec : str or CachePlan
-        What ``model.new_cache`` takes: ``"f32"``, ``"tq4"``, ``"kv8/tq4"``, a stream spec with
-        options, a plan file, ``"ggml:q8_0/q8_0"`` (llama.cpp's cache types and attention).
+    cache_spec : str or CacheSpec
+        A cache spec (:mod:`kvquant.specs`): ``"f32"``, ``"tq4"``, ``"kv8/tq4"``, a stream spec
+        with options, a plan file, ``"ggml:q8_0/q8_0"`` (llama.cpp's cache types and attention).
     """
 
     def __init__(self, model, cache_spec="f32"):
         self.model = model
-        self.cache_spec = cache_spec
-        self.cache = model.new_cache(cache_spec)
+        self.cache_spec = parse_cache_spec(cache_spec)   # parsed once for every cache it makes
+        self.cache = model.new_cache(self.cache_spec)
         self._pool = []          # caches of score_many, one per context of a batch
         self.tokens_run = 0      # tokens run through the model (contexts + choices)
         self.seconds = 0.0

@@ -1,0 +1,168 @@
+"""The one cache-spec parser (kvquant.specs): every kind parsed once into an object that says what
+it is, pickles, and builds its cache; plug-in kinds registered like codecs."""
+import pickle
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+import numpy as np
+import pytest
+
+from kvquant.cache import QuantizedKVCache
+from kvquant.ggml_attention import GGMLAttentionCache, GGMLPair
+from kvquant.models.plan import CachePlan
+from kvquant.specs import (CacheSpec, KVLayout, PairSpec, SpecKind, parse_cache_spec,
+                           parse_cache_specs, register_spec_kind, unregister_spec_kind)
+from kvquant.streams.spec import StreamSpec
+
+LAYOUT = KVLayout(n_layers=2, n_kv_heads=3, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "p.json"
+    CachePlan.uniform("polar4@center/tq3", 2, 3).with_unit(1, "k", "kv8").save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("text, cls, canonical", [
+    ("tq4", PairSpec, "tq4"),
+    (" tq4/tq4 ", PairSpec, "tq4"),
+    ("kv8/tq4@sinks=1", PairSpec, "kv8/tq4@sinks=1"),
+    ("polar5@sinks=1,center/polar4", PairSpec, "polar5@center,sinks=1/polar4"),
+    ("ggml:q8_0", GGMLPair, "ggml:q8_0/q8_0"),
+    ("ggml-norot:q4_0/q8_0", GGMLPair, "ggml-norot:q4_0/q8_0"),
+])
+def test_each_kind_parses_to_an_object_whose_text_parses_back(text, cls, canonical):
+    spec = parse_cache_spec(text)
+    assert type(spec) is cls and spec.text == str(spec) == canonical
+    assert parse_cache_spec(spec.text) == spec and parse_cache_spec(spec) is spec
+    assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+def test_a_plan_file_is_the_plan_kind(plan_file):
+    spec = parse_cache_spec(plan_file)
+    assert isinstance(spec, CachePlan) and spec.text == plan_file and spec.family == "cache plan"
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    cache = spec.new_kv_cache(LAYOUT)
+    assert cache.codec(1, "k").spec == "kv8" and cache.codec(0, "k").spec == "polar4"
+
+
+@pytest.mark.parametrize("text, family", [
+    ("tq4", "tq"), ("tq3:codebook=gaussian", "tq gaussian"), ("tq4:compat=colibri", "tq colibri"),
+    ("tq4:side=unbiased", "tq unbiased"), ("polar4", "polar"), ("kv8-g32", "kv8"),
+    ("q4_0+rot", "q4_0+rot"), ("tq4/tq3", "K/V split"), ("polar5@center/polar4", "stream options"),
+    ("tq4@recent=16", "recent window"), ("ggml:q8_0", "llama.cpp as run"),
+])
+def test_families_come_from_what_the_codecs_declare(text, family):
+    assert parse_cache_spec(text).family == family
+
+
+def test_a_pair_builds_the_cache_of_its_streams_and_counts_its_bytes(rng):
+    spec = parse_cache_spec("polar5@center,sinks=1/kv8")
+    cache = spec.new_kv_cache(LAYOUT)
+    assert isinstance(cache, QuantizedKVCache)
+    assert cache.stream(0, "k", 0).spec == "polar5@center,sinks=1"
+    assert cache.codec(1, "v").spec == "kv8"
+    K = rng.standard_normal((10, 3, 64)).astype(np.float32)
+    for layer in range(2):
+        cache.append(layer, k=K, v=K)
+    # bits per value at 10 tokens: every byte the cache holds, spread over its rows
+    assert spec.bits_per_value(64, tokens=10) == pytest.approx(
+        8.0 * cache.nbytes / (10 * 2 * 64 * 2 * 3), rel=1e-12)
+    # per further row: polar5 at d = 64 is 32 angles x 5 bits + 31 x 4 bits + a 4-byte radius
+    # (docs/codecs.md), kv8 64 bytes + a 4-byte scale
+    polar5 = -(-(32 * 5 + 31 * 4) // 8) + 4
+    assert spec.bits_per_value(64) == pytest.approx(8 * (polar5 + 64 + 4) / 128)
+
+
+def test_llama_cpps_attention_follows_the_models_architecture():
+    spec = parse_cache_spec("ggml:q8_0/q4_0")
+    cache = spec.new_kv_cache(KVLayout(2, 1, 64, architecture="gemma3"))
+    assert isinstance(cache, GGMLAttentionCache) and cache.prescale_query
+    assert not spec.new_kv_cache(LAYOUT).prescale_query
+    assert spec.bits_per_value(64) == pytest.approx(8 * (68 + 36) / 128)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("", "non-empty string"), (None, "non-empty string"), ("kv8/tq4/tq3", "two separated by '/'"),
+    ("tq4@sinks=x", "sinks must be"), ("nosuchcodec", "unknown codec spec"),
+    ("ggml:q5_1/q8_0", "not a llama.cpp cache type"), ("missing.json", "cannot read the cache plan"),
+])
+def test_bad_specs_are_named_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        spec = parse_cache_spec(bad)
+        spec.new_kv_cache(LAYOUT)   # a codec name is checked when its codec is built
+
+
+def test_lists_split_where_a_spec_ends():
+    specs = parse_cache_specs("kv8,tq3:codebook=gaussian,side=unbiased,polar5@center,sinks=1/polar4")
+    assert [s.text for s in specs] == ["kv8", "tq3:codebook=gaussian,side=unbiased",
+                                      "polar5@center,sinks=1/polar4"]
+
+
+def test_describe_puts_a_spec_in_words():
+    assert parse_cache_spec("polar5:side_dtype=f16@center,normalize,sinks=1/polar4@recent=8"
+                            ).describe() == ("K polar5 (f16 side, centered, normalized, 1 f32 "
+                                             "sink) / V polar4 (last 8 rows f32)")
+    assert parse_cache_spec("tq4/kv8").describe(("L", "R")) == "L tq4 / R kv8"
+    assert parse_cache_spec("ggml-norot:q8_0").describe() == (
+        "llama.cpp as run (no rotation): K q8_0 / V q8_0")
+
+
+# -- a kind of one's own ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UniformSpec(CacheSpec):
+    """``uniform:<codec>``: the same codec for K and V, as a toy kind."""
+
+    codec_spec: str
+    kind = "uniform"
+
+    @property
+    def text(self):
+        return "uniform:" + self.codec_spec
+
+    def bits_per_value(self, head_dim, tokens=None):
+        return PairSpec.parse(self.codec_spec).bits_per_value(head_dim, tokens)
+
+    def new_kv_cache(self, layout):
+        return PairSpec.parse(self.codec_spec).new_kv_cache(layout)
+
+
+def test_a_registered_kind_runs_where_a_built_in_one_does():
+    from kvquant.models.tiny_mla import TinyMLA
+    kind = SpecKind("uniform", lambda t: t.startswith("uniform:"),
+                    lambda t: UniformSpec(t.partition(":")[2]))
+    register_spec_kind(kind)
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            register_spec_kind(SpecKind("uniform", kind.claims, str))
+        spec = parse_cache_spec("uniform:tq4")
+        assert spec == UniformSpec("tq4") and spec.bits_per_value(64) == 4.5
+        assert spec.new_kv_cache(LAYOUT).codec(0, "v").spec == "tq4"
+        # a model that cannot take it says which kind it refuses
+        with pytest.raises(ValueError, match="takes a pair spec.*not a uniform spec"):
+            TinyMLA().new_cache("uniform:tq4")
+    finally:
+        unregister_spec_kind("uniform")
+    # gone: the text is a pair spec again, whose codec name no codec has
+    with pytest.raises(ValueError, match="K rows .*'uniform:tq4'"):
+        parse_cache_spec("uniform:tq4").new_kv_cache(LAYOUT)
+
+
+def test_the_simulations_are_an_installed_kind():
+    """The experiments' sim: kind is installed as any package's would be (an entry point of
+    kvquant.cache_specs), so spawned workers parse it."""
+    names = {ep.name: ep.value for ep in entry_points(group="kvquant.cache_specs")}
+    assert names.get("sim") == "kvquant_experiments.simulated_caches:SPEC_KIND"
+    spec = parse_cache_spec("sim:kivi4")
+    assert spec.kind == "sim" and spec.family == "simulation"
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert spec.bits_per_value(64) == pytest.approx((4 + 1 + 4 + 1) / 2)
+    cache = spec.new_kv_cache(LAYOUT)
+    assert cache.n_layers == 2 and cache.head_dim == 64
+
+
+def test_stream_specs_inside_a_pair_are_the_stream_layers_objects():
+    spec = parse_cache_spec("tq4:side_dtype=f16@center/kv8")
+    assert spec.k == StreamSpec.parse("tq4:side_dtype=f16@center")
+    assert spec.k.codec(64).side_dtype == "f16"
