@@ -440,6 +440,13 @@ def format_markdown(result, llama=True):
                                                                              "{:.4f}"),
                       f"{r['text_s']:.1f}" if "text_s" in r else "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    decoded = [f"{r['codec']} ({', '.join(r['decoded_streams'])})" for r in rows
+               if r.get("decoded_streams")]
+    if decoded:
+        lines.append("")
+        lines.append("Read as decoded rows (the codec has no compressed-domain consumer: "
+                     "attention decodes, then multiplies in float32): " + "; ".join(decoded)
+                     + ".")
     lines.append("")
     lines.append(f"B/token: every stored byte per token of a {context}-token context: each token's "
                  "codes and side values, plus the fixed bytes of stream options (fixed B: f32 "

@@ -48,7 +48,6 @@ the figure there instead (the README's: ``--figure data/figures/frontier_smollm2
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 import time
@@ -70,7 +69,6 @@ __all__ = [
     "goals_table",
     "main",
     "pareto_front",
-    "plot_frontier",
     "run_frontier",
     "write_frontier",
 ]
@@ -78,8 +76,6 @@ __all__ = [
 MODEL = "smollm2"
 BUDGET_LOW, KLD_GOAL_LOW = 4.5, 0.02   # bits per value, mean KLD (nats)
 BUDGET_HIGH = 8.5                      # bits per value; goal: KLD <= q8_0's
-LABEL_GAP = 0.075  # decades between stacked labels in the figure
-LABEL_COLUMN = 0.05  # bits: points closer than this stack their labels in one column
 DEFAULTS = {"positions": 2048, "chunk_tokens": 512, "prompts": 4}
 
 UNIFORM = [
@@ -637,153 +633,13 @@ def picks_of(result):
 
 
 # --------------------------------------------------------------------------------------------
-# Figure
-# --------------------------------------------------------------------------------------------
-FAMILY_STYLE = {
-    "tq": ("#1f77b4", "o", "tq (Lloyd-Max, Beta codebook)"),
-    "tq gaussian": ("#17becf", "v", "tq (Gaussian codebook)"),
-    "tq unbiased": ("#9467bd", "^", "tq (unbiased side value)"),
-    "tq colibri": ("#000000", "*", "tq engine (colibri)"),
-    "polar": ("#2ca02c", "s", "polar"),
-    "polar colibri": ("#98df8a", "D", "polar engine (colibri)"),
-    "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
-    "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
-    "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
-    "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
-    "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
-    "cache plan": ("#6a3d9a", "8", "bits allocated per layer (a cache plan)"),
-    "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
-    "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
-    "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
-    "q4_0+rot": ("#8c564b", "h", "llama.cpp q4_0 + Hadamard"),
-}
-
-
-def _spread(ys, gap):
-    """Label positions for decreasing ``ys``: as close to them as possible, ``gap`` apart
-    (overlapping runs are merged and centred on their mean)."""
-    clusters = []  # [sum of ys, count]
-    for y in ys:
-        clusters.append([y, 1])
-        while len(clusters) > 1:
-            (s1, n1), (s2, n2) = clusters[-2], clusters[-1]
-            bottom1 = s1 / n1 - (n1 - 1) * gap / 2
-            top2 = s2 / n2 + (n2 - 1) * gap / 2
-            if bottom1 - top2 >= gap:
-                break
-            clusters[-2:] = [[s1 + s2, n1 + n2]]
-    out = []
-    for total, n in clusters:
-        top = total / n + (n - 1) * gap / 2
-        out += [top - i * gap for i in range(n)]
-    return out
-
-
-def plot_frontier(result, out):
-    """Mean KLD (log) against bits per value; baselines highlighted, the lower-left Pareto front
-    drawn, the two budgets and goals marked. ``result``: a frontier result or its JSON path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-    if isinstance(result, (str, os.PathLike)):
-        with open(result) as f:
-            result = json.load(f)
-    rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]
-    fig = Figure(figsize=(15.0, 7.0), layout="constrained")
-    ax = fig.subplots()
-    seen = set()
-    for x in rows:
-        color, marker, label = FAMILY_STYLE.get(x["family"], ("#7f7f7f", ".", x["family"]))
-        base = x["family"] in BASELINES
-        ax.plot(x["bits_per_value"], x["kld_mean"], ls="none", marker=marker, color=color,
-                ms=11 if base else 6, mec="black" if base else color, mew=1.2 if base else 0.5,
-                zorder=4 if base else 3, label=None if x["family"] in seen else label)
-        seen.add(x["family"])
-    # Numbers beside the front's points and the baselines (a key beside the axes names them
-    # in words; the table names every point). Points at the same bits get a column of numbers,
-    # LABEL_GAP decades apart around their points (leader lines).
-    from kvquant_experiments.plots import numbered_key, spec_label
-    front_codecs = {rows[i]["codec"] for i in pareto_front(rows)}
-    picks = picks_of(result)
-    named = sorted((x for x in rows if x["codec"] in front_codecs or x["family"] in BASELINES
-                    or x["codec"] in picks),
-                   key=lambda x: (x["bits_per_value"], -x["kld_mean"]))
-    number = {x["codec"]: n for n, x in enumerate(named, 1)}
-    columns = {}   # points within LABEL_COLUMN bits of the column's first share its labels
-    for x in named:
-        near = [b for b in columns if abs(x["bits_per_value"] - b) < LABEL_COLUMN]
-        columns.setdefault(near[0] if near else x["bits_per_value"], []).append(x)
-    for bits, col in columns.items():
-        col.sort(key=lambda x: -x["kld_mean"])
-        right = not any(0 < b - bits < 0.4 for b in columns)
-        ys = _spread([math.log10(max(x["kld_mean"], 1e-12)) for x in col], LABEL_GAP)
-        for x, ly in zip(col, ys):
-            color = FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]
-            ax.annotate(str(number[x["codec"]]), (x["bits_per_value"], x["kld_mean"]),
-                        xytext=(bits + (0.12 if right else -0.12), 10 ** ly),
-                        textcoords="data", fontsize=7, va="center", color=color,
-                        ha="left" if right else "right",
-                        fontweight="bold" if x["family"] in BASELINES else "normal",
-                        # a white ground keeps a number legible where a goal line crosses it
-                        bbox={"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none",
-                              "alpha": 0.85},
-                        arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
-                                    "shrinkA": 0, "shrinkB": 4})
-    entries = [(number[x["codec"]], f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} "
-                f"bits, {x['kld_mean']:.2e}"
-                + (f" (pick {picks[x['codec']]} bits)" if x["codec"] in picks else ""),
-                FAMILY_STYLE.get(x["family"], ("#7f7f7f",))[0]) for x in named]
-    front = [rows[i] for i in pareto_front(rows)]
-    fx, fy = [], []
-    for i, x in enumerate(front):  # staircase: a front point holds until the next one
-        if i:
-            fx.append(x["bits_per_value"])
-            fy.append(front[i - 1]["kld_mean"])
-        fx.append(x["bits_per_value"])
-        fy.append(x["kld_mean"])
-    ax.plot(fx, fy, color="0.25", lw=1.2, ls="--", zorder=2, label="Pareto front (lower left)")
-    if picks:
-        # a run of the picks on held-out text: the held-out goals
-        for (budget, goal), color in zip(HELD_OUT_GOALS.items(), ("#9467bd", "#2ca02c", "#17becf")):
-            ax.axvline(float(budget), color="0.6", lw=0.8, ls=":")
-            ax.hlines(goal, 0, float(budget), color=color, lw=1.0, ls="-.",
-                      label=f"held-out goal: KLD <= {goal:g} at <= {budget} bits")
-        bar = next((x for x in rows if x["codec"] == "q8_0+rot"), None)
-        bar_label = "held-out goal: KLD under q8_0+rot at <= 8.5 bits"
-    else:
-        ax.axvline(BUDGET_LOW, color="0.6", lw=0.8, ls=":")
-        ax.hlines(KLD_GOAL_LOW, 0, BUDGET_LOW, color="#2ca02c", lw=1.0, ls="-.",
-                  label=f"goal: KLD <= {KLD_GOAL_LOW} at <= {BUDGET_LOW} bits")
-        bar = next((x for x in rows if x["codec"] == "q8_0"), None)
-        bar_label = f"goal: KLD <= q8_0 at <= {BUDGET_HIGH} bits"
-    ax.axvline(BUDGET_HIGH, color="0.6", lw=0.8, ls=":")
-    if bar:
-        ax.hlines(bar["kld_mean"], 0, BUDGET_HIGH, color="#ff7f0e", lw=1.0, ls="-.",
-                  label=bar_label)
-    ax.set_xlim(min(x["bits_per_value"] for x in rows) - 0.3,
-                max(x["bits_per_value"] for x in rows) + 1.0)
-    ax.set_yscale("log")
-    ax.grid(True, alpha=0.3, which="both")
-    ax.set_xlabel("bits per value (K and V averaged, side values included; head_dim "
-                  f"{result['meta']['model']['head_dim']})")
-    ax.set_ylabel("mean KL(p_f32 || p_codec) on real text (nats)")
-    t = result["meta"]["text"]
-    text = {"code": "Python source", "pydoc": "pydoc prose"}.get(t.get("name"), t.get("name"))
-    ax.set_title(f"{result['meta']['model']['model']} KV cache: quality per byte ({text}, "
-                 f"{t['positions']} positions, chunks of {t['chunk_tokens']})", fontsize=10)
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
-    numbered_key(fig, entries, title="numbered: the Pareto front, llama.cpp's formats"
-                                     + (" and the picks" if picks else "")
-                                     + "\n(configuration: bits/value, mean KLD)")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
+def _plot(result, out):
+    from kvquant_experiments.plots import plot_frontier
+    return plot_frontier(result, out)
+
+
 def main(argv=None):
     from kvquant_experiments.texts import TEXTS
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.frontier",
@@ -898,7 +754,7 @@ def main(argv=None):
             # at --figure
             paths = write_frontier(result, check_out_dir(args.out))[1:] if args.out else []
             out = args.out or os.path.dirname(os.path.abspath(args.plot_only))
-            paths.append(plot_frontier(result, args.figure or os.path.join(
+            paths.append(_plot(result, args.figure or os.path.join(
                 out, result_stem(result) + ".png")))
             table = format_markdown(result)
         except ValueError as exc:
@@ -926,7 +782,7 @@ def main(argv=None):
         result["meta"]["frontier"]["choices"] = choices
     out = args.out or result_stem(result)
     paths = write_frontier(result, out)
-    paths.append(plot_frontier(result, args.figure or os.path.join(
+    paths.append(_plot(result, args.figure or os.path.join(
         out, result_stem(result) + ".png")))
     print(format_markdown(result))
     for path in paths:

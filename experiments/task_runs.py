@@ -150,11 +150,14 @@ def _storage(model, spec):
     """Bytes one token adds to the cache under ``spec``, the fixed bytes of its stream options
     (float32 sinks and window copies, offsets), and bits per cached value as the context grows
     long (the fixed bytes spread to nothing)."""
+    from kvquant.models import decoded_streams
     cache = model.new_cache(spec)
     per_token = float(cache.bytes_per_token)
     values = 2 * model.n_layers * model.n_kv_heads * model.head_dim
     return {"bytes_per_token": per_token, "fixed_bytes": float(getattr(cache, "fixed_bytes", 0)),
-            "values_per_token": values, "bits_per_value": 8.0 * per_token / values}
+            "values_per_token": values, "bits_per_value": 8.0 * per_token / values,
+            # streams attention reads as decoded rows (no compressed-domain consumer)
+            "decoded_streams": decoded_streams(cache)}
 
 
 def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
@@ -294,6 +297,11 @@ def format_markdown(summary):
               "and with the stream options' fixed bytes (float32 sinks and window copies) spread "
               f"over this run's sequences (context + choice, {tokens[0]:.0f} tokens on average)."
               if tokens else ""]
+    decoded = [f"`{r['spec']}` ({', '.join(r['decoded_streams'])})" for r in summary["rows"]
+               if r.get("decoded_streams")]
+    if decoded:
+        lines += ["", "Read as decoded rows (the codec has no compressed-domain consumer: "
+                  "attention decodes, then multiplies in float32): " + "; ".join(decoded) + "."]
     lines += ["", f"Paired statistics on {primary}; the verdict is the engine reviewer's rule "
               "(within f32's Wilson interval -> recommended opt-in, unless the paired test "
               "finds the codec worse). Items for 1 pt: items a paired test needs to detect a "

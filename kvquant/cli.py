@@ -64,13 +64,9 @@ ALL_CODECS = ("f32", "kv8", "kv8-g32", *(f"tq{b}" for b in range(1, 9)), "tq4:co
 
 def _distortion_data(args):
     """[(label, rows (n, dim))] of ``--data``: a .npy array, or a ``kvquant dump-kv`` .npz
-    (read by the research package) cut by --stream / --layer / --head."""
+    (:mod:`kvquant.kv_rows`) cut by --stream / --layer / --head."""
     if str(args.data).endswith(".npz"):
-        try:
-            from kvquant_experiments.kv_rows import load_kv_rows, select_rows
-        except ImportError as exc:
-            raise SystemExit(f"kvquant distortion: reading .npz rows needs kvquant_experiments "
-                             f"({exc}); install kvquant from its source tree")
+        from kvquant.kv_rows import load_kv_rows, select_rows
         try:
             rows, _ = load_kv_rows(args.data)
             return list(select_rows(rows, args.stream, args.layer, args.head).items())
@@ -172,35 +168,26 @@ def cmd_info(args):
     return 0
 
 
-def _research(module, command):
-    """``module.main`` of the research package, imported here only: the library never imports
-    it, and a missing or broken kvquant_experiments must not break the other commands."""
-    import importlib
+COMMAND_GROUP = "kvquant.commands"
+
+
+def _installed_commands():
+    """``{name: entry point}`` of the commands installed in the group ``kvquant.commands``
+    (the research package's report, flips, tasks, dump-kv; any package may add one). Each
+    names a ``main(argv)`` that parses its own options; it is imported only when run."""
+    from importlib.metadata import entry_points
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+
+def cmd_installed(args):
+    ep = _installed_commands()[args.command]
     try:
-        return importlib.import_module(f"kvquant_experiments.{module}").main
-    except ImportError as exc:
-        raise SystemExit(f"kvquant {command}: the research package kvquant_experiments is not "
-                         f"importable ({exc}); install kvquant from its source tree "
-                         "(pip install -e '.[report]')")
-
-
-# Commands of the research package: name -> (module, help). Their options are parsed there
-# (prefix_chars: passed through as they are); `kvquant <command> --help` shows them.
-RESEARCH_COMMANDS = {
-    "report": ("report", "run the sweeps and tables, write report/REPORT.md "
-                         "(kvquant report --help)"),
-    "flips": ("flip_runs", "token-flip table of KV codecs on a model and a text "
-                           "(kvquant flips --help)"),
-    "tasks": ("task_runs", "multiple-choice task accuracy per cache spec, paired against f32 "
-                           "(kvquant tasks --help)"),
-    "dump-kv": ("kv_rows", "write a model's K (after RoPE) and V rows on a text to .npz "
-                           "(kvquant dump-kv --help)"),
-}
-
-
-def cmd_research(args):
-    module, _ = RESEARCH_COMMANDS[args.command]
-    return _research(module, args.command)(args.research_args)
+        main = ep.load()
+    except ImportError as exc:   # a broken plug-in must not break the other commands
+        raise SystemExit(f"kvquant {args.command}: {ep.value} is not importable ({exc}); "
+                         "reinstall the package that provides it (for kvquant's own: "
+                         "pip install -e '.[report]' from its source tree)")
+    return main(args.command_args)
 
 
 def _int_list(text):
@@ -238,10 +225,12 @@ def build_parser():
     p = sub.add_parser("info", help="build facts (OpenMP, threads)")
     p.set_defaults(func=cmd_info)
 
-    for name, (_, help_text) in RESEARCH_COMMANDS.items():
-        p = sub.add_parser(name, add_help=False, prefix_chars="\x00", help=help_text)
-        p.add_argument("research_args", nargs="*")
-        p.set_defaults(func=cmd_research)
+    for name, ep in sorted(_installed_commands().items()):
+        # its options are parsed by its own main (prefix_chars: passed through as they are)
+        p = sub.add_parser(name, add_help=False, prefix_chars="\x00",
+                           help=f"{ep.module} (kvquant {name} --help)")
+        p.add_argument("command_args", nargs="*")
+        p.set_defaults(func=cmd_installed)
 
     # each module that owns a command registers it (imported here: scipy etc. load lazily)
     from kvquant import bench, budget, codebooks, kvfile

@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from kvquant.metrics import chunk_bootstrap, llama_statistics, wilson_interval
-from kvquant.models import cache_streams
+from kvquant.models import cache_streams, decoded_streams
 
 __all__ = [
     "METRIC_BLOCK_BYTES",
@@ -175,6 +175,8 @@ def flip_protocol(model, pair_specs, prompts, n_new=NEW_TOKENS, progress=None):
         rows.append({
             "codec": spec,
             "streams": cache_streams(cache),
+            # streams whose codec has no compressed-domain consumer: read as decoded rows
+            "decoded_streams": decoded_streams(cache),
             "bytes_per_token": cache.bytes_per_token,
             "fixed_bytes": cache.fixed_bytes,
             "tf": proportion(tf_hits, tf_n),

@@ -59,6 +59,15 @@ def test_a_registered_codec_runs_where_the_builtins_run(toysign):
     assert pair["streams"] == {"L": "toysign", "R": "kv8"}
     assert 0 < pair["bytes_per_token"] < f32["bytes_per_token"]
     assert centered["tf"]["n"] == f32["tf"]["n"]
+    # it has no compressed-domain consumer: attention reads its rows decoded, and rows say so
+    assert not codec.compressed_consumers and kvquant.get_codec("tq4", 64).compressed_consumers
+    assert [r["decoded_streams"] for r in rows] == [[], ["L"], ["L", "R"]]
+    from kvquant_experiments.flip_runs import format_markdown
+    table = format_markdown({"meta": {"model": {"model": "tiny-mla", "attention": "consumers"},
+                                      "protocol": {"prompts": 1, "prompt_tokens": 8,
+                                                   "new_tokens": 8}},
+                             "rows": rows}, llama=False)
+    assert "Read as decoded rows" in table and "toysign/kv8 (L)" in table
 
 
 def test_the_check_catches_each_broken_promise():

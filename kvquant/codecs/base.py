@@ -314,9 +314,17 @@ class Codec:
         self._context(codes, side, W, out, resolve_n_threads(n_threads))
         return out[0] if one else out
 
+    @property
+    def compressed_consumers(self):
+        """True when attention reads this codec's codes directly (it overrides both consumer
+        hooks); False when it reads decoded rows through the prototype hooks below (results
+        that use such a codec say so)."""
+        cls = type(self)
+        return cls._scores is not Codec._scores and cls._context is not Codec._context
+
     # Consumer hooks. Q (m, dim) and W (m, T) arrive C-contiguous float32, codes and side checked;
     # fill `out`. The versions here decode and then multiply: a reference for prototyping a new
-    # codec, NOT for shipping. Every codec in the registry overrides both with a compressed-domain
+    # codec, NOT for shipping. Every built-in codec overrides both with a compressed-domain
     # kernel (kvquant._kernels.consumers); tests/test_consumers.py fails on one that does not.
     def _scores(self, codes, side, Q, out, n_threads):
         X = self._decode(codes, side, n_threads)

@@ -42,6 +42,21 @@ def cache_streams(cache):
     return {name: cache.stream(0, name).spec for name in cache.stream_names}
 
 
+def decoded_streams(cache):
+    """The streams of a cache whose codec has no compressed-domain consumer in some layer:
+    attention reads them as decoded rows (``Codec.compressed_consumers``). Empty for caches
+    without kvquant codecs (llama.cpp's attention, simulations)."""
+    n_layers = getattr(cache, "n_layers", None) or len(getattr(cache, "layers", ()))
+    n_heads = getattr(cache, "n_kv_heads", 1)
+    decoded = []
+    for name in cache.stream_names:
+        codecs = [getattr(cache.stream(layer, name, head), "codec", None)
+                  for layer in range(n_layers) for head in range(n_heads)]
+        if any(c is not None and not c.compressed_consumers for c in codecs):
+            decoded.append(name)
+    return decoded
+
+
 def causal_mask(query_pos, n_rows):
     """Boolean (n_q, n_rows): True where row t is hidden from the query at ``query_pos``."""
     return np.arange(n_rows)[None, :] > np.asarray(query_pos)[:, None]
