@@ -38,6 +38,38 @@ class SerialExecutor(cf.Executor):
         return future
 
 
+class CarryingExecutor(cf.Executor):
+    """An executor whose calls first register, in the worker, the codecs and spec kinds this
+    process registered by hand (``kvquant.register_codec``, ``register_spec_kind``: a codec
+    defined in a notebook cell), so that they run there by name as the installed ones do.
+    They travel by value (cloudpickle) with each call; without registrations calls go as they
+    are."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.kind, self.description = inner.kind, inner.description
+
+    def submit(self, fn, /, *args, **kwargs):
+        from kvquant.specs import process_registrations
+        registrations = process_registrations()
+        if not (registrations["codecs"] or registrations["kinds"]):
+            return self._inner.submit(fn, *args, **kwargs)
+        import cloudpickle
+        return self._inner.submit(_with_registrations, cloudpickle.dumps(registrations), fn,
+                                  *args, **kwargs)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        self._inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _with_registrations(payload, fn, *args, **kwargs):
+    import pickle
+
+    from kvquant.specs import restore_registrations
+    restore_registrations(pickle.loads(payload))
+    return fn(*args, **kwargs)
+
+
 def _worker_init(threads):
     # One thread per worker: workers x threads = cores, no spinning thread teams fighting for them.
     try:
@@ -91,7 +123,7 @@ def open_executor(scheduler=None, workers=None, threads_per_worker=1):
         ex.description = (f"local process pool ({workers} workers x {threads_per_worker} "
                           "thread(s))")
         try:
-            yield ex
+            yield CarryingExecutor(ex)
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
             if saved is None:
@@ -114,7 +146,7 @@ def open_executor(scheduler=None, workers=None, threads_per_worker=1):
         ex = client.get_executor()
         ex.kind = "dask"
         ex.description = f"Dask cluster at {client.scheduler.address}"
-        yield ex
+        yield CarryingExecutor(ex)
     finally:
         if owned:
             client.close()

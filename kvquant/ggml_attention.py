@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvquant.specs import CacheSpec, SpecKind, register_spec_kind
+from kvquant.specs import CacheSpec, SpecKind, register_builtin_kind
 
 __all__ = ["CACHE_TYPES", "GGML_FAMILY", "GGMLAttentionCache", "GGMLPair", "hadamard_matrix",
            "parse_ggml_pair", "quantize_q8_0_x86", "rotate_blocks", "round_query",
@@ -151,7 +151,7 @@ def parse_ggml_pair(pair_spec):
     return GGMLPair(parts[0], parts[1], PREFIXES[prefix])
 
 
-register_spec_kind(SpecKind("ggml", _claims, parse_ggml_pair))
+register_builtin_kind(SpecKind("ggml", _claims, parse_ggml_pair))
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import stream_bytes
 
 __all__ = ["CacheSpec", "KVLayout", "PairSpec", "SpecKind", "parse_cache_spec",
-           "parse_cache_specs", "register_spec_kind", "split_spec_text", "unregister_spec_kind"]
+           "parse_cache_specs", "process_registrations", "register_spec_kind",
+           "restore_registrations", "split_spec_text", "unregister_spec_kind"]
 
 ENTRY_POINT_GROUP = "kvquant.cache_specs"
 # the stream options' bare flags (kvquant.streams.options): a list piece that is one of them
@@ -183,6 +184,7 @@ class SpecKind:
 
 
 _kinds = {}                 # name -> SpecKind, this process (the built-ins first)
+_registered_here = set()    # names registered by register_spec_kind (not built-ins, entry points)
 _entry_points_loaded = False
 
 
@@ -196,10 +198,37 @@ def register_spec_kind(kind, replace=False):
         raise ValueError(f"spec kind {kind.name!r} is registered already (replace=True to "
                          "replace it)")
     _kinds[kind.name] = kind
+    _registered_here.add(kind.name)
+
+
+def register_builtin_kind(kind):
+    """Register a kind that kvquant itself defines (its module calls this on import)."""
+    _kinds[kind.name] = kind
 
 
 def unregister_spec_kind(name):
     del _kinds[name]
+    _registered_here.discard(name)
+
+
+def process_registrations():
+    """What this process registered by hand (``register_codec``, ``register_spec_kind``), for an
+    executor to carry to its worker processes, which find only built-ins and entry points on
+    their own: ``{"codecs": {name: factory}, "kinds": {name: SpecKind}}`` (both empty when
+    nothing was registered)."""
+    from kvquant.codecs import registry
+    return {"codecs": registry.process_registrations(),
+            "kinds": {name: _kinds[name] for name in sorted(_registered_here)}}
+
+
+def restore_registrations(registrations):
+    """Register in this process what :func:`process_registrations` gave in another one
+    (replacing registrations of the same names)."""
+    from kvquant.codecs import register_codec
+    for name, factory in registrations["codecs"].items():
+        register_codec(name, factory, replace=True)
+    for kind in registrations["kinds"].values():
+        register_spec_kind(kind, replace=True)
 
 
 def _load_kinds():

@@ -147,3 +147,53 @@ def test_installed_codecs_come_from_the_entry_point_group(monkeypatch):
         kvquant.get_codec("broken", 32)
     with pytest.raises(ValueError, match="unknown codec spec 'absent'.*epsign"):
         kvquant.get_codec("absent", 32)
+
+
+# A codec as a notebook cell defines it: its class lives in __main__, which worker processes
+# cannot import; executors carry it to them by value.
+NOTEBOOK_CELL = '''
+import numpy as np
+import kvquant
+
+class HalfSign(kvquant.Codec):
+    family = "half-sign"
+    def __init__(self, dim, nonfinite="raise"):
+        super().__init__(dim, nonfinite)
+        self.spec, self.code_bytes, self.n_side = "halfsign", (dim + 7) // 8, 1
+    def _encode(self, X, n_threads):
+        status = (~np.isfinite(X).all(axis=1)).astype(np.uint8)
+        X = np.where(np.isfinite(X), X, 0)
+        scale = (0.5 * np.abs(X).max(axis=1)).astype(np.float32)[:, None]
+        return np.packbits(X >= 0, axis=1, bitorder="little"), scale, status
+    def _decode(self, codes, side, n_threads):
+        bits = np.unpackbits(codes, axis=1, count=self.dim, bitorder="little")
+        return ((2.0 * bits - 1.0) * side).astype(np.float32)
+
+kvquant.register_codec("halfsign", lambda dim, **options: HalfSign(dim, **options))
+'''
+
+
+def test_a_codec_from_a_notebook_cell_runs_in_worker_processes_and_on_dask():
+    from kvquant_experiments.executor import open_executor
+    from kvquant_experiments.flip_runs import run_flips
+    exec(compile(NOTEBOOK_CELL, "<cell>", "exec"), {"__name__": "__main__"})
+    try:
+        args = dict(codecs=["halfsign/kv8", "halfsign@center"], n_prompts=1)
+        here = run_flips("tiny-mla", workers=1, scheduler="serial", **args)["rows"]
+        spawned = run_flips("tiny-mla", workers=2, **args)["rows"]
+        keys = ("codec", "tf", "greedy", "tf_kld_mean", "bytes_per_token", "decoded_streams")
+        assert [{k: r[k] for k in keys} for r in spawned] == [{k: r[k] for k in keys}
+                                                             for r in here]
+        assert here[1]["tf_kld_mean"] > 0 and here[1]["decoded_streams"] == ["L"]
+        distributed = pytest.importorskip("distributed")
+        with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                      protocol="tcp", host="127.0.0.1",
+                                      dashboard_address=None) as cluster:
+            with open_executor(cluster.scheduler_address) as ex:
+                from kvquant_experiments.distortion import distortion_cell
+                cell = {"kind": "gaussian", "dim": 64, "rows": 32, "seed": 1,
+                        "codec": "halfsign"}
+                remote = ex.submit(distortion_cell, cell).result()
+        assert remote == distortion_cell(cell) and remote["available"]
+    finally:
+        kvquant.unregister_codec("halfsign")

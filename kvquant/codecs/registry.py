@@ -94,6 +94,13 @@ def registered_factory(name):
     return factory
 
 
+def process_registrations():
+    """``{name: factory}`` of the codecs registered in this process with :func:`register_codec`
+    (entry points excluded: every process finds those itself)."""
+    installed = _installed()
+    return {name: f for name, f in _registered.items() if name not in installed}
+
+
 def plugin_names():
     """Names registered in this process or installed as entry points, sorted."""
     return sorted(set(_registered) | set(_installed()))

@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from kvquant.specs import CacheSpec, PairSpec, SpecKind, register_spec_kind
+from kvquant.specs import CacheSpec, PairSpec, SpecKind, register_builtin_kind
 from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import stream_bytes
 
@@ -297,4 +297,4 @@ class CachePlan(CacheSpec):
 
 
 # a string ending in .json names a plan file
-register_spec_kind(SpecKind("plan", lambda text: text.lower().endswith(".json"), CachePlan.load))
+register_builtin_kind(SpecKind("plan", lambda text: text.lower().endswith(".json"), CachePlan.load))
