@@ -254,7 +254,7 @@ class SimulatedCache:
     def length(self, layer):
         return self._k[layer].shape[0]
 
-    def stream(self, layer, name):
+    def stream(self, layer, name, head=0):
         side = self.k_side if name == "k" else self.v_side
         return _Stream(f"simulated {side.text}")
 
