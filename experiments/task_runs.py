@@ -11,6 +11,7 @@ line from a killed run is dropped), and a larger ``--limit`` reuses the items al
 The summary of a limit, ``<out>/summary-n<N>.json`` and ``.md``, is computed from the logs.
 """
 import functools
+import itertools
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ __all__ = ["DEFAULT_CODECS", "add_cli", "format_markdown", "read_log", "run_task
 
 DEFAULT_CODECS = ("f32", "kv8", "tq4")
 BLOCK_ITEMS = 16     # items per executor call, run together; little is lost on a kill
+IN_FLIGHT_BLOCKS = 64  # blocks submitted ahead to a pool or cluster (results are small)
 LOG_VERSION = 1
 
 
@@ -194,25 +196,35 @@ def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
             bar = None
     executor = executor if executor is not None else SerialExecutor()
     import concurrent.futures as cf
-    futures = {executor.submit(score_block, cell): cell for cell in todo}
+    # A window of blocks in flight, each appended to its log as it finishes: a serial executor
+    # computes a block when it is submitted, so it gets one block at a time (submitting every
+    # block first would compute them all before writing any: a kill would lose the whole run).
+    window = 1 if isinstance(executor, SerialExecutor) else IN_FLIGHT_BLOCKS
+    pending, in_flight = iter(todo), {}
     try:
-        for future in cf.as_completed(futures):
-            cell = futures[future]
-            block = future.result()
-            spec = cell["spec"]
-            _append(paths[spec], _header(meta, spec), block["items"])
-            for r in block["items"]:
-                done[spec][(r["task"], r["doc_id"])] = r
-            t = timing[spec]
-            t["seconds"] += block["seconds"]
-            t["tokens"] += block["tokens"]
-            t["items"] += len(block["items"])
-            if bar is not None:
-                bar.update(len(block["items"]))
+        while True:
+            for cell in itertools.islice(pending, window - len(in_flight)):
+                in_flight[executor.submit(score_block, cell)] = cell
+            if not in_flight:
+                break
+            finished, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+            for future in finished:
+                cell = in_flight.pop(future)
+                block = future.result()
+                spec = cell["spec"]
+                _append(paths[spec], _header(meta, spec), block["items"])
+                for r in block["items"]:
+                    done[spec][(r["task"], r["doc_id"])] = r
+                t = timing[spec]
+                t["seconds"] += block["seconds"]
+                t["tokens"] += block["tokens"]
+                t["items"] += len(block["items"])
+                if bar is not None:
+                    bar.update(len(block["items"]))
     finally:
         if bar is not None:
             bar.close()
-        for f in futures:
+        for f in in_flight:
             f.cancel()
     return {s: [done[s][k] for k in keys] for s in specs}, timing
 

@@ -142,3 +142,31 @@ def test_a_group_limit_applies_to_each_member(setup, tmp_path, capsys, monkeypat
     summary = json.loads((out / "summary-n4.json").read_text())
     assert summary["meta"]["member_limit"] == 2
     assert "first 2 documents of each of its 2 subtasks" in summary["meta"]["items_note"]
+
+
+def test_a_serial_run_writes_each_block_as_it_finishes(setup, tmp_path, capsys, monkeypatch):
+    """One process (--workers 1): a block is in the log before the next one is scored, so a
+    run stopped midway keeps what it finished (it once scored every block before writing)."""
+    from kvquant_experiments import task_runs
+    model, task = setup
+    monkeypatch.setattr(task_runs, "BLOCK_ITEMS", 2)
+    real, calls = task_runs.score_block, []
+
+    def second_block_fails(cell):
+        calls.append(cell["indices"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt   # as Ctrl-C in the middle of the run
+        return real(cell)
+
+    monkeypatch.setattr(task_runs, "score_block", second_block_fails)
+    out = tmp_path / "run"
+    status, _, _ = _run(capsys, "--model", model, "--task", task, "--limit", "6", "--codecs",
+                        "f32", "--out", str(out))
+    assert status == 130 and calls == [[0, 1], [2, 3]]
+    assert [json.loads(x)["doc_id"] for x in _lines(out / "f32.jsonl")[1:]] == [0, 1]
+    # the rerun scores only what is missing
+    monkeypatch.setattr(task_runs, "score_block", real)
+    status, _, err = _run(capsys, "--model", model, "--task", task, "--limit", "6",
+                          "--codecs", "f32", "--out", str(out))
+    assert status == 0, err
+    assert [json.loads(x)["doc_id"] for x in _lines(out / "f32.jsonl")[1:]] == list(range(6))
