@@ -382,22 +382,35 @@ def test_smollm2_gguf_kld_matches_numpy_forward():
     folder = spec.submodule_search_locations[0]
     numpy_model = load_model("smollm2")
     tokens, _ = text_tokens(numpy_model)
-    chunks = text_chunks(tokens, 2048, 512)
-    specs = ["f32", "q4_0+rot", "tq4"]
-    ours = {r["codec"]: r for r in text_metrics(numpy_model, specs, chunks)}
-    del numpy_model
     # keys in the GGUF's channel order, as the numpy forward stores them
     hf = HFModel.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                                  key_channels="interleaved")
+    # The rows each codec stores: layer 0's K and V come from the same embeddings in both
+    # forwards, so the two caches hold the same codes (a wrong rotation, channel order or
+    # head layout differs everywhere); deeper layers drift apart as float32 rounding crosses
+    # decision boundaries and each layer's quantization compounds the last's.
+    ids = np.asarray(tokens[:128])
+    for codec in ("q4_0+rot", "tq4"):
+        ours_cache, their_cache = numpy_model.new_cache(codec), hf.new_cache(codec)
+        numpy_model.forward(ids, ours_cache)
+        hf.forward(ids, their_cache)
+        for name in ("k", "v"):
+            a, b = (np.stack([c.stream(0, name, h).decode() for h in range(3)])
+                    for c in (ours_cache, their_cache))
+            if codec == "q4_0+rot":
+                np.testing.assert_array_equal(a, b, err_msg=name)
+            else:   # the norm rounds in float32 in two libraries
+                np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4, err_msg=name)
+    # The whole model on 1,024 positions of text: perplexities equal in f32, and the mean
+    # KLD of a codec equal within the noise of that drift. Measured on these chunks: q4_0+rot
+    # 0.0598 (numpy) / 0.0550 (HF), 8% apart; on 2,048 positions 0.0549 / 0.0540.
+    chunks = text_chunks(tokens, 1024, 512)
+    specs = ["f32", "q4_0+rot"]
+    ours = {r["codec"]: r for r in text_metrics(numpy_model, specs, chunks)}
     theirs = {r["codec"]: r for r in text_metrics(hf, specs, chunks)}
     assert math.isclose(theirs["f32"]["ppl_f32"], ours["f32"]["ppl_f32"], rel_tol=1e-4)
-    # The two forwards differ by float32 rounding (torch's projections against numpy's), and a
-    # row that moves by an ulp can cross a 4-bit decision boundary: the codecs' mean KLDs carry
-    # that noise. Measured: q4_0+rot 0.0549 (numpy) / 0.0540 (HF) with numpy's softmax, 0.0552 /
-    # 0.0516 with the compiled one (which moves the last bits of every attention); a wrong
-    # rotation or channel order moves them by far more.
-    for s in ("q4_0+rot", "tq4"):
-        assert math.isclose(theirs[s]["kld_mean"], ours[s]["kld_mean"], rel_tol=0.12), s
+    assert math.isclose(theirs["q4_0+rot"]["kld_mean"], ours["q4_0+rot"]["kld_mean"],
+                        rel_tol=0.15)
 
 
 def _checkpoint(folder):

@@ -405,10 +405,11 @@ def test_smollm2_matches_transformers(smollm2, oracle):
 @needs_smollm2
 def test_smollm2_flip_table_small(smollm2):
     result = flip_runs.run_flips("smollm2", codecs=["f32", "q8_0", "q4_0"], positions=256,
-                             chunk_tokens=128, n_prompts=2, workers=1, model=smollm2)
+                             chunk_tokens=128, n_prompts=1, workers=1, model=smollm2)
     rows = {r["codec"]: r for r in result["rows"]}
     assert rows["f32"]["same_top"]["k"] == 256 and rows["f32"]["kld_mean"] == 0
-    assert rows["f32"]["tf"]["k"] == 64 and rows["f32"]["greedy"]["k"] == 40
+    # one prompt: its 32 teacher-forced positions and 20 greedy tokens, f32 against itself
+    assert rows["f32"]["tf"]["k"] == 32 and rows["f32"]["greedy"]["k"] == 20
     assert rows["q8_0"]["same_top"]["p"] > 0.95
     assert abs(rows["q8_0"]["ppl_ratio"] - 1) < 0.01
     assert rows["q4_0"]["kld_mean"] > rows["q8_0"]["kld_mean"] > 0
