@@ -173,7 +173,7 @@ kvquant.register_codec("halfsign", lambda dim, **options: HalfSign(dim, **option
 '''
 
 
-def test_a_codec_from_a_notebook_cell_runs_in_worker_processes_and_on_dask():
+def test_a_codec_from_a_notebook_cell_runs_in_worker_processes_and_on_dask(tmp_path):
     from kvquant_experiments.executor import open_executor
     from kvquant_experiments.flip_runs import run_flips
     exec(compile(NOTEBOOK_CELL, "<cell>", "exec"), {"__name__": "__main__"})
@@ -195,5 +195,18 @@ def test_a_codec_from_a_notebook_cell_runs_in_worker_processes_and_on_dask():
                         "codec": "halfsign"}
                 remote = ex.submit(distortion_cell, cell).result()
         assert remote == distortion_cell(cell) and remote["available"]
+        # and in a cache file (the .kvq tier records it by its spec), read back bit for bit
+        from _kvfile_data import SHAPE, make_rows
+        from kvquant.kvfile import CacheFile
+        rows = make_rows(np.random.default_rng(5), 6, mode="halfsign")
+        cf = CacheFile.open(tmp_path / "cache", SHAPE, mode="halfsign")
+        cf.append(rows["tokens"], L=rows["L"], R=rows["R"], index=rows["index"])
+        cf.close()
+        back = CacheFile.open(tmp_path / "cache", SHAPE, mode="halfsign")
+        assert back.tier == "kvq" and len(back) == 6
+        for layer in range(SHAPE.n_layers):
+            got = back.records.rows("L", layer)
+            assert np.array_equal(got.codes, rows["L"][layer].codes)
+            assert np.array_equal(got.side, rows["L"][layer].side)
     finally:
         kvquant.unregister_codec("halfsign")
