@@ -83,7 +83,7 @@ def score_block(cell):
     from kvquant.tasks import ItemScorer
     model = _model(cell["model"], cell["backend"], cell.get("gguf_file"))
     items = _items(cell["task"], cell["num_fewshot"], cell["limit"])
-    scorer = ItemScorer(model, cell["spec"])
+    scorer = ItemScorer(model, cell["cache"])   # a CacheSpec: parsed once, in the parent
     results = scorer.score_many([items[i] for i in cell["indices"]])
     return {"items": results, "seconds": scorer.seconds, "tokens": scorer.tokens_run}
 
@@ -171,8 +171,10 @@ def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
     out_dir.mkdir(parents=True, exist_ok=True)
     items = _items(meta["task"], meta["num_fewshot"], _member_limit(meta))
     keys = [it.key for it in items]
+    from kvquant.specs import parse_cache_spec
     done, paths, todo = {}, {}, []
     for spec in specs:
+        cache = parse_cache_spec(spec)
         path = paths[spec] = out_dir / f"{spec_tag(spec)}.jsonl"
         if fresh and path.exists():
             path.unlink()
@@ -183,7 +185,8 @@ def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
             todo.append({"model": meta["model"], "backend": meta["backend"],
                          "gguf_file": meta.get("gguf_file"), "task": meta["task"],
                          "num_fewshot": meta["num_fewshot"],
-                         "limit": _member_limit(meta), "spec": spec, "indices": missing[b:b + BLOCK_ITEMS]})
+                         "limit": _member_limit(meta), "spec": spec, "cache": cache,
+                         "indices": missing[b:b + BLOCK_ITEMS]})
     n_todo = sum(len(c["indices"]) for c in todo)
     timing = {s: {"seconds": 0.0, "tokens": 0, "items": 0} for s in specs}
     bar = None
