@@ -9,7 +9,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the models extra (gguf) is not installed")
 threadpoolctl = pytest.importorskip("threadpoolctl")
 
-from _gguf_writer import write_random_gguf  # noqa: E402
+from kvquant.models.random_gguf import write_random_gguf  # noqa: E402
 
 from kvquant.models import gguf_decoder  # noqa: E402
 from kvquant.models.gguf_decoder import GGUFDecoder  # noqa: E402
@@ -142,7 +142,7 @@ def test_the_other_entry_points_take_the_same_setting(files, monkeypatch):
 
 
 def test_a_gemma3_file_without_a_window_is_refused(tmp_path, monkeypatch):
-    import _gguf_writer
+    import kvquant.models.random_gguf as _gguf_writer
     monkeypatch.setitem(_gguf_writer.SHAPES, "gemma3-no-window",
                         dict(_gguf_writer.SHAPES["gemma3"], sliding_window=0, arch="gemma3"))
     path = tmp_path / "no-window.gguf"

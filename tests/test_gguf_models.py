@@ -1,6 +1,6 @@
 """The GGUF decoder per architecture (llama, qwen2, qwen3, gemma3) against transformers.
 
-Fast tests rebuild small random-weight GGUF files from their seed (tests/_gguf_writer.py) and
+Fast tests rebuild small random-weight GGUF files from their seed (kvquant/models/random_gguf.py) and
 compare kvquant's numpy forward with the logits transformers computed on the same files through
 its own GGUF loading (data/oracle/gguf_random_transformers.*, written by
 tools/make_gguf_fixtures.py; no torch needed here). A slow test does the same for the real
@@ -16,7 +16,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the models extra (gguf) is not installed")
 pytest.importorskip("tokenizers", reason="the models extra (tokenizers) is not installed")
 
-from _gguf_writer import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
+from kvquant.models.random_gguf import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
 
 from kvquant.models import MODEL_NAMES, load_model  # noqa: E402
 from kvquant.models import gguf_weights  # noqa: E402
@@ -309,7 +309,7 @@ def test_a_shifted_tensor_is_refused_not_loaded(tmp_path):
 
 
 def _vocab_only(path, kind, space_prefix=False, pre="default"):
-    from _gguf_writer import spm_vocab
+    from kvquant.models.random_gguf import spm_vocab
     pieces, scores, types = spm_vocab()
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_tokenizer_model(kind)

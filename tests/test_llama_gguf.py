@@ -22,7 +22,7 @@ from kvquant_experiments import flip_runs, texts  # noqa: E402
 from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF, rope_adjacent  # noqa: E402
 from kvquant.models.gguf_file import GGUFFile  # noqa: E402
 from kvquant.models.packaged import load_smollm2, smollm2_path  # noqa: E402
-from _gguf_writer import bytes_to_unicode  # noqa: E402
+from kvquant.models.random_gguf import bytes_to_unicode  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(__file__), os.pardir, "data", "oracle",
                        "smollm2_transformers.json")

@@ -17,7 +17,7 @@ ensure_importable()
 gguf = pytest.importorskip("gguf", reason="the models extra (gguf) is not installed")
 pytest.importorskip("tokenizers", reason="the models extra (tokenizers) is not installed")
 
-from _gguf_writer import write_random_gguf  # noqa: E402
+from kvquant.models.random_gguf import write_random_gguf  # noqa: E402
 
 from kvquant.models import load_model  # noqa: E402
 from kvquant_experiments import passkey  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 from kvquant.cli import main
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _gguf_writer import write_random_gguf  # noqa: E402
+from kvquant.models.random_gguf import write_random_gguf  # noqa: E402
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")

@@ -15,7 +15,7 @@ from kvquant.tasks.definitions import hellaswag_preprocess
 from kvquant.tasks.stats import choice_kld, paired_bootstrap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _gguf_writer import write_random_gguf  # noqa: E402
+from kvquant.models.random_gguf import write_random_gguf  # noqa: E402
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _gguf_writer import write_random_gguf  # noqa: E402
+from kvquant.models.random_gguf import write_random_gguf  # noqa: E402
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("gguf")

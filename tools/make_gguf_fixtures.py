@@ -1,7 +1,7 @@
 """Write the GGUF decoder's transformers fixtures, per architecture and for Gemma 3 270M.
 
 1. Random-weight files (llama, llama with Llama 3.1's RoPE scaling, qwen2, qwen3, gemma3) from
-   tests/_gguf_writer.py (a seed rebuilds
+   kvquant/models/random_gguf.py (a seed rebuilds
    the same file, so no GGUF is committed), each loaded by transformers through its own GGUF
    loading (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, float32, eager
    attention; Llama 3.1's RoPE scaling, which the loader does not read from the file, given as
@@ -35,10 +35,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from _gguf_writer import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
-
+from kvquant.models.random_gguf import SHAPES, architecture, weights_sha256, write_random_gguf  # noqa: E402
 from kvquant_experiments.texts import pydoc_text, stdlib_code_text  # noqa: E402
 from kvquant.models import load_model  # noqa: E402
 

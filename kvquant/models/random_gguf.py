@@ -4,7 +4,8 @@
 normals and the ``gguf`` package's quantizers are deterministic); ``weights_sha256`` fingerprints
 the dequantized weights, so a test can check it runs the model that tools/make_gguf_fixtures.py
 gave transformers. The matrices use several GGUF types (F32, F16, Q8_0, Q4_0, Q5_0) so the
-dequantization paths are exercised too.
+dequantization paths are exercised too. For the tests and tools/make_gguf_fixtures.py (both import
+it from here); writing needs the ``gguf`` package (the test extra).
 """
 import hashlib
 
