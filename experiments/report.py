@@ -457,7 +457,7 @@ def _real_wanted(real, smoke):
 
 def run_report(out="report", smoke=None, scheduler=None, workers=None, real="auto", full=False,
                fresh=False, progress=True, figures_to=None, command=None, log=None,
-               text=None):
+               text=None, codecs=()):
     """Run every section and write ``out/REPORT.md``, ``out/figures``, ``out/data``.
 
     Parameters
@@ -483,6 +483,9 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         (:func:`kvquant_experiments.texts.load_text`); default
         :data:`kvquant_experiments.flip_report.REPORT_TEXT` (held out: the frontier's picks
         were chosen on pydoc).
+    codecs : sequence of str
+        Codec specs measured beside the built-in grid in every section (the sweeps, the
+        flip tables): a registered plug-in codec, or a built-in one the grid leaves out.
 
     Returns
     -------
@@ -537,11 +540,16 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
         n_workers = getattr(ex, "_max_workers", None) or 2
         handles = {}
         log("distortion sweep")
+        codecs = list(codecs)
+        extra = (lambda grid: grid + [c for c in codecs if c not in grid]) if codecs else None
         dist = timed("distortion", distortion.run_sweep, data, executor=ex, resume=resume,
-                     progress=progress, smoke=smoke)
+                     progress=progress, smoke=smoke,
+                     codecs=extra(distortion.default_grid(smoke)["codecs"]) if extra else None)
         log("inner-product sweep")
         inner = timed("inner products", inner_products.run_sweep, data, executor=ex,
-                      resume=resume, progress=progress, smoke=smoke)
+                      resume=resume, progress=progress, smoke=smoke,
+                      codecs=extra(inner_products.default_grid(smoke)["codecs"]) if extra
+                      else None)
         # The sweeps first, then the model jobs: each has the workers to itself, so that its
         # bar and its times are its own (the long model jobs queued first would hold both
         # workers while the sweeps' bars stood still).
@@ -549,19 +557,22 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
             if full:
                 from kvquant_experiments.flip_runs import (DEFAULT_CHUNK_TOKENS, DEFAULT_CODECS,
                                                            DEFAULT_POSITIONS)
-                codecs = list(DEFAULT_CODECS["real"])
+                real_codecs = list(DEFAULT_CODECS["real"])
                 sizes = {"positions": DEFAULT_POSITIONS, "chunk_tokens": DEFAULT_CHUNK_TOKENS,
                          "prompts": 8}
             else:
-                codecs = None
+                real_codecs = flip_report.report_codecs("smollm2", smoke)
                 sizes = dict(flip_report.SMOKE_REAL if smoke else flip_report.REAL_DEFAULTS)
             handles["smollm2"] = guarded("real-model flips", flip_report.submit_model,
-                                         "smollm2", data, ex, smoke=smoke, codecs=codecs,
+                                         "smollm2", data, ex, smoke=smoke,
+                                         codecs=extra(real_codecs) if extra else real_codecs,
                                          sizes=sizes, n_groups=n_workers, resume=resume,
                                          text=text, progress=progress)
             log(f"real model: {sizes['positions']} text positions, {sizes['prompts']} prompts")
+        tiny_codecs = flip_report.report_codecs("tiny-mla", smoke)
         handles["tiny-mla"] = guarded("tiny-model flips", flip_report.submit_model, "tiny-mla",
-                                      data, ex, smoke=smoke, resume=resume, progress=progress)
+                                      data, ex, smoke=smoke, resume=resume, progress=progress,
+                                      codecs=extra(tiny_codecs) if extra else tiny_codecs)
         log("waiting for the flip tables (one bar per model job)")
         flips = {}
         for name, handle in handles.items():
@@ -760,6 +771,10 @@ def add_cli(subparsers):
                         "(chosen on pydoc)")
     p.add_argument("--figures-to", default=None,
                    help="also copy the headline figures there (the README's: data/figures)")
+    p.add_argument("--codecs", default="",
+                   help="comma-separated codec specs measured beside the built-in grid in "
+                        "every section (a plug-in codec, installed by entry point; or one the "
+                        "grid leaves out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_report)
     return p
@@ -769,12 +784,18 @@ def cmd_report(args):
     command = "kvquant report" + "".join(
         f" {shlex.quote(a)}" for a in getattr(args, "_argv", []) or [])
     try:
+        from kvquant.codecs import describe_codec
+        from kvquant.specs import split_spec_text
         from kvquant_experiments.texts import load_text
         load_text(args.text)   # a bad --text fails here, before any sweep
+        codecs = split_spec_text(args.codecs)
+        for spec in codecs:    # an unknown codec fails here too
+            describe_codec(spec)
         res = run_report(out=args.out, smoke=True if args.smoke else None,
                          scheduler=args.scheduler, workers=args.workers, real=args.real,
                          full=args.full, fresh=args.fresh, progress=not args.no_progress,
-                         figures_to=args.figures_to, command=command, text=args.text)
+                         figures_to=args.figures_to, command=command, text=args.text,
+                         codecs=codecs)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"kvquant report: {exc}")
     print(f"{res['report']}  ({res['seconds']:.0f} s, {len(res['unavailable'])} item(s) "

@@ -79,3 +79,23 @@ def test_missing_pieces_are_named_not_dropped(tmp_path, monkeypatch):
     copied = {p.name for p in figs.iterdir()}
     assert {"distortion_gaussian.png", "flips_tiny-mla_pareto.png"} <= copied
     assert copied <= set(report.HEADLINE_FIGURES)
+
+
+def test_a_registered_codec_joins_every_section(tmp_path):
+    """`kvquant report --codecs NAME`: a plug-in codec measured beside the built-in grid."""
+    import kvquant
+    from _toy_codec import factory
+    kvquant.register_codec("toysign", factory)
+    try:
+        report.run_report(tmp_path / "rep", smoke=True, scheduler="serial", progress=False,
+                          real="no", log=lambda msg: None, codecs=["toysign"])
+    finally:
+        kvquant.unregister_codec("toysign")
+    data = tmp_path / "rep" / "data"
+    rows = json.loads((data / "distortion.json").read_text())["rows"]
+    toy = [r for r in rows if r["codec"] == "toysign"]
+    assert toy and all(r["available"] and r["rel_l2_rms"] > 0 for r in toy)
+    md = (tmp_path / "rep" / "REPORT.md").read_text()
+    assert md.count("toysign") >= 2   # the sweep's table and the tiny model's flip table
+    res = run_cli("report", "--codecs", "nosuch9", "--smoke", "--out", str(tmp_path / "x"))
+    assert res.returncode != 0 and "nosuch9" in res.stderr and not (tmp_path / "x").exists()
