@@ -124,6 +124,12 @@ def open_executor(scheduler=None, workers=None, threads_per_worker=1):
                           "thread(s))")
         try:
             yield CarryingExecutor(ex)
+        except BaseException:
+            # stopped (Ctrl-C, SIGTERM, an error): the workers stop too, mid-cell; without
+            # this a pool kept computing cells nobody would read after its parent had gone
+            for process in list((getattr(ex, "_processes", None) or {}).values()):
+                process.terminate()
+            raise
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
             if saved is None:

@@ -239,10 +239,28 @@ def build_parser():
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is so that it unwinds as from Ctrl-C."""
+
+
+def _terminate_as_interrupt():
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise Terminated("terminated (SIGTERM)")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv=None):
     """Run a command. A bad input is one line on stderr and exit status 2, never a traceback:
     the commands raise ``SystemExit("kvquant <command>: <problem>")``. Output into a closed
-    pipe (``kvquant ... | head``) ends the command quietly."""
+    pipe (``kvquant ... | head``) ends the command quietly. SIGTERM (``kill``, a job
+    scheduler's stop) is handled as Ctrl-C is: the run stops where it is, keeping what it
+    finished, and its worker processes stop with it."""
+    _terminate_as_interrupt()
     try:
         args = build_parser().parse_args(argv)
         status = args.func(args)
@@ -256,7 +274,7 @@ def main(argv=None):
     except KeyboardInterrupt as exc:
         # one line, not the traceback of wherever the run was; 130 = 128 + SIGINT, as shells do
         print("kvquant: interrupted" + (f"; {exc}" if exc.args else ""), file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130   # 128 + the signal, as shells do
     except BrokenPipeError:
         # the reader went away: stop writing, and keep Python's exit flush from failing again
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -170,3 +170,57 @@ def test_a_serial_run_writes_each_block_as_it_finishes(setup, tmp_path, capsys, 
                           "--codecs", "f32", "--out", str(out))
     assert status == 0, err
     assert [json.loads(x)["doc_id"] for x in _lines(out / "f32.jsonl")[1:]] == list(range(6))
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+def test_sigterm_stops_the_run_and_its_workers(setup, tmp_path):
+    """`kill` of a `kvquant tasks` run with worker processes: it stops as Ctrl-C stops it (one
+    line, status 143, its finished blocks kept) and its workers stop with it (they once went on
+    computing blocks nobody would read)."""
+    import subprocess
+    import time
+    model, _ = setup
+    task = tmp_path / "long.jsonl"
+    rows = [{"context": f"item {i} is", "choices": ["a b", "c", "d e f"], "gold": i % 3}
+            for i in range(3000)]
+    task.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvquant.cli", "tasks", "--model", model,
+                             "--task", str(task), "--codecs", "f32,tq4,kv8", "--workers", "2",
+                             "--quiet", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        log = out / "f32.jsonl"
+        while time.time() < deadline and not (log.exists() and len(_lines(log)) > 1):
+            time.sleep(0.2)
+        assert log.exists(), "the run wrote no block"
+        workers = _children(proc.pid)
+        assert workers, "no worker processes"
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "interrupted" in err and "Traceback" not in err, err
+    deadline = time.time() + 20
+    while time.time() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)
+    assert len(_lines(log)) > 1   # the finished blocks are kept
