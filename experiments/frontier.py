@@ -217,11 +217,13 @@ def frontier_rows(result):
 def run_frontier(configs=None, positions=DEFAULTS["positions"],
                  chunk_tokens=DEFAULTS["chunk_tokens"], prompts=DEFAULTS["prompts"],
                  workers=None, progress=None, text="pydoc", model=MODEL, scheduler=None,
-                 loaded=None, score="all"):
+                 loaded=None, score="all", units=None):
     """``run_flips`` of ``model`` (a name or GGUF path) over ``configs`` (pair specs) on
     ``text`` (``loaded``: that model already built, run in this process); adds
     ``bits_per_value`` per row (the model's head_dim; fixed costs of stream
-    options spread over ``chunk_tokens`` rows, the context measured).
+    options spread over ``chunk_tokens`` rows, the context measured). ``units`` (a
+    :class:`~kvquant_experiments.executor.UnitStore`): finished units kept there, so that the
+    same call after an interruption computes only the rest.
 
     The bits per further token from the codecs are checked against the cache's bytes per token.
     """
@@ -230,7 +232,7 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
     t0 = time.perf_counter()
     result = run_flips(model, codecs=configs, positions=positions, chunk_tokens=chunk_tokens,
                        n_prompts=prompts, workers=workers, progress=progress, text=text,
-                       scheduler=scheduler, model=loaded, score=score)
+                       scheduler=scheduler, model=loaded, score=score, units=units)
     cfg = result["meta"]["model"]
     d = cfg["head_dim"]
     rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows
@@ -635,6 +637,9 @@ def picks_of(result):
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
+UNITS_FOLDER = ".frontier-units"
+
+
 def _plot(result, out):
     from kvquant_experiments.plots import plot_frontier
     return plot_frontier(result, out)
@@ -771,19 +776,27 @@ def main(argv=None):
         if not args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
+    from kvquant_experiments.executor import UnitStore
+    # finished units kept beside the results (the working folder without --out), so that the
+    # same command resumes after an interruption; removed once the results are written
+    units = UnitStore(os.path.join(args.out or ".", UNITS_FOLDER))
     try:
         result = run_frontier(configs, positions=args.positions, chunk_tokens=args.chunk_tokens,
                               prompts=args.prompts, workers=args.workers, progress=progress,
                               text=args.text, model=args.model, scheduler=args.scheduler,
-                              score=args.score)
+                              score=args.score, units=units)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"frontier: {exc}")
+    except KeyboardInterrupt:
+        raise SystemExit(f"frontier: interrupted; {units.saved + units.loaded} finished unit(s) "
+                         f"are saved in {units.folder}: rerun the same command to resume")
     if choices:
         result["meta"]["frontier"]["choices"] = choices
     out = args.out or result_stem(result)
     paths = write_frontier(result, out)
     paths.append(_plot(result, args.figure or os.path.join(
         out, result_stem(result) + ".png")))
+    units.discard()             # the results hold everything the units did
     print(format_markdown(result))
     for path in paths:
         print(f"wrote {path}")

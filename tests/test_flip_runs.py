@@ -408,6 +408,18 @@ def test_frontier_uses_the_model_head_dim_and_names_model_and_text(tiny_llama, t
     paths = frontier.write_frontier(result, tmp_path / "run")
     assert [os.path.basename(p) for p in paths] == [
         "frontier-tiny-llama-notes-N64-c32-p1" + s for s in (".json", ".csv", ".md")]
+    # with a store of finished units (the command keeps one), a rerun reuses every unit
+    from kvquant_experiments.executor import UnitStore
+    args = dict(positions=64, chunk_tokens=32, prompts=1, model=tiny_llama.path,
+                loaded=tiny_llama, text=str(text))
+    first = UnitStore(tmp_path / "units")
+    stored = frontier.run_frontier(["tq4", "kv8"], units=first, **args)
+    again = UnitStore(tmp_path / "units")
+    reused = frontier.run_frontier(["tq4", "kv8"], units=again, **args)
+    assert first.saved > 0 and again.loaded == first.saved and again.saved == 0
+    keys = ("codec", "kld_mean", "same_top", "tf", "greedy", "bits_per_value")
+    assert [{k: r[k] for k in keys} for r in reused["rows"]] == [
+        {k: r[k] for k in keys} for r in stored["rows"]]
 
 
 def test_report_and_flips_take_text_in_their_help_and_refuse_a_bad_one(tmp_path):
