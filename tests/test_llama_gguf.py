@@ -268,19 +268,29 @@ def test_tokenizer_from_gguf(tiny_llama):
     assert model.decode(model.encode(text)) == text
 
 
-def write_vocab_only(path, pre):
+def write_vocab_only(path, pre, merges=MERGES):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     tokens = SPECIALS + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
     w.add_token_list(tokens)
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
+    w.add_token_merges(merges)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return GGUFFile(str(path))
+
+
+@pytest.mark.parametrize("bad", ["Ġt", "Ġ  t", "Ġ zz", "h x", "i t"])
+def test_a_bad_merge_is_a_named_error(tmp_path, bad):
+    """No separating space, an empty side, a side or a result outside the vocabulary: named
+    (the tokenizers library raised a bare Exception, or a TypeError from its Rust binding)."""
+    from kvquant.models.tokenizer import tokenizer_from_gguf
+    reader = write_vocab_only(tmp_path / "bad.gguf", "smollm", MERGES[:2] + [bad] + MERGES[2:])
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.merges\[2\] is"):
+        tokenizer_from_gguf(reader)
 
 
 def test_tokenizer_pre_tokenizer_follows_the_file(tmp_path):

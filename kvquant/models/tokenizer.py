@@ -76,10 +76,20 @@ def tokenizer_from_gguf(reader):
             f"pre-tokenizer {pre!r} is not supported (known: {', '.join(SUPPORTED_PRE)})")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("the GGUF vocabulary holds duplicate tokens")
+    merges = []
+    for i, m in enumerate(_field(reader, "tokenizer.ggml.merges")):
+        # "left right", both tokens of the vocabulary, and their concatenation too (checked
+        # here: the tokenizers library raises a bare Exception, or panics, on a bad one)
+        pair = tuple(m.split(" ", 1)) if isinstance(m, str) else ()
+        if len(pair) != 2 or not all(pair) or not all(p in vocab for p in pair) or (
+                pair[0] + pair[1]) not in vocab:
+            raise ValueError(f"tokenizer.ggml.merges[{i}] is {m!r}: a merge is two tokens of "
+                             "the vocabulary separated by one space, whose concatenation is a "
+                             "token too")
+        merges.append(pair)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in REGEX_SPLIT_PRE:
