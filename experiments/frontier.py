@@ -227,6 +227,7 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
 
     The bits per further token from the codecs are checked against the cache's bytes per token.
     """
+    from kvquant.specs import parse_cache_spec
     from kvquant_experiments.flip_runs import run_flips
     configs = list(configs or DEFAULT_CONFIGS)
     t0 = time.perf_counter()
@@ -237,8 +238,9 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
     d = cfg["head_dim"]
     rows_per_token = 2 * cfg["n_layers"] * cfg["n_kv_heads"]  # K and V rows
     for r in result["rows"]:
-        r["bits_per_value"] = bits_per_value(r["codec"], d, tokens=chunk_tokens)
-        per_token = bits_per_value(r["codec"], d)
+        spec = parse_cache_spec(r["codec"])      # once a row (a plan is a file read)
+        r["bits_per_value"] = spec.bits_per_value(d, chunk_tokens)
+        per_token = spec.bits_per_value(d)
         from_cache = 8.0 * r["marginal_bytes_per_token"] / (rows_per_token * d)
         if abs(from_cache - per_token) > 1e-9:
             raise AssertionError(f"{r['codec']}: {per_token} bits from the codecs, "

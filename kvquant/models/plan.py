@@ -180,9 +180,6 @@ class CachePlan(CacheSpec):
     def family(self):
         return "cache plan"
 
-    def describe(self, streams=("K", "V")):
-        return self.label
-
     def new_kv_cache(self, layout):
         return self.new_cache(layout.n_layers, layout.n_kv_heads, layout.head_dim,
                               capacity=layout.capacity)
