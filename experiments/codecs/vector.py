@@ -1,0 +1,156 @@
+"""``vq<b>``: rotated rows quantized two coordinates at a time with a 2-D codebook.
+
+After the randomized Hadamard rotation (docs/reference.md §1.2) and scaling by sqrt(dim)/|x|,
+the coordinates are near N(0, 1) and nearly independent; a scalar Lloyd-Max quantizer snaps each
+alone. A 2-D codebook of 2^(2b) centroids, fitted by k-means (``scipy.cluster.vq.kmeans2``,
+started from the product of the scalar Gaussian Lloyd-Max levels, so never worse than it on the
+fitting sample) on Gaussian pairs, spends the same b bits per value and packs cells better: the
+space-filling gain that vector quantization has over scalar quantization even for independent
+coordinates (Gersho & Gray, "Vector Quantization and Signal Compression", ch. 11). CQ (Zhang
+et al., arXiv 2405.03917) couples channels of unrotated keys; after a rotation the channels
+carry little dependence left to couple, so this codec takes only the packing gain.
+
+Spec: ``vq3`` (b = 1..4 bits per value; ``side=unbiased`` stores |x|^2 / <x, x^> instead of
+|x|, as ``tq``'s; ``side_dtype=f16``; ``seed`` the rotation's). Consumers in the compressed
+domain: scores rotate the query once and read a (pairs x centroids) table of dot products per
+query; the context accumulates each centroid's weight per pair, multiplies by the codebook once
+and unrotates once.
+"""
+import functools
+import math
+
+import numpy as np
+from scipy.cluster.vq import kmeans2
+
+from kvquant.codebooks import load_codebook
+from kvquant.codecs import Codec
+from kvquant.codecs.base import ROW_LIMIT, ROW_NORM_OVERFLOW, SIDE_DTYPES
+from kvquant.rotation import ENGINE_SEED, HadamardRotation
+
+from ._layers import pack_codes, unpack_codes
+
+FIT_SAMPLES = 2 ** 18   # Gaussian pairs the codebook is fitted on
+FIT_SEED = 0x5EED
+FIT_ITERATIONS = 40
+SIDE_KINDS = ("norm", "unbiased")
+
+
+@functools.lru_cache(maxsize=None)
+def pair_codebook(bits):
+    """The 2-D codebook of ``bits`` per value: float64 (2^(2 bits), 2), read-only. Deterministic:
+    Gaussian pairs from a fixed seed, k-means from the scalar Lloyd-Max product grid."""
+    levels = np.asarray(load_codebook("gaussian", 64, bits).levels, dtype=np.float64)
+    grid = np.stack(np.meshgrid(levels, levels, indexing="ij"), axis=-1).reshape(-1, 2)
+    n = FIT_SAMPLES
+    sample = np.random.default_rng(FIT_SEED).standard_normal((n, 2))
+    centroids, _ = kmeans2(sample, grid, iter=FIT_ITERATIONS, minit="matrix", missing="raise")
+    centroids.flags.writeable = False
+    return centroids
+
+
+class PairCodebook(Codec):
+    """Rotated 2-D vector codec, ``bits`` per value plus one side value per row."""
+
+    family = "vq"
+
+    def __init__(self, dim, bits, seed=ENGINE_SEED, side="norm", side_dtype="f32",
+                 nonfinite="raise"):
+        super().__init__(dim, nonfinite)
+        if not 1 <= int(bits) <= 4:
+            raise ValueError(f"vq bits must be 1..4 per value (2^(2b) centroids), got {bits!r}")
+        if side not in SIDE_KINDS:
+            raise ValueError(f"side={side!r} is not one of {SIDE_KINDS}")
+        if side_dtype not in SIDE_DTYPES:
+            raise ValueError(f"side_dtype={side_dtype!r} is not one of {tuple(SIDE_DTYPES)}")
+        self.rotation = HadamardRotation(self.dim, seed)   # refuses widths that are not 2^k
+        self.bits = self.nominal_bits = int(bits)
+        self.seed = int(seed)
+        self.side_kind = side
+        self.side_dtype = side_dtype
+        self.centroids = pair_codebook(self.bits)
+        self.centroids32 = self.centroids.astype(np.float32)
+        self.n_pairs = self.dim // 2
+        self.code_width = 2 * self.bits
+        self.code_bytes = (self.n_pairs * self.code_width + 7) // 8
+        self.n_side = 1
+        opts = [] if side == "norm" else [f"side={side}"]
+        opts += [] if side_dtype == "f32" else [f"side_dtype={side_dtype}"]
+        opts += [] if self.seed == ENGINE_SEED else [f"seed={self.seed:#x}"]
+        self.spec = f"vq{self.bits}" + (":" + ",".join(opts) if opts else "")
+
+    @property
+    def series(self):
+        return "vq unbiased" if self.side_kind == "unbiased" else "vq"
+
+    def _nearest(self, pairs):
+        """Index of the nearest centroid of each pair, float32 (N, 2) -> int64 (N,)."""
+        out = np.empty(len(pairs), np.int64)
+        c = self.centroids32
+        for start in range(0, len(pairs), 65536):
+            p = pairs[start:start + 65536]
+            d2 = (p[:, None, 0] - c[None, :, 0]) ** 2 + (p[:, None, 1] - c[None, :, 1]) ** 2
+            out[start:start + 65536] = d2.argmin(axis=1)
+        return out
+
+    def _encode(self, X, n_threads):
+        n = X.shape[0]
+        status = np.zeros(n, np.uint8)
+        finite = np.isfinite(X).all(axis=1)
+        status[~finite] = 1
+        X = np.where(finite[:, None], X, 0.0).astype(np.float32)
+        norm = np.sqrt((X.astype(np.float64) ** 2).sum(axis=1))
+        status[(norm > ROW_LIMIT) & (status == 0)] = ROW_NORM_OVERFLOW
+        live = (norm > 1e-35) & (status == 0)
+        scale = np.where(live, math.sqrt(self.dim) / np.where(live, norm, 1.0), 0.0)
+        y = (self.rotation.rotate(X, n_threads).astype(np.float64) * scale[:, None])
+        codes = self._nearest(y.astype(np.float32).reshape(-1, 2)).reshape(n, self.n_pairs)
+        radius = norm
+        if self.side_kind == "unbiased":
+            dot = (y * self.centroids[codes].reshape(n, self.dim)).sum(axis=1)
+            radius = np.where(live & (dot > 0), norm * self.dim / np.where(dot > 0, dot, 1.0),
+                              0.0)
+        radius = np.where(live, radius, 0.0)
+        codes[~live] = 0
+        packed = pack_codes(codes, self.code_width)
+        return packed, radius.astype(np.float32).reshape(n, 1), status
+
+    def _unit_rows(self, codes):
+        """Decoded rows in the rotated basis before the radius: float32 (n, dim)."""
+        idx = unpack_codes(codes, self.n_pairs, self.code_width)
+        return self.centroids32[idx].reshape(len(codes), self.dim)
+
+    def _decode(self, codes, side, n_threads):
+        y = self._unit_rows(codes) * (side[:, :1] / np.float32(math.sqrt(self.dim)))
+        return self.rotation.unrotate(y, n_threads)
+
+    def _scores(self, codes, side, Q, out, n_threads):
+        idx = unpack_codes(codes, self.n_pairs, self.code_width)           # (T, P)
+        q = self.rotation.rotate(Q, n_threads).reshape(len(Q), self.n_pairs, 2)
+        table = np.einsum("mpj,kj->mpk", q, self.centroids32)               # (m, P, K)
+        pairs = np.arange(self.n_pairs)[None, :]
+        for i in range(len(Q)):
+            out[i] = table[i][pairs, idx].sum(axis=1)
+        out *= side[:, 0] / np.float32(math.sqrt(self.dim))
+
+    def _context(self, codes, side, W, out, n_threads):
+        idx = unpack_codes(codes, self.n_pairs, self.code_width)           # (T, P)
+        k = len(self.centroids)
+        cells = (np.arange(self.n_pairs)[None, :] * k + idx).ravel()
+        weights = W.astype(np.float64) * (side[:, 0] / math.sqrt(self.dim))[None, :]
+        rotated = np.empty((len(W), self.dim), np.float32)
+        for i in range(len(W)):
+            per_cell = np.bincount(cells, np.repeat(weights[i], self.n_pairs),
+                                   minlength=self.n_pairs * k).reshape(self.n_pairs, k)
+            rotated[i] = (per_cell @ self.centroids).ravel()
+        out[:] = self.rotation.unrotate(rotated, n_threads)
+
+
+
+def factory_for(bits):
+    def factory(dim, **options):
+        return PairCodebook(dim, bits, **options)
+    factory.__name__ = f"vq{bits}"
+    return factory
+
+
+vq1, vq2, vq3, vq4 = (factory_for(b) for b in (1, 2, 3, 4))
