@@ -488,6 +488,7 @@ def plot_task_accuracy(summaries, out):
 # --------------------------------------------------------------------------------------------
 FRONTIER_LABEL_GAP = 0.075  # decades between stacked labels
 FRONTIER_LABEL_COLUMN = 0.05  # bits: points closer than this stack their labels in one column
+GOAL_COLORS = ("#ff7f0e", "#9467bd", "#2ca02c", "#17becf")   # the held-out goals, by budget
 FRONTIER_STYLE = {
     "tq": ("#1f77b4", "o", "tq (Lloyd-Max, Beta codebook)"),
     "tq gaussian": ("#17becf", "v", "tq (Gaussian codebook)"),
@@ -501,6 +502,7 @@ FRONTIER_STYLE = {
     "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
     "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
     "cache plan": ("#6a3d9a", "8", "bits allocated per layer (a cache plan)"),
+    "plug-in codec": ("#b15928", "o", "plug-in codecs (vq, ds, tokmean, qjl; docs/field-codecs.md)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),
@@ -593,7 +595,7 @@ def plot_frontier(result, out):
     ax.plot(fx, fy, color="0.25", lw=1.2, ls="--", zorder=2, label="Pareto front (lower left)")
     if picks:
         # a run of the picks on held-out text: the held-out goals
-        for (budget, goal), color in zip(HELD_OUT_GOALS.items(), ("#9467bd", "#2ca02c", "#17becf")):
+        for (budget, goal), color in zip(HELD_OUT_GOALS.items(), GOAL_COLORS):
             ax.axvline(float(budget), color="0.6", lw=0.8, ls=":")
             ax.hlines(goal, 0, float(budget), color=color, lw=1.0, ls="-.",
                       label=f"held-out goal: KLD <= {goal:g} at <= {budget} bits")

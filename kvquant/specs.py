@@ -135,9 +135,14 @@ class PairSpec(CacheSpec):
 
     @property
     def family(self):
-        """``"recent window"`` or ``"stream options"`` when a stream has them, else the codec's
-        series (:attr:`kvquant.codecs.Codec.series`) when K and V share the codec, else
-        ``"K/V split"``."""
+        """``"plug-in codec"`` when a stream's codec is not a built-in one (registered or
+        installed), else ``"recent window"`` or ``"stream options"`` when a stream has them,
+        else the codec's series (:attr:`kvquant.codecs.Codec.series`) when K and V share the
+        codec, else ``"K/V split"``."""
+        from kvquant.codecs import parse_spec, registry
+        plugins = registry.plugin_names()
+        if any(parse_spec(s.codec_spec)[0] in plugins for s in self.streams):
+            return "plug-in codec"
         if self.k.options.recent or self.v.options.recent:
             return "recent window"
         if not (self.k.plain and self.v.plain):

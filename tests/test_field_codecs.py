@@ -13,7 +13,9 @@ from kvquant.testing import check_codec
 FIELD = ["ds:inner=tq3,k=1", "ds:inner=polar3,k=2,side_dtype=f16", "ds:inner=kv8,k=3",
          "tokmean:inner=tq3", "tokmean:inner=polar2,side_dtype=f16",
          "qjl:inner=tq2,seed=0", "qjl:inner=vq2,seed=5,side_dtype=f16",
-         "vq1", "vq2", "vq3", "vq3:side=unbiased,side_dtype=f16", "ds:inner=vq2,k=1"]
+         "vq1", "vq2", "vq3", "vq3:side=unbiased,side_dtype=f16", "ds:inner=vq2,k=1",
+         "chsplit:hi=tq3,lo=tq2,mask=0x5", "chsplit:hi=kv8,lo=polar2,mask=0x5",
+         "chsplit:hi=vq3,lo=polar2,mask=0x5,side_dtype=f16"]
 # Lloyd-Max MSE per coordinate of N(0, 1), 1..3 bits (docs/reference.md §2; Max 1960)
 LLOYD_MAX_MSE = {1: 0.363380, 2: 0.117482, 3: 0.034548}
 
@@ -24,7 +26,7 @@ def rows(n, dim, seed=0):
 
 def test_they_are_installed_as_plug_ins():
     names = kvquant.available_codecs()
-    for name in ("ds", "tokmean", "qjl", "vq1", "vq2", "vq3", "vq4"):
+    for name in ("chsplit", "ds", "tokmean", "qjl", "vq1", "vq2", "vq3", "vq4"):
         assert name in names
     from kvquant.codecs import registry
     assert {"ds", "qjl", "vq3"} <= set(registry._installed())   # from the entry points
@@ -33,6 +35,8 @@ def test_they_are_installed_as_plug_ins():
 @pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("spec", FIELD)
 def test_each_keeps_the_codec_contract(spec, dim):
+    if spec.startswith("chsplit"):    # parts of power-of-two widths: dim/2 channels to each
+        spec = spec.replace("0x5", hex(int("01" * (dim // 2), 2)))
     codec = kvquant.get_codec(spec, dim)
     check_codec(codec)
     assert codec.compressed_consumers
@@ -177,3 +181,48 @@ def test_plug_ins_run_in_a_models_cache_on_spawned_workers():
     keys = ("codec", "tf", "greedy", "tf_kld_mean", "bytes_per_token", "decoded_streams")
     assert [{k: r[k] for k in keys} for r in spawned] == [{k: r[k] for k in keys} for r in here]
     assert all(r["tf_kld_mean"] > 0 and r["decoded_streams"] == [] for r in here[1:])
+
+
+def test_channel_split_is_each_part_through_its_codec():
+    dim = 64
+    X = rows(20, dim, seed=6)
+    hi_channels = np.array(sorted(np.random.default_rng(2).choice(dim, 32, replace=False)))
+    mask = sum(1 << int(i) for i in hi_channels)
+    codec = kvquant.get_codec(f"chsplit:hi=tq3,lo=polar2,mask={mask:#x}", dim)
+    lo_channels = np.setdiff1d(np.arange(dim), hi_channels)
+    want = np.empty_like(X)
+    want[:, hi_channels] = kvquant.get_codec("tq3", 32).roundtrip(X[:, hi_channels])
+    want[:, lo_channels] = kvquant.get_codec("polar2", 32).roundtrip(X[:, lo_channels])
+    np.testing.assert_array_equal(codec.roundtrip(X), want)
+    assert codec.bytes_per_row == (kvquant.get_codec("tq3", 32).bytes_per_row
+                                   + kvquant.get_codec("polar2", 32).bytes_per_row)
+    for bad, words in [("0x0", "one part empty"), (hex(1 << 64), "outside 0..63"),
+                       ("0x7", "3 \\(hi=tq3\\) and 61"), ("zz", "not an integer")]:
+        with pytest.raises(ValueError, match=words):
+            kvquant.get_codec(f"chsplit:hi=tq3,lo=tq2,mask={bad}", dim)
+
+
+def test_a_channel_split_plan_sends_the_widest_channels_high(tmp_path):
+    from kvquant.models.plan import CachePlan
+    from kvquant.streams.calibration import StreamStatistics
+    from kvquant_experiments.codecs.channel_split import main
+    rng = np.random.default_rng(0)
+    scales = rng.uniform(0.5, 2.0, (3, 2, 64)).astype(np.float32)
+    stats = StreamStatistics({}, {"k": scales, "v": scales})
+    stats.save(tmp_path / "cal.npz")
+    out = tmp_path / "plan.json"
+    main(["plan", "--calibration", str(tmp_path / "cal.npz"), "--out", str(out),
+          "--k", "chsplit:hi=tq3,lo=tq2,mask={mask}@center,normalize", "--v", "tq2@center"])
+    plan = CachePlan.load(str(out))
+    for layer in range(3):
+        k_specs, v_spec = plan.layers[layer]
+        assert v_spec == "tq2@center"
+        for head in range(2):
+            codec_spec = k_specs[head].split("@")[0]
+            top = sorted(range(64), key=lambda c: -scales[layer, head, c])[:32]
+            want = sum(1 << c for c in top)
+            assert codec_spec == f"chsplit:hi=tq3,lo=tq2,mask={want:#x}"
+    assert abs(plan.bits_per_value(64) - (3.5 + 2.5) / 2) < 1e-9
+    with pytest.raises(SystemExit, match="exists"):
+        main(["plan", "--calibration", str(tmp_path / "cal.npz"), "--out", str(out),
+              "--k", "x{mask}", "--v", "tq2"])
