@@ -392,8 +392,8 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
     out = {}
     for budget in budgets:
         fits = [x for x in rows if x["bits_per_value"] <= budget + 1e-9]
-        if not fits:
-            raise ValueError(f"no configuration of the result fits {budget} bits per value")
+        if not fits:     # a grid without configurations this small: no pick, said by the CLI
+            continue
         best = min(fits, key=lambda x: (x["kld_mean"], x["bits_per_value"]))
         k_spec, v_spec = _pair(best["codec"])
         out[f"{budget:g}"] = {
@@ -404,6 +404,9 @@ def choose(result, budgets=CHOICE_BUDGETS, source=None):
             "tune_kld_mean": best["kld_mean"],
             "from": source or result_stem(result),
         }
+    if not out:
+        raise ValueError(f"no configuration of the result fits any of the budgets "
+                         f"{', '.join(f'{b:g}' for b in budgets)} bits per value")
     return out
 
 
@@ -477,6 +480,46 @@ def load_choices(path):
         if missing:
             raise ValueError(f"{path}: budget {budget} lacks {sorted(missing)}")
     return choices
+
+
+def pick_evidence(choices, results=(), summaries=()):
+    """Each pick's figures away from its tune text: ``choices`` (a choices file's dict) with
+    ``held_out`` (per run of the picks in ``results`` on another text or model: its bits and
+    mean KLD) and ``tasks`` (per task summary in ``summaries`` of ``kvquant tasks`` that ran the
+    pick: accuracy with its Wilson 95% interval, the paired difference to f32 on the same items
+    with its 95% interval and the exact McNemar p) added to every pick; earlier evidence is
+    replaced."""
+    out = {}
+    for budget, pick in choices.items():
+        out[budget] = {k: v for k, v in pick.items() if k not in ("held_out", "tasks")}
+        out[budget]["held_out"], out[budget]["tasks"] = [], []
+    for result in results:
+        proto = _protocol(result)
+        rows = {x["codec"]: x for x in frontier_rows(result)}
+        for pick in out.values():
+            x = rows.get(pick["pair"])
+            if x is None or (proto["text"], proto["model"]) == (pick["tune_text"],
+                                                                pick.get("model", MODEL)):
+                continue
+            pick["held_out"].append({
+                "model": proto["model"], "text": proto["text"], "positions": proto["positions"],
+                "chunk_tokens": proto["chunk_tokens"], "bits": round(x["bits_per_value"], 4),
+                "kld_mean": x["kld_mean"], "from": result_stem(result)})
+    for summary in summaries:
+        metric, meta = summary["primary_metric"], summary["meta"]
+        for row in summary["rows"]:
+            for pick in out.values():
+                paired = (row.get("paired") or {}).get(metric)
+                if row["spec"] != pick["pair"] or paired is None:
+                    continue
+                pick["tasks"].append({
+                    "model": meta["model"], "task": meta["task"], "shots": meta["num_fewshot"],
+                    "n": row["n"], "metric": metric, "accuracy": row[metric]["acc"],
+                    "wilson95": [row[metric]["low"], row[metric]["high"]],
+                    "diff_to_f32": paired["diff"],
+                    "paired95": [paired["diff_low"], paired["diff_high"]],
+                    "mcnemar_p": paired["mcnemar_p"]})
+    return out
 
 
 def choice_configs(choices, extra=(), baselines=None):
@@ -694,6 +737,11 @@ def main(argv=None):
     p.add_argument("--goals", metavar="JSON", nargs="+", default=None,
                    help="print the held-out goals table of runs of the picks (their JSON "
                         "files, e.g. data/results/frontier-choices-*.json); run nothing")
+    p.add_argument("--evidence", metavar="JSON", nargs="+", default=None,
+                   help="with --choices: add to each pick of the choices file its held-out "
+                        "figures from these runs of the picks (frontier JSON) and its task "
+                        "accuracy from these task summaries (summary-n*.json), rewriting the "
+                        "file; run nothing")
     p.add_argument("--list", action="store_true", help="print configurations and bits, run nothing")
     p.add_argument("--plot-only", metavar="JSON", default=None,
                    help="redraw the figure from a frontier JSON (and its CSV and markdown table "
@@ -716,6 +764,9 @@ def main(argv=None):
         for budget, pick in choices.items():
             print(f"<= {budget} bits: {pick['pair']} ({pick['bits']:.2f} bits, mean KLD "
                   f"{pick['tune_kld_mean']:.3e} on {pick['tune_text']})")
+        for budget in CHOICE_BUDGETS:
+            if f"{budget:g}" not in choices:
+                print(f"<= {budget:g} bits: no pick (no configuration of the runs is this small)")
         print(f"wrote {args.choices_out}")
         return 0
     if args.goals:
@@ -726,6 +777,26 @@ def main(argv=None):
         except (KeyError, TypeError) as exc:
             raise SystemExit(f"frontier: {', '.join(args.goals)}: not frontier results of this "
                              f"version ({type(exc).__name__}: {exc})")
+        return 0
+    if args.evidence:
+        if not args.choices:
+            raise SystemExit("frontier: --evidence adds to a choices file: give it with --choices")
+        try:
+            choices = load_choices(args.choices)
+            docs = [(path, _read_json_file(path)) for path in args.evidence]
+            summaries = [d for _, d in docs if isinstance(d, dict) and "primary_metric" in d]
+            results = [read_result(p) for p, d in docs if not (isinstance(d, dict)
+                                                                and "primary_metric" in d)]
+            evidence = pick_evidence(choices, results, summaries)
+        except ValueError as exc:
+            raise SystemExit(f"frontier: {exc}")
+        except (KeyError, TypeError) as exc:
+            raise SystemExit(f"frontier: {', '.join(args.evidence)}: not frontier results or "
+                             f"task summaries of this version ({type(exc).__name__}: {exc})")
+        write_json(args.choices, evidence)
+        for budget, pick in evidence.items():
+            print(f"{budget} bits: {len(pick['held_out'])} held-out run(s), "
+                  f"{len(pick['tasks'])} task summar(ies)")
         return 0
     choices = None
     extra = []

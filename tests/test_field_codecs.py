@@ -13,7 +13,7 @@ from kvquant.testing import check_codec
 FIELD = ["ds:inner=tq3,k=1", "ds:inner=polar3,k=2,side_dtype=f16", "ds:inner=kv8,k=3",
          "tokmean:inner=tq3", "tokmean:inner=polar2,side_dtype=f16",
          "qjl:inner=tq2,seed=0", "qjl:inner=vq2,seed=5,side_dtype=f16",
-         "vq1", "vq2", "vq3", "vq3:side=unbiased,side_dtype=f16", "ds:inner=vq2,k=1",
+         "vq1", "vq2", "vq3", "vq3:side=unbiased,side_dtype=f16", "vq2:side=match", "ds:inner=vq2,k=1",
          "chsplit:hi=tq3,lo=tq2,mask=0x5", "chsplit:hi=kv8,lo=polar2,mask=0x5",
          "chsplit:hi=vq3,lo=polar2,mask=0x5,side_dtype=f16"]
 # Lloyd-Max MSE per coordinate of N(0, 1), 1..3 bits (docs/reference.md §2; Max 1960)
@@ -136,7 +136,8 @@ def test_the_pair_codebook_beats_scalar_lloyd_max_and_respects_the_bound(bits):
         assert mse < 0.95 * LLOYD_MAX_MSE[bits]
 
 
-@pytest.mark.parametrize("spec,dim", [("vq2", 64), ("vq3", 32), ("vq3:side=unbiased", 64)])
+@pytest.mark.parametrize("spec,dim", [("vq2", 64), ("vq3", 32), ("vq3:side=unbiased", 64),
+                                      ("vq2:side=match", 64)])
 def test_vq_against_a_numpy_reference(spec, dim):
     from kvquant_experiments.codecs.vector import pair_codebook
     codec = kvquant.get_codec(spec, dim)
@@ -152,6 +153,8 @@ def test_vq_against_a_numpy_reference(spec, dim):
     radius = norm
     if "unbiased" in spec:
         radius = np.where(norm > 0, norm * dim / np.maximum((Y * unit).sum(axis=1), 1e-30), 0)
+    if "match" in spec:
+        radius = np.where(norm > 0, norm * math.sqrt(dim) / np.linalg.norm(unit, axis=1), 0)
     want = reference.unrotate((unit * (radius / math.sqrt(dim))[:, None]).astype(np.float32))
     enc = codec.encode(X)
     assert enc.codes.shape[1] == dim * codec.bits // 8
@@ -161,6 +164,8 @@ def test_vq_against_a_numpy_reference(spec, dim):
         live = norm > 0
         dots = np.einsum("ij,ij->i", X, codec.decode(enc))[live] / norm[live] ** 2
         np.testing.assert_allclose(dots, 1.0, atol=1e-4)
+    if "match" in spec:      # the token's scale kept exactly
+        np.testing.assert_allclose(np.linalg.norm(codec.decode(enc), axis=1), norm, rtol=1e-5)
 
 
 def test_bad_options_are_named():

@@ -13,7 +13,8 @@ from kvquant_experiments import executor, flip_report, frontier  # noqa: E402
 RESULTS = ROOT / "data" / "results"
 TUNE_RUN = RESULTS / "frontier-smollm2-N2048-c512-p4.json"
 # further runs on the tune text (recent windows split between K and V) the picks also come from
-TUNE_MORE = sorted((RESULTS / "tune-windows").glob("frontier-smollm2-pydoc-*.json"))
+TUNE_MORE = sorted([*(RESULTS / "tune-windows").glob("frontier-smollm2-pydoc-*.json"),
+                    *(RESULTS / "tune-field-codecs").glob("frontier-smollm2-pydoc-*.json")])
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_committed_choices_are_the_picks_of_the_tune_runs(tune_run):
     made = frontier.choose(frontier.merge_tune_runs(runs))
     assert {b: (c["pair"], c["bits"], c["tune_text"]) for b, c in made.items()} == {
         b: (c["pair"], c["bits"], c["tune_text"]) for b, c in committed.items()}
-    assert list(committed) == ["3.5", "4.5", "5.5", "8.5"]
+    assert list(committed) == ["2.5", "3", "3.5", "4.5", "5.5", "8.5"]
     assert {c["tune_text"] for c in committed.values()} == {"pydoc"}
     assert tune_run["meta"]["text"]["name"] == "pydoc"
     # the report runs exactly these picks
@@ -38,7 +39,9 @@ def test_committed_choices_are_the_picks_of_the_tune_runs(tune_run):
 
 def test_each_pick_is_the_lowest_kld_within_its_budget(tune_run):
     rows = [r for r in tune_run["rows"] if r["codec"] != "f32"]
-    for budget, pick in frontier.choose(tune_run).items():
+    picks = frontier.choose(tune_run)
+    assert "2.5" not in picks     # the grid has nothing this small: no pick, not an error
+    for budget, pick in picks.items():
         fits = [r for r in rows if r["bits_per_value"] <= float(budget) + 1e-9]
         best = min(r["kld_mean"] for r in fits)
         assert pick["tune_kld_mean"] == best
@@ -58,7 +61,8 @@ def test_choose_from_writes_where_asked_and_bad_files_are_refused(tmp_path, caps
     out = tmp_path / "picks.json"
     assert frontier.main(["--choose-from", str(TUNE_RUN), "--choices-out", str(out)]) == 0
     assert set(json.loads(out.read_text())) == {"3.5", "4.5", "5.5", "8.5"}
-    assert "<= 4.5 bits" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "<= 4.5 bits" in printed and "<= 2.5 bits: no pick" in printed
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"four": {"pair": "tq4/tq4", "bits": 4.5, "tune_text": "pydoc"}}))
     with pytest.raises(ValueError, match="not a budget"):
@@ -153,3 +157,40 @@ def test_frontier_json_readers_name_a_bad_file(tmp_path, capsys, content, match)
     bad.write_text('{"4.5": 7}')
     with pytest.raises(ValueError, match="not a pick"):
         frontier.load_choices(bad)
+
+
+def test_evidence_adds_each_picks_held_out_runs_and_task_rows(tmp_path):
+    choices = {"3.5": {"pair": "a/b", "bits": 3.4, "tune_text": "pydoc", "model": "smollm2"},
+               "4.5": {"pair": "c/d", "bits": 4.4, "tune_text": "pydoc", "model": "smollm2",
+                       "tasks": ["stale"]}}
+
+    def run(text, model, rows):
+        return {"meta": {"text": {"name": text, "source": text, "positions": 1024,
+                                  "chunk_tokens": 512}, "model_name": model,
+                         "protocol": {"prompts": 1}},
+                "rows": rows}
+    row = lambda codec, kld, bits: {"codec": codec, "kld_mean": kld, "bits_per_value": bits}
+    tune = run("pydoc", "smollm2", [row("a/b", 0.01, 3.4)])
+    held = run("code", "gemma3-270m", [row("a/b", 0.02, 3.2), row("tq4", 0.1, 4.5)])
+    paired = {"diff": -0.01, "diff_low": -0.02, "diff_high": 0.0, "mcnemar_p": 0.04}
+    summary = {"primary_metric": "acc_norm",
+               "meta": {"model": "smollm2", "task": "hellaswag", "num_fewshot": 0},
+               "rows": [{"spec": "f32", "n": 10, "acc_norm": {"acc": 0.5, "low": 0.2,
+                                                               "high": 0.8}},
+                        {"spec": "c/d", "n": 10, "acc_norm": {"acc": 0.4, "low": 0.1,
+                                                               "high": 0.7},
+                         "paired": {"acc_norm": paired}}]}
+    frontier_rows = lambda r: r["rows"]
+    import unittest.mock as mock
+    with mock.patch.object(frontier, "frontier_rows", frontier_rows), \
+            mock.patch.object(frontier, "result_stem", lambda r: r["meta"]["text"]["name"]):
+        out = frontier.pick_evidence(choices, [tune, held], [summary])
+    assert out["3.5"]["held_out"] == [{"model": "gemma3-270m", "text": "code",
+                                       "positions": 1024, "chunk_tokens": 512, "bits": 3.2,
+                                       "kld_mean": 0.02, "from": "code"}]   # the tune run not
+    assert out["3.5"]["tasks"] == [] and out["4.5"]["held_out"] == []
+    assert out["4.5"]["tasks"] == [{"model": "smollm2", "task": "hellaswag", "shots": 0,
+                                    "n": 10, "metric": "acc_norm", "accuracy": 0.4,
+                                    "wilson95": [0.1, 0.7], "diff_to_f32": -0.01,
+                                    "paired95": [-0.02, 0.0], "mcnemar_p": 0.04}]
+    assert "tasks" not in choices["3.5"] and choices["4.5"]["tasks"] == ["stale"]

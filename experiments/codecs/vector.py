@@ -11,7 +11,9 @@ et al., arXiv 2405.03917) couples channels of unrotated keys; after a rotation t
 carry little dependence left to couple, so this codec takes only the packing gain.
 
 Spec: ``vq3`` (b = 1..4 bits per value; ``side=unbiased`` stores |x|^2 / <x, x^> instead of
-|x|, as ``tq``'s; ``side_dtype=f16``; ``seed`` the rotation's). Consumers in the compressed
+|x|, as ``tq``'s; ``side=match`` the radius that gives the decoded row exactly the norm |x|, the
+token scale whose errors KVarN (Muller et al., arXiv 2606.03458) finds drive error accumulation
+in decoding; ``side_dtype=f16``; ``seed`` the rotation's). Consumers in the compressed
 domain: scores rotate the query once and read a (pairs x centroids) table of dot products per
 query; the context accumulates each centroid's weight per pair, multiplies by the codebook once
 and unrotates once.
@@ -32,7 +34,7 @@ from ._layers import pack_codes, unpack_codes
 FIT_SAMPLES = 2 ** 18   # Gaussian pairs the codebook is fitted on
 FIT_SEED = 0x5EED
 FIT_ITERATIONS = 40
-SIDE_KINDS = ("norm", "unbiased")
+SIDE_KINDS = ("norm", "unbiased", "match")
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +82,7 @@ class PairCodebook(Codec):
 
     @property
     def series(self):
-        return "vq unbiased" if self.side_kind == "unbiased" else "vq"
+        return "vq" if self.side_kind == "norm" else f"vq {self.side_kind}"
 
     def _nearest(self, pairs):
         """Index of the nearest centroid of each pair, float32 (N, 2) -> int64 (N,)."""
@@ -109,6 +111,10 @@ class PairCodebook(Codec):
             dot = (y * self.centroids[codes].reshape(n, self.dim)).sum(axis=1)
             radius = np.where(live & (dot > 0), norm * self.dim / np.where(dot > 0, dot, 1.0),
                               0.0)
+        elif self.side_kind == "match":
+            unit = np.sqrt((self.centroids[codes] ** 2).sum(axis=(1, 2)))
+            radius = np.where(live & (unit > 0),
+                              norm * math.sqrt(self.dim) / np.where(unit > 0, unit, 1.0), 0.0)
         radius = np.where(live, radius, 0.0)
         codes[~live] = 0
         packed = pack_codes(codes, self.code_width)
