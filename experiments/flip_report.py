@@ -26,10 +26,14 @@ __all__ = [
 ]
 
 # The frontier's picks (data/results/frontier-choices.json, chosen on the tune text pydoc; a test
-# checks that the two agree), in budget order 3.5, 4.5, 5.5, 8.5 bits per value.
+# checks that the two agree), in budget order 2.5, 3, 3.5, 4.5, 5.5, 8.5 bits per value.
 PICKS = [
-    "polar3:side_dtype=f16@center,normalize,sinks=1,recent=12"
-    "/polar3:side_dtype=f16@center,sinks=1,recent=4",
+    "polar2:side_dtype=f16@center,normalize,sinks=1,recent=13"
+    "/polar2:side_dtype=f16@center,sinks=1,recent=5",
+    "polar3:side_dtype=f16@center,normalize,sinks=1,recent=13"
+    "/polar2:side_dtype=f16@center,sinks=1,recent=5",
+    "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8"
+    "/polar3:side_dtype=f16@center,sinks=1,recent=2",
     "polar4:side_dtype=f16@center,normalize,sinks=1,recent=12"
     "/polar4:side_dtype=f16@center,sinks=1,recent=4",
     "polar6:side_dtype=f16@center,normalize,sinks=1,recent=8"
@@ -53,7 +57,7 @@ REPORT_CODECS = {
                 # and fp16 side values; the same stream options on llama.cpp's rotated q4_0
                 "polar5:side_dtype=f16@center,normalize,sinks=1/polar4:side_dtype=f16@center,sinks=1",
                 "q4_0+rot@center,normalize,sinks=1/q4_0+rot@center,sinks=1",
-                # the frontier's picks at 3.5, 4.5, 5.5 and 8.5 bits, chosen on pydoc
+                # the frontier's picks at 2.5, 3, 3.5, 4.5, 5.5 and 8.5 bits, chosen on pydoc
                 # (data/results/frontier-choices.json): the report runs them on a held-out text
                 *PICKS],
 }

@@ -537,6 +537,7 @@ def choice_configs(choices, extra=(), baselines=None):
 # The goals of the held-out frontier (issue 20): mean KLD against the f32 cache, on texts the
 # picks were not chosen on, per budget in bits per value.
 HELD_OUT_GOALS = {"2.5": 0.06, "3.5": 0.03, "4.5": 0.015, "5.5": 0.004}
+NO_GOAL = "no goal set"
 # At 8.5 bits: under the storage-only q8_0+rot of the same run, and AS_RUN_FACTOR times under
 # llama.cpp's q8_0 as it runs (its quantized attention arithmetic), when the run has that row.
 AS_RUN_Q8_0 = "ggml:q8_0/q8_0"
@@ -570,6 +571,9 @@ def goal_cells(result):
         if budget in HELD_OUT_GOALS:
             cell["goal"] = f"<= {HELD_OUT_GOALS[budget]:g}"
             checks.append(x["kld_mean"] <= HELD_OUT_GOALS[budget])
+        elif float(budget) != BUDGET_HIGH:      # a budget measured without a goal (3 bits)
+            cell["goal"] = NO_GOAL
+            checks.append(None)
         else:
             parts = []
             for codec, factor in (("q8_0+rot", 1.0), (AS_RUN_Q8_0, AS_RUN_FACTOR)):
@@ -620,23 +624,27 @@ def _run_key(result):
             p["score"])
 
 
-def _merged_cells(runs):
+def _merged_cells(runs, current=None):
     """The goal cells of runs of one key, per budget: the cell whose goal could be checked (a
-    later run may add a baseline, such as the as-run q8_0, that an earlier one lacked)."""
+    later run may add a baseline, such as the as-run q8_0, that an earlier one lacked). With
+    ``current`` (a choices dict), cells of picks it has replaced are left out."""
     merged = {}
     for r in runs:
         for c in goal_cells(r):
+            if current is not None and (current.get(c["budget"]) or {}).get("pair") != c["pair"]:
+                continue
             known = merged.get(c["budget"])
             if known is not None and known["pair"] != c["pair"]:
                 raise ValueError(
                     f"runs of {run_label(r)} measure different picks at {c['budget']} bits "
-                    f"({known['pair']} and {c['pair']}): pass the runs of one choices file")
+                    f"({known['pair']} and {c['pair']}): pass the runs of one choices file, "
+                    "or the current choices file with --choices (older picks are left out)")
             if known is None or known["met"] is None:
                 merged[c["budget"]] = c
     return list(merged.values())
 
 
-def goals_table(results):
+def goals_table(results, current=None):
     """Markdown: the held-out goals per budget (rows) on each run of the picks (columns), each
     cell the pick's mean KLD and bits on that run and whether it meets the goal; then the
     command(s) of each column. ``results``: runs of the picks (``--choices``); runs of the same
@@ -648,7 +656,11 @@ def goals_table(results):
     if not groups:
         return "(no run of the picks)"
     keys = sorted(groups)
-    cols = [_merged_cells(groups[k]) for k in keys]
+    cols = [_merged_cells(groups[k], current) for k in keys]
+    keep = [i for i, col in enumerate(cols) if col]
+    keys, cols = [keys[i] for i in keep], [cols[i] for i in keep]
+    if not keys:
+        return "(no run of the current picks)"
     budgets = sorted({c["budget"] for col in cols for c in col}, key=float)
     mark = {True: "**met**", False: "missed", None: "open"}
     lines = ["| budget | goal | " + " | ".join(f"({i}) {run_label(groups[k][0])}"
@@ -656,10 +668,14 @@ def goals_table(results):
              "|---|---|" + "---|" * len(keys)]
     for b in budgets:
         goal = (f"mean KLD <= {HELD_OUT_GOALS[b]:g}" if b in HELD_OUT_GOALS else
-                f"under q8_0+rot, {AS_RUN_FACTOR:g}x under q8_0 as llama.cpp runs it")
+                f"under q8_0+rot, {AS_RUN_FACTOR:g}x under q8_0 as llama.cpp runs it"
+                if float(b) == BUDGET_HIGH else NO_GOAL)
         cells = []
         for col in cols:
             c = next((c for c in col if c["budget"] == b), None)
+            if c is not None and c["goal"] == NO_GOAL:
+                cells.append(f"{c['kld_mean']:.3g} at {c['bits']:.2f} bits")
+                continue
             cells.append("–" if c is None else
                          f"{c['kld_mean']:.3g} at {c['bits']:.2f} bits: {mark[c['met']]}"
                          + ("" if b in HELD_OUT_GOALS else f" ({c['goal']})"))
@@ -736,7 +752,9 @@ def main(argv=None):
                         "e.g. 4.5)")
     p.add_argument("--goals", metavar="JSON", nargs="+", default=None,
                    help="print the held-out goals table of runs of the picks (their JSON "
-                        "files, e.g. data/results/frontier-choices-*.json); run nothing")
+                        "files, e.g. data/results/frontier-choices-*.json; with --choices, "
+                        "only the cells of its picks: runs of replaced picks are left out); "
+                        "run nothing")
     p.add_argument("--evidence", metavar="JSON", nargs="+", default=None,
                    help="with --choices: add to each pick of the choices file its held-out "
                         "figures from these runs of the picks (frontier JSON) and its task "
@@ -771,7 +789,8 @@ def main(argv=None):
         return 0
     if args.goals:
         try:
-            print(goals_table([read_result(path) for path in args.goals]))
+            current = load_choices(args.choices) if args.choices else None
+            print(goals_table([read_result(path) for path in args.goals], current))
         except ValueError as exc:
             raise SystemExit(f"frontier: {exc}")
         except (KeyError, TypeError) as exc:

@@ -194,3 +194,17 @@ def test_evidence_adds_each_picks_held_out_runs_and_task_rows(tmp_path):
                                     "wilson95": [0.1, 0.7], "diff_to_f32": -0.01,
                                     "paired95": [-0.02, 0.0], "mcnemar_p": 0.04}]
     assert "tasks" not in choices["3.5"] and choices["4.5"]["tasks"] == ["stale"]
+
+
+def test_the_ablation_finds_every_comparison_in_the_committed_tune_runs():
+    """docs/field-codecs.md's ablation table: each technique beside its base, both measured in
+    the committed tune runs (nothing missing, nothing guessed)."""
+    from kvquant_experiments import codec_ablation
+    runs = [json.loads(TUNE_RUN.read_text())] + [json.loads(p.read_text()) for p in TUNE_MORE]
+    merged = frontier.merge_tune_runs(runs)
+    entries = codec_ablation.ablation_rows({r["codec"]: r for r in merged["rows"]})
+    assert [e for e in entries if "missing" in e] == []
+    for e in entries:
+        assert e["kld"] > 0 and e["base_kld"] > 0 and e["config"] != e["base_config"]
+        # a technique costs bits or is free; it never makes the cache smaller
+        assert e["bits"] >= e["base_bits"] - 1e-9 or e["technique"].startswith("stacked")

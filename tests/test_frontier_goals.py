@@ -97,7 +97,8 @@ def test_a_run_with_fewer_baselines_says_so_in_its_command(run):
     fewer["rows"] = [r for r in fewer["rows"]
                      if r["codec"] in ("f32", "q8_0+rot", "q4_0+rot", *picks)]
     command = frontier.run_command(fewer)
-    assert command.endswith("--prompts 1 --baselines f32,q8_0+rot,q4_0+rot")
+    assert command.endswith("--prompts 1 --budgets 3.5,4.5,5.5,8.5 "
+                            "--baselines f32,q8_0+rot,q4_0+rot")   # the budgets of its day
     every = copy.deepcopy(run)
     template = every["rows"][0]
     every["rows"] += [dict(template, codec=b) for b in frontier.HELD_OUT_BASELINES
@@ -112,8 +113,8 @@ def test_a_run_of_some_picks_names_their_budgets(run):
     some["rows"] = [r for r in some["rows"] if r["codec"] in ("f32", "q4_0+rot", pick["pair"])]
     assert frontier.run_command(some).endswith("--budgets 4.5 --baselines f32,q4_0+rot")
     assert [c["budget"] for c in frontier.goal_cells(some)] == ["4.5"]
-    with pytest.raises(SystemExit, match=r"no pick for \['2.5'\] bits"):
-        frontier.main(["--choices", str(RESULTS / "frontier-choices.json"), "--budgets", "2.5",
+    with pytest.raises(SystemExit, match=r"no pick for \['1.5'\] bits"):
+        frontier.main(["--choices", str(RESULTS / "frontier-choices.json"), "--budgets", "1.5",
                        "--list"])
 
 
@@ -137,7 +138,13 @@ def test_a_later_run_of_the_same_cell_closes_its_open_goal(run):
 
 
 def test_a_run_of_some_picks_is_named_for_them(run):
-    assert frontier.result_stem(run) == "frontier-choices-gemma3-270m-code-N1024-c512-p1"
+    # a run of the four budgets of its day: four of today's six
+    assert (frontier.result_stem(run)
+            == "frontier-choices-gemma3-270m-code-N1024-c512-p1-b3.5-b4.5-b5.5-b8.5")
+    every = copy.deepcopy(run)
+    every["meta"]["frontier"]["choices"] = {f"{b:g}": {"pair": "tq4"}
+                                            for b in frontier.CHOICE_BUDGETS}
+    assert frontier.result_stem(every) == "frontier-choices-gemma3-270m-code-N1024-c512-p1"
     some = copy.deepcopy(run)
     some["meta"]["frontier"]["choices"] = {b: run["meta"]["frontier"]["choices"][b]
                                            for b in ("8.5", "4.5")}
@@ -151,3 +158,25 @@ def test_runs_of_one_cell_with_different_picks_are_refused(run):
     row["codec"] = pick["pair"] = "polar4/polar4"
     with pytest.raises(ValueError, match="different picks at 4.5 bits"):
         frontier.goals_table([run, other])
+
+
+def test_cells_of_replaced_picks_are_left_out_and_a_budget_without_goal_is_only_measured(run):
+    choices = run["meta"]["frontier"]["choices"]
+    current = copy.deepcopy(choices)
+    current["3.5"] = {"pair": "vq3/vq3", "bits": 3.4, "tune_text": "pydoc"}   # replaced
+    with pytest.raises(ValueError, match="different picks"):
+        other = copy.deepcopy(run)
+        other["meta"]["frontier"]["choices"]["3.5"] = current["3.5"]
+        other["rows"].append(dict(copy.deepcopy(run["rows"][1]), codec="vq3/vq3"))
+        frontier.goals_table([run, other])
+    table = frontier.goals_table([run, other], current)
+    row = next(line for line in table.splitlines() if line.startswith("| <= 3.5 |"))
+    old = next(r for r in run["rows"] if r["codec"] == choices["3.5"]["pair"])
+    assert f"{run['rows'][1]['kld_mean']:.3g} at" in row          # the new pick's cell only
+    assert f"{old['kld_mean']:.3g} at" not in row
+    three = copy.deepcopy(run)
+    pick = choices["4.5"]
+    three["meta"]["frontier"]["choices"] = {"3": pick}
+    cell = frontier.goal_cells(three)[0]
+    assert cell["goal"] == frontier.NO_GOAL and cell["met"] is None
+    assert "| <= 3 | no goal set |" in frontier.goals_table([three])
