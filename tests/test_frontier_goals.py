@@ -176,7 +176,9 @@ def test_cells_of_replaced_picks_are_left_out_and_a_budget_without_goal_is_only_
     assert f"{old['kld_mean']:.3g} at" not in row
     three = copy.deepcopy(run)
     pick = choices["4.5"]
-    three["meta"]["frontier"]["choices"] = {"3": pick}
+    three["meta"]["frontier"]["choices"] = {"5": pick}      # a budget the pick fits
     cell = frontier.goal_cells(three)[0]
     assert cell["goal"] == frontier.NO_GOAL and cell["met"] is None
-    assert "| <= 3 | no goal set |" in frontier.goals_table([three])
+    assert "| <= 5 | no goal set |" in frontier.goals_table([three])
+    three["meta"]["frontier"]["choices"] = {"3": pick}      # over its budget: missed
+    assert frontier.goal_cells(three)[0]["met"] is False
