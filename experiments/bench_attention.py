@@ -100,7 +100,8 @@ def main(argv=None):
     ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
     dims, contexts, threads = ints(grid["dims"]), ints(grid["contexts"]), ints(args.threads)
     queries = ints(grid["queries"])
-    codecs = [c for c in grid["codecs"].split(",") if c.strip()]
+    from kvquant.specs import split_spec_text
+    codecs = split_spec_text(grid["codecs"])   # "ds:inner=tq3,k=1": the option stays with its spec
     try:
         consumers.set_simd(args.simd)
     except ValueError as exc:

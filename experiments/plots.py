@@ -502,7 +502,7 @@ FRONTIER_STYLE = {
     "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
     "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
     "cache plan": ("#6a3d9a", "8", "bits allocated per layer (a cache plan)"),
-    "plug-in codec": ("#b15928", "o", "plug-in codecs (vq, ds, tokmean, qjl; docs/field-codecs.md)"),
+    "plug-in codec": ("#b15928", "o", "plug-in codecs (vq, ds, tokmean, qjl, chsplit: docs/field-codecs.md)"),
     "q8_0": ("#ff7f0e", "X", "llama.cpp q8_0"),
     "q8_0+rot": ("#ff7f0e", "h", "llama.cpp q8_0 + Hadamard"),
     "q4_0": ("#8c564b", "X", "llama.cpp q4_0"),

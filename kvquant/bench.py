@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvquant import get_codec
+from kvquant.specs import split_spec_text
 from kvquant.cache import softmax
 from kvquant.reference import softmax as numpy_softmax
 from kvquant._kernels import consumers
@@ -428,6 +429,9 @@ def run(dims=DEFAULT_DIMS, contexts=DEFAULT_CONTEXTS, codecs=DEFAULT_CODECS,
         cache_bytes=None, softmax="compiled"):
     """Every cell (d, m, T) x codec. Returns a dict with the rows and what the run ran on."""
     threads = tuple(sorted(set(threads)))
+    for spec in codecs:     # a codec of none of the widths is a mistake, not a skipped cell
+        if not any(_builds(spec, d) for d in dims):
+            get_codec(spec, max(dims))   # raises, naming the spec and why
     if cold and cache_bytes is None:
         cache_bytes = last_level_cache_bytes()
     buf = np.ones(BANDWIDTH_BUFFER_BYTES // 4, np.float32)
@@ -573,7 +577,7 @@ def cmd_bench(args):
             queries = [int(x) for x in args.queries.split(",") if x.strip()]
         except ValueError:
             queries = []
-        codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+        codecs = split_spec_text(args.codecs)   # options stay with their spec
         for spec in codecs:
             if not any(_builds(spec, d) for d in dims):
                 raise ValueError(f"codec {spec!r} is unknown or takes none of the widths {dims}")

@@ -231,3 +231,18 @@ def test_a_channel_split_plan_sends_the_widest_channels_high(tmp_path):
     with pytest.raises(SystemExit, match="exists"):
         main(["plan", "--calibration", str(tmp_path / "cal.npz"), "--out", str(out),
               "--k", "x{mask}", "--v", "tq2"])
+
+
+@pytest.mark.parametrize("width", range(1, 9))
+def test_code_packing_round_trips_at_every_width(width):
+    from kvquant_experiments.codecs._layers import pack_codes, unpack_codes
+    rng = np.random.default_rng(width)
+    for k in (4, 12, 32, 33):
+        codes = rng.integers(0, 1 << width, (5, k))
+        packed = pack_codes(codes, width)
+        assert packed.shape == (5, -(-k * width // 8))
+        # bit j of the row is bit (j % width) of code j // width, LSB first
+        bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :k * width]
+        want = (codes[:, :, None] >> np.arange(width)) & 1
+        assert np.array_equal(bits.reshape(5, k, width), want)
+        assert np.array_equal(unpack_codes(packed, k, width), codes)

@@ -133,9 +133,10 @@ class PairCodebook(Codec):
         idx = unpack_codes(codes, self.n_pairs, self.code_width)           # (T, P)
         q = self.rotation.rotate(Q, n_threads).reshape(len(Q), self.n_pairs, 2)
         table = np.einsum("mpj,kj->mpk", q, self.centroids32)               # (m, P, K)
-        pairs = np.arange(self.n_pairs)[None, :]
+        cells = np.arange(self.n_pairs) * len(self.centroids) + idx          # (T, P)
+        flat = table.reshape(len(Q), -1)
         for i in range(len(Q)):
-            out[i] = table[i][pairs, idx].sum(axis=1)
+            out[i] = flat[i][cells].sum(axis=1)
         out *= side[:, 0] / np.float32(math.sqrt(self.dim))
 
     def _context(self, codes, side, W, out, n_threads):
