@@ -13,7 +13,8 @@ from kvquant.testing import check_codec
 FIELD = ["ds:inner=tq3,k=1", "ds:inner=polar3,k=2,side_dtype=f16", "ds:inner=kv8,k=3",
          "tokmean:inner=tq3", "tokmean:inner=polar2,side_dtype=f16",
          "qjl:inner=tq2,seed=0", "qjl:inner=vq2,seed=5,side_dtype=f16",
-         "vq1", "vq2", "vq3", "vq3:side=unbiased,side_dtype=f16", "vq2:side=match", "ds:inner=vq2,k=1",
+         "vq1", "vq2", "vq3", "vq3:side=unbiased,side_dtype=f16", "vq2:side=match", "vq2.5:side=match", "vq1.5",
+         "ds:inner=vq2,k=1",
          "chsplit:hi=tq3,lo=tq2,mask=0x5", "chsplit:hi=kv8,lo=polar2,mask=0x5",
          "chsplit:hi=vq3,lo=polar2,mask=0x5,side_dtype=f16"]
 # Lloyd-Max MSE per coordinate of N(0, 1), 1..3 bits (docs/reference.md §2; Max 1960)
@@ -26,7 +27,8 @@ def rows(n, dim, seed=0):
 
 def test_they_are_installed_as_plug_ins():
     names = kvquant.available_codecs()
-    for name in ("chsplit", "ds", "tokmean", "qjl", "vq1", "vq2", "vq3", "vq4"):
+    for name in ("chsplit", "ds", "tokmean", "qjl", "vq1", "vq1.5", "vq2", "vq2.5", "vq3", "vq3.5",
+                 "vq4"):
         assert name in names
     from kvquant.codecs import registry
     assert {"ds", "qjl", "vq3"} <= set(registry._installed())   # from the entry points
@@ -121,6 +123,22 @@ def test_residual_signs_decode_as_the_estimator_says():
         signs @ S)
     np.testing.assert_allclose(codec.roundtrip(X), want, rtol=0, atol=1e-4)
     assert codec.bytes_per_row == inner.bytes_per_row + dim // 8 + 4
+
+
+def test_half_bits_fill_the_gaps_between_whole_ones():
+    """Rate-distortion of a Gaussian: MSE >= 4^-b at any rate, so also at 1.5, 2.5, 3.5 bits;
+    each half bit lowers the codebook's MSE."""
+    from kvquant_experiments.codecs.vector import pair_codebook
+    pairs = np.random.default_rng(98).standard_normal((100_000, 2))
+    mses = []
+    for bits in (1, 1.5, 2, 2.5, 3):
+        C = pair_codebook(bits)
+        assert C.shape == (int(2 ** (2 * bits)), 2)
+        mses.append(((pairs[:, None, :] - C[None]) ** 2).sum(axis=2).min(axis=1).mean() / 2)
+        assert mses[-1] > 4.0 ** -bits
+    assert all(a > 1.5 * b for a, b in zip(mses, mses[1:]))
+    codec = kvquant.get_codec("vq2.5", 64)
+    assert codec.bytes_per_row == 64 * 5 // 2 // 8 + 4 and codec.spec == "vq2.5"
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3])

@@ -10,7 +10,8 @@ coordinates (Gersho & Gray, "Vector Quantization and Signal Compression", ch. 11
 et al., arXiv 2405.03917) couples channels of unrotated keys; after a rotation the channels
 carry little dependence left to couple, so this codec takes only the packing gain.
 
-Spec: ``vq3`` (b = 1..4 bits per value; ``side=unbiased`` stores |x|^2 / <x, x^> instead of
+Spec: ``vq3`` (b = 1, 1.5, ... 4 bits per value: a pair's code is 2b bits, so half bits are
+whole codes, ``vq2.5`` = 32 centroids a pair; ``side=unbiased`` stores |x|^2 / <x, x^> instead of
 |x|, as ``tq``'s; ``side=match`` the radius that gives the decoded row exactly the norm |x|, the
 token scale whose errors KVarN (Muller et al., arXiv 2606.03458) finds drive error accumulation
 in decoding; ``side_dtype=f16``; ``seed`` the rotation's). Consumers in the compressed
@@ -39,15 +40,23 @@ SIDE_KINDS = ("norm", "unbiased", "match")
 
 @functools.lru_cache(maxsize=None)
 def pair_codebook(bits):
-    """The 2-D codebook of ``bits`` per value: float64 (2^(2 bits), 2), read-only. Deterministic:
-    Gaussian pairs from a fixed seed, k-means from the scalar Lloyd-Max product grid."""
-    levels = np.asarray(load_codebook("gaussian", 64, bits).levels, dtype=np.float64)
-    grid = np.stack(np.meshgrid(levels, levels, indexing="ij"), axis=-1).reshape(-1, 2)
+    """The 2-D codebook of ``bits`` per value (1..4 in steps of 1/2): float64 (2^(2 bits), 2),
+    read-only. Deterministic: Gaussian pairs from a fixed seed, k-means started from the
+    product of scalar Gaussian Lloyd-Max levels (ceil(bits) x floor(bits) bits at half steps)."""
+    width = int(round(2 * bits))
+    first, second = (load_codebook("gaussian", 64, b).levels for b in ((width + 1) // 2,
+                                                                        width // 2))
+    grid = np.stack(np.meshgrid(np.asarray(first, np.float64), np.asarray(second, np.float64),
+                                indexing="ij"), axis=-1).reshape(-1, 2)
     n = FIT_SAMPLES
     sample = np.random.default_rng(FIT_SEED).standard_normal((n, 2))
     centroids, _ = kmeans2(sample, grid, iter=FIT_ITERATIONS, minit="matrix", missing="raise")
     centroids.flags.writeable = False
     return centroids
+
+
+# bits per value the codec takes: 2^(2 b) centroids a pair, so halves are whole code widths
+BITS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
 
 
 class PairCodebook(Codec):
@@ -58,27 +67,28 @@ class PairCodebook(Codec):
     def __init__(self, dim, bits, seed=ENGINE_SEED, side="norm", side_dtype="f32",
                  nonfinite="raise"):
         super().__init__(dim, nonfinite)
-        if not 1 <= int(bits) <= 4:
-            raise ValueError(f"vq bits must be 1..4 per value (2^(2b) centroids), got {bits!r}")
+        if float(bits) not in BITS:
+            raise ValueError(f"vq bits must be one of {', '.join(f'{b:g}' for b in BITS)} per "
+                             f"value (2^(2b) centroids a pair), got {bits!r}")
         if side not in SIDE_KINDS:
             raise ValueError(f"side={side!r} is not one of {SIDE_KINDS}")
         if side_dtype not in SIDE_DTYPES:
             raise ValueError(f"side_dtype={side_dtype!r} is not one of {tuple(SIDE_DTYPES)}")
         self.rotation = HadamardRotation(self.dim, seed)   # refuses widths that are not 2^k
-        self.bits = self.nominal_bits = int(bits)
+        self.bits = self.nominal_bits = float(bits)
         self.seed = int(seed)
         self.side_kind = side
         self.side_dtype = side_dtype
         self.centroids = pair_codebook(self.bits)
         self.centroids32 = self.centroids.astype(np.float32)
         self.n_pairs = self.dim // 2
-        self.code_width = 2 * self.bits
+        self.code_width = int(round(2 * self.bits))
         self.code_bytes = (self.n_pairs * self.code_width + 7) // 8
         self.n_side = 1
         opts = [] if side == "norm" else [f"side={side}"]
         opts += [] if side_dtype == "f32" else [f"side_dtype={side_dtype}"]
         opts += [] if self.seed == ENGINE_SEED else [f"seed={self.seed:#x}"]
-        self.spec = f"vq{self.bits}" + (":" + ",".join(opts) if opts else "")
+        self.spec = f"vq{self.bits:g}" + (":" + ",".join(opts) if opts else "")
 
     @property
     def series(self):
@@ -156,8 +166,9 @@ class PairCodebook(Codec):
 def factory_for(bits):
     def factory(dim, **options):
         return PairCodebook(dim, bits, **options)
-    factory.__name__ = f"vq{bits}"
+    factory.__name__ = f"vq{bits:g}".replace(".", "_")
     return factory
 
 
-vq1, vq2, vq3, vq4 = (factory_for(b) for b in (1, 2, 3, 4))
+# the entry points of setup.cfg: vq1, vq1.5, ... vq4
+vq1, vq1_5, vq2, vq2_5, vq3, vq3_5, vq4 = (factory_for(b) for b in BITS)
