@@ -706,6 +706,17 @@ def _plot(result, out):
     return plot_frontier(result, out)
 
 
+def _from_files(paths, what, read):
+    """``read()``, its failures on the user's files said as a command's error (SystemExit)."""
+    try:
+        return read()
+    except ValueError as exc:
+        raise SystemExit(f"frontier: {exc}")
+    except (KeyError, TypeError) as exc:
+        raise SystemExit(f"frontier: {', '.join(paths)}: not {what} of this version "
+                         f"({type(exc).__name__}: {exc})")
+
+
 def main(argv=None):
     from kvquant_experiments.texts import TEXTS
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.frontier",
@@ -769,15 +780,10 @@ def main(argv=None):
 
     if args.choose_from:
         names = [os.path.basename(p) for p in args.choose_from]
-        try:
-            runs = [read_result(path) for path in args.choose_from]
-            tuned = merge_tune_runs(runs, names)
-            choices = choose(tuned, source=", ".join(names))
-        except ValueError as exc:
-            raise SystemExit(f"frontier: {exc}")
-        except (KeyError, TypeError) as exc:
-            raise SystemExit(f"frontier: {', '.join(args.choose_from)}: not frontier results "
-                             f"of this version ({type(exc).__name__}: {exc})")
+        choices = _from_files(
+            args.choose_from, "frontier results",
+            lambda: choose(merge_tune_runs([read_result(p) for p in args.choose_from], names),
+                           source=", ".join(names)))
         write_json(args.choices_out, choices)
         for budget, pick in choices.items():
             print(f"<= {budget} bits: {pick['pair']} ({pick['bits']:.2f} bits, mean KLD "
@@ -788,30 +794,22 @@ def main(argv=None):
         print(f"wrote {args.choices_out}")
         return 0
     if args.goals:
-        try:
-            current = load_choices(args.choices) if args.choices else None
-            print(goals_table([read_result(path) for path in args.goals], current))
-        except ValueError as exc:
-            raise SystemExit(f"frontier: {exc}")
-        except (KeyError, TypeError) as exc:
-            raise SystemExit(f"frontier: {', '.join(args.goals)}: not frontier results of this "
-                             f"version ({type(exc).__name__}: {exc})")
+        print(_from_files(args.goals, "frontier results", lambda: goals_table(
+            [read_result(path) for path in args.goals],
+            load_choices(args.choices) if args.choices else None)))
         return 0
     if args.evidence:
         if not args.choices:
             raise SystemExit("frontier: --evidence adds to a choices file: give it with --choices")
-        try:
-            choices = load_choices(args.choices)
+        def evidence_of_files():
             docs = [(path, _read_json_file(path)) for path in args.evidence]
-            summaries = [d for _, d in docs if isinstance(d, dict) and "primary_metric" in d]
-            results = [read_result(p) for p, d in docs if not (isinstance(d, dict)
-                                                                and "primary_metric" in d)]
-            evidence = pick_evidence(choices, results, summaries)
-        except ValueError as exc:
-            raise SystemExit(f"frontier: {exc}")
-        except (KeyError, TypeError) as exc:
-            raise SystemExit(f"frontier: {', '.join(args.evidence)}: not frontier results or "
-                             f"task summaries of this version ({type(exc).__name__}: {exc})")
+            is_summary = [isinstance(d, dict) and "primary_metric" in d for _, d in docs]
+            return pick_evidence(
+                load_choices(args.choices),
+                [read_result(p) for (p, _), summ in zip(docs, is_summary) if not summ],
+                [d for (_, d), summ in zip(docs, is_summary) if summ])
+        evidence = _from_files(args.evidence, "frontier results or task summaries",
+                               evidence_of_files)
         write_json(args.choices, evidence)
         for budget, pick in evidence.items():
             print(f"{budget} bits: {len(pick['held_out'])} held-out run(s), "

@@ -69,7 +69,11 @@ def test_the_high_budget_waits_for_the_as_run_baseline(run):
 
 def test_goals_table_has_a_column_and_a_command_per_run(run, capsys):
     paths = sorted(str(p) for p in RESULTS.glob("frontier-choices-*.json"))
-    assert frontier.main(["--goals", *paths]) == 0
+    with pytest.raises(SystemExit, match="different picks"):   # runs of two choices files
+        frontier.main(["--goals", *paths])
+    capsys.readouterr()
+    assert frontier.main(["--goals", *paths, "--choices",
+                          str(RESULTS / "frontier-choices.json")]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
     # runs of one model, text, chunk, positions and prompts share a column
@@ -78,7 +82,7 @@ def test_goals_table_has_a_column_and_a_command_per_run(run, capsys):
              for r in (json.loads(open(p).read()) for p in paths)}
     assert header.count("|") == 3 + len(cells)
     assert "gemma3-270m code c512" in header
-    for budget in ("<= 3.5", "<= 4.5", "<= 5.5", "<= 8.5"):
+    for budget in ("<= 2.5", "<= 3", "<= 3.5", "<= 4.5", "<= 5.5", "<= 8.5"):
         assert f"| {budget} |" in out
     assert out.count("python -m kvquant_experiments.frontier --model") == len(paths)
     for p in paths:   # each run's own command, with the baselines and budgets it ran
