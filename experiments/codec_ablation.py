@@ -52,6 +52,8 @@ COMPARISONS = [
     ("token scale kept (side=match)", "vq3/vq3 W", pair("vq3", "vq3"), "match", pair("vq3:side=match", "vq3:side=match")),
     ("token scale kept (side=match)", "vq2/vq2", pair("vq2", "vq2", N), "match", pair("vq2:side=match", "vq2:side=match", N)),
     ("token scale kept (side=match)", "vq3/vq3", pair("vq3", "vq3", N), "match", pair("vq3:side=match", "vq3:side=match", N)),
+    ("2-D codebook with the token's norm (vq2.5:side=match) for polar3: same bits", "polar3/polar3 W", pair("polar3", "polar3"), "vq2.5:match both W", pair("vq2.5:side=match", "vq2.5:side=match")),
+    ("2-D codebook with the token's norm (vq2.5:side=match) for polar3: same bits", "polar3/polar3", pair("polar3", "polar3", N), "vq2.5:match both", pair("vq2.5:side=match", "vq2.5:side=match", N)),
     ("unbiased side value (EDEN scale)", "vq2/vq2 W", pair("vq2", "vq2"), "unbiased", pair("vq2:side=unbiased", "vq2:side=unbiased")),
     ("unbiased side value (EDEN scale)", "vq3/vq3 W", pair("vq3", "vq3"), "unbiased", pair("vq3:side=unbiased", "vq3:side=unbiased")),
     ("unbiased side value (EDEN scale)", "vq3/vq3", pair("vq3", "vq3", N), "unbiased", pair("vq3:side=unbiased", "vq3:side=unbiased", N)),

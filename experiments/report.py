@@ -348,7 +348,8 @@ def _committed_frontier_section():
     sec.para("From committed runs, not recomputed here. The picks (`data/results/"
              "frontier-choices.json`, from `python -m kvquant_experiments.frontier "
              "--choose-from <runs on the tune text>`): per budget, the lowest mean KLD of "
-             "the frontier's grid and its further runs (data/results/tune-windows/) on the tune "
+             "the frontier's grid and its further runs (data/results/tune-windows/, "
+             "data/results/tune-field-codecs/) on the tune "
              "text. `python -m kvquant_experiments.frontier "
              "--choices data/results/frontier-choices.json --text T` runs exactly them on any "
              "text.")
@@ -360,10 +361,11 @@ def _committed_frontier_section():
     if runs:
         from kvquant_experiments.frontier import goals_table
         sec.para("The goals on held-out text, cell by cell (`python -m kvquant_experiments."
-                 "frontier --goals data/results/frontier-choices-*.json`; a column per run of "
-                 "the picks, its command below the table; bits as stored at that run's chunk "
-                 "length):")
-        sec.add(goals_table(runs), "")
+                 "frontier --goals data/results/frontier-choices-*.json --choices "
+                 "data/results/frontier-choices.json`; a column per run of the picks, its "
+                 "command below the table; bits as stored at that run's chunk length; cells "
+                 "of picks since replaced left out):")
+        sec.add(goals_table(runs, choices), "")
     for path in sorted(results.glob("frontier-choices-*.md")):
         sec.add(f"**{path.name}** (held out unless it says so):", "", path.read_text().strip(),
                 "")
