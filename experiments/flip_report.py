@@ -28,12 +28,12 @@ __all__ = [
 # The frontier's picks (data/results/frontier-choices.json, chosen on the tune text pydoc; a test
 # checks that the two agree), in budget order 2.5, 3, 3.5, 4.5, 5.5, 8.5 bits per value.
 PICKS = [
-    "polar2:side_dtype=f16@center,normalize,sinks=1,recent=13"
-    "/polar2:side_dtype=f16@center,sinks=1,recent=5",
-    "polar3:side_dtype=f16@center,normalize,sinks=1,recent=13"
-    "/polar2:side_dtype=f16@center,sinks=1,recent=5",
-    "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8"
-    "/polar3:side_dtype=f16@center,sinks=1,recent=2",
+    "vq2:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8"
+    "/vq1.5:side=match,side_dtype=f16@center,sinks=1,recent=2",
+    "vq2.5:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8"
+    "/vq2:side=match,side_dtype=f16@center,sinks=1,recent=2",
+    "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=6"
+    "/vq2.5:side=match,side_dtype=f16@center,sinks=1,recent=4",
     "polar4:side_dtype=f16@center,normalize,sinks=1,recent=12"
     "/polar4:side_dtype=f16@center,sinks=1,recent=4",
     "polar6:side_dtype=f16@center,normalize,sinks=1,recent=8"
