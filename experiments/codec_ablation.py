@@ -83,7 +83,10 @@ COMPARISONS = [
     ("recent windows (12 K, 4 V f32 rows)", "vq3:match both", pair("vq3:side=match", "vq3:side=match", N), "W", pair("vq3:side=match", "vq3:side=match")),
     ("stacked: 2-D codebook + token scale + windows", "tq3/tq3", pair("tq3", "tq3", N), "vq3:match both W", pair("vq3:side=match", "vq3:side=match")),
     ("stacked: polar + ds K + windows", "polar3/polar3 W", pair("polar3", "polar3"), "ds polar3 K, K window 9", "ds:inner=polar3,k=1,side_dtype=f16@center,normalize,sinks=1,recent=9/polar3:side_dtype=f16@center,sinks=1,recent=4"),
-    ("stacked: vq3 + token scale on K (window 8), polar3 on V (window 2): the 3.5-bit pick", "polar3/polar3 W", pair("polar3", "polar3"), "the pick", "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8/polar3:side_dtype=f16@center,sinks=1,recent=2"),
+    ("stacked: vq3 + token scale on K (window 8), polar3 on V (window 2): the earlier 3.5-bit pick", "polar3/polar3 W", pair("polar3", "polar3"), "the pick", "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8/polar3:side_dtype=f16@center,sinks=1,recent=2"),
+    ("stacked: vq3 on K (window 6), vq2.5 on V (window 4), token scales kept: the 3.5-bit pick", "polar3/polar3 W", pair("polar3", "polar3"), "the pick", "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=6/vq2.5:side=match,side_dtype=f16@center,sinks=1,recent=4"),
+    ("stacked: vq2.5 on K (window 8), vq2 on V (window 2), token scales kept: the 3-bit pick", "polar3/polar2 W", pair("polar3", "polar2"), "the pick", "vq2.5:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8/vq2:side=match,side_dtype=f16@center,sinks=1,recent=2"),
+    ("stacked: vq2 on K (window 8), vq1.5 on V (window 2), token scales kept: the 2.5-bit pick", "polar2/polar2 W", pair("polar2", "polar2"), "the pick", "vq2:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8/vq1.5:side=match,side_dtype=f16@center,sinks=1,recent=2"),
     ("stacked: polar + tokmean K + windows", "polar3/polar3 W", pair("polar3", "polar3"), "tokmean polar3 K, K window 11", "tokmean:inner=polar3,side_dtype=f16@center,normalize,sinks=1,recent=11/polar3:side_dtype=f16@center,sinks=1,recent=4"),
 ]
 

@@ -295,6 +295,26 @@ def tq_context(packed, side, levels, bits, W, n, seed=0x9E3779B9):
     return unrotate(C @ L, seed)
 
 
+
+# -- table lookups over grouped codes (kvquant._kernels.tablelookup) ---------------------------
+# Written as dense gathers: every row's codes unpacked, the table indexed by (group, code).
+
+def table_scores(packed, bits, table, row_scale):
+    """scores[i, t] = row_scale[t] * sum_g table[i, g, code(t, g)], float64 (m, T)."""
+    table = np.asarray(table, np.float64)
+    n_groups = table.shape[1]
+    codes = unpack_bits(packed, n_groups, bits).astype(np.int64)           # (T, G)
+    picked = table[:, np.arange(n_groups)[None, :], codes]                  # (m, T, G)
+    return picked.sum(axis=2) * np.asarray(row_scale, np.float64)[None, :]
+
+
+def table_weights(packed, bits, weights, n_groups, n_centroids):
+    """cells[i, g, k] = sum of weights[i, t] over rows whose group g has code k."""
+    weights = np.asarray(weights, np.float64)
+    codes = unpack_bits(packed, n_groups, bits).astype(np.int64)           # (T, G)
+    one_hot = codes[:, :, None] == np.arange(n_centroids)[None, None, :]   # (T, G, K)
+    return np.einsum("mt,tgk->mgk", weights, one_hot.astype(np.float64))
+
 # -- PolarQuant (docs/reference.md §1.4) ------------------------------------------------------------
 # Written apart from kvquant/_kernels/polar.pyx: the transform on strided numpy views, nearest
 # centroid by distance (argmin) instead of boundaries, the radius allocation by a full sort

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 KERNEL_MODULES = ["_build_info", "bitpack", "fp8", "rotation", "lloyd", "consumers", "polar",
+                  "matvec", "softmax", "tablelookup",
                   "ggml"]
 
 

@@ -27,6 +27,7 @@ from scipy.cluster.vq import kmeans2
 
 from kvquant.codebooks import load_codebook
 from kvquant.codecs import Codec
+from kvquant.codecs.tables import table_scores, table_weights
 from kvquant.codecs.base import ROW_LIMIT, ROW_NORM_OVERFLOW, SIDE_DTYPES
 from kvquant.rotation import ENGINE_SEED, HadamardRotation
 
@@ -140,27 +141,19 @@ class PairCodebook(Codec):
         return self.rotation.unrotate(y, n_threads)
 
     def _scores(self, codes, side, Q, out, n_threads):
-        idx = unpack_codes(codes, self.n_pairs, self.code_width)           # (T, P)
+        # the query rotated once; per query a (pairs x centroids) table of dot products that
+        # every row's codes index (kvquant.codecs.tables)
         q = self.rotation.rotate(Q, n_threads).reshape(len(Q), self.n_pairs, 2)
-        table = np.einsum("mpj,kj->mpk", q, self.centroids32)               # (m, P, K)
-        cells = np.arange(self.n_pairs) * len(self.centroids) + idx          # (T, P)
-        flat = table.reshape(len(Q), -1)
-        for i in range(len(Q)):
-            out[i] = flat[i][cells].sum(axis=1)
-        out *= side[:, 0] / np.float32(math.sqrt(self.dim))
+        table = np.einsum("mpj,kj->mpk", q, self.centroids32)
+        out[:] = table_scores(codes, self.code_width, table,
+                              side[:, 0] / np.float32(math.sqrt(self.dim)), n_threads)
 
     def _context(self, codes, side, W, out, n_threads):
-        idx = unpack_codes(codes, self.n_pairs, self.code_width)           # (T, P)
-        k = len(self.centroids)
-        cells = (np.arange(self.n_pairs)[None, :] * k + idx).ravel()
-        weights = W.astype(np.float64) * (side[:, 0] / math.sqrt(self.dim))[None, :]
-        rotated = np.empty((len(W), self.dim), np.float32)
-        for i in range(len(W)):
-            per_cell = np.bincount(cells, np.repeat(weights[i], self.n_pairs),
-                                   minlength=self.n_pairs * k).reshape(self.n_pairs, k)
-            rotated[i] = (per_cell @ self.centroids).ravel()
+        # each centroid's weight per pair, then the codebook once and one unrotation
+        weights = W.astype(np.float64) * (side[:, 0].astype(np.float64) / math.sqrt(self.dim))
+        cells = table_weights(codes, self.code_width, weights, self.n_pairs, n_threads)
+        rotated = (cells @ self.centroids).reshape(len(W), self.dim).astype(np.float32)
         out[:] = self.rotation.unrotate(rotated, n_threads)
-
 
 
 def factory_for(bits):
