@@ -16,11 +16,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASK_ORDER = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "mmlu"]
 MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+# picks the frontier has since replaced, still in the task runs (docs/field-codecs.md)
+EARLIER_PICKS = {
+    "polar3:side_dtype=f16@center,normalize,sinks=1,recent=12/polar3:side_dtype=f16@center,"
+    "sinks=1,recent=4": "polar3 W12/W4 (3.5-bit pick before vq)",
+    "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8/polar3:side_dtype=f16@center,"
+    "sinks=1,recent=2": "vq3 W8 / polar3 W2 (an earlier 3.5-bit pick)",
+}
 
 
 def spec_names():
     """Short names for long specs: the frontier's picks by their budget."""
     names = {"ggml:q8_0/q8_0": "q8_0 (llama.cpp)", "ggml:q4_0/q4_0": "q4_0 (llama.cpp)"}
+    names.update(EARLIER_PICKS)
     choices = ROOT / "data" / "results" / "frontier-choices.json"
     if choices.is_file():
         for budget, pick in json.loads(choices.read_text()).items():
