@@ -20,6 +20,8 @@ MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
 EARLIER_PICKS = {
     "polar3:side_dtype=f16@center,normalize,sinks=1,recent=12/polar3:side_dtype=f16@center,"
     "sinks=1,recent=4": "polar3 W12/W4 (3.5-bit pick before vq)",
+    "polar4:side_dtype=f16@center,normalize,sinks=1,recent=12/polar4:side_dtype=f16@center,"
+    "sinks=1,recent=4": "polar4 W12/W4 (4.5-bit pick before vq)",
     "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=8/polar3:side_dtype=f16@center,"
     "sinks=1,recent=2": "vq3 W8 / polar3 W2 (an earlier 3.5-bit pick)",
 }
