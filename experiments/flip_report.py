@@ -34,8 +34,8 @@ PICKS = [
     "/vq2:side=match,side_dtype=f16@center,sinks=1,recent=2",
     "vq3:side=match,side_dtype=f16@center,normalize,sinks=1,recent=6"
     "/vq2.5:side=match,side_dtype=f16@center,sinks=1,recent=4",
-    "polar4:side_dtype=f16@center,normalize,sinks=1,recent=12"
-    "/polar4:side_dtype=f16@center,sinks=1,recent=4",
+    "vq4:side=match,side_dtype=f16@center,normalize,sinks=1,recent=6"
+    "/vq3.5:side=match,side_dtype=f16@center,sinks=1,recent=4",
     "polar6:side_dtype=f16@center,normalize,sinks=1,recent=8"
     "/polar4:side_dtype=f16@center,sinks=1,recent=8",
     "tq8:side_dtype=f16@center,normalize,sinks=1"
