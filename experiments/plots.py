@@ -430,6 +430,26 @@ def plot_kld_by_position(result, out):
     return _save(fig, out)
 
 
+TASK_DODGE = 0.04   # relative bits between two points of a task panel (room for their numbers)
+
+
+def free_slot(x, placed, gap=TASK_DODGE):
+    """The position nearest ``x`` on a log axis (``x`` times a whole power of ``1 + gap``) that
+    is at least ``gap`` (relative) from every position in ``placed``."""
+    return next(y for y in (x * (1 + gap) ** k for k in _outward())
+                if all(abs(math.log(y / b)) >= math.log1p(gap) * 0.999 for b in placed))
+
+
+def _outward():
+    """0, 1, -1, 2, -2, ...: slots around a point, nearest first."""
+    yield 0
+    k = 1
+    while True:
+        yield k
+        yield -k
+        k += 1
+
+
 def plot_task_accuracy(summaries, out):
     """Task accuracy (the primary metric) with Wilson 95% intervals against bits per cached
     value, one panel per summary (``kvquant tasks``' ``summary-n<N>.json`` files: one per model or
@@ -458,8 +478,9 @@ def plot_task_accuracy(summaries, out):
         for r in s["rows"]:
             a = r[metric]
             bits = r.get("bits_per_value_at_mean", r.get("bits_per_value", float("nan")))
-            # specs at the same bits (kv8 and q8_0 at 8.5) side by side, not on top of each other
-            bits *= 1.08 ** sum(1 for b in placed if abs(b / bits - 1) < 0.02)
+            # specs at (nearly) the same bits (kv8 and q8_0 at 8.5) side by side, not on top of
+            # each other: each takes the nearest free slot, right or left, of its own bits
+            bits = free_slot(bits, placed)
             placed.append(bits)
             n = specs.index(r["spec"]) + 1
             ax.errorbar([bits], [100 * a["acc"]],

@@ -224,3 +224,17 @@ def test_sigterm_stops_the_run_and_its_workers(setup, tmp_path):
         time.sleep(0.2)
     assert not any(_alive(p) for p in workers)
     assert len(_lines(log)) > 1   # the finished blocks are kept
+
+
+def test_task_panel_points_at_the_same_bits_are_drawn_apart():
+    import math
+    from kvquant_experiments.plots import TASK_DODGE, free_slot
+    placed = []
+    for bits in [8.5, 8.5, 8.5, 7.79, 4.5, 32.0]:
+        placed.append(free_slot(bits, placed))
+    assert placed[0] == 8.5 and placed[4] == 4.5 and placed[5] == 32.0    # alone: where they are
+    for i, a in enumerate(placed):
+        for b in placed[:i]:
+            assert abs(math.log(a / b)) >= math.log1p(TASK_DODGE) * 0.999
+    # the crowded ones stay as near their own bits as the room allows
+    assert all(abs(math.log(p / 8.5)) <= 2.01 * math.log1p(TASK_DODGE) for p in placed[:3])
