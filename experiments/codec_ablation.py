@@ -110,16 +110,20 @@ def ablation_rows(rows):
     return out
 
 
+def _cell(text):
+    return text.replace("|", "\\|")    # a label's "|" (a channel split's hi|lo) is not a column
+
+
 def markdown(entries):
     lines = ["| technique | base (K/V; W: windows) | bits | mean KLD | with it | bits | mean KLD "
              "| KLD change |", "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         if "missing" in e:
-            lines.append(f"| {e['technique']} | {e['base']} | | | {e['with']} | | | missing: "
+            lines.append(f"| {_cell(e['technique'])} | {_cell(e['base'])} | | | {_cell(e['with'])} | | | missing: "
                          + ", ".join(f"`{c}`" for c in e["missing"]) + " |")
             continue
-        lines.append(f"| {e['technique']} | {e['base']} | {e['base_bits']:.2f} | "
-                     f"{e['base_kld']:.4f} | {e['with']} | {e['bits']:.2f} | {e['kld']:.4f} | "
+        lines.append(f"| {_cell(e['technique'])} | {_cell(e['base'])} | {e['base_bits']:.2f} | "
+                     f"{e['base_kld']:.4f} | {_cell(e['with'])} | {e['bits']:.2f} | {e['kld']:.4f} | "
                      f"{100 * e['change']:+.0f}% |")
     return "\n".join(lines)
 
