@@ -6,6 +6,7 @@ result file) and the PNG path to write, and returns that path.
 """
 import math
 import os
+import textwrap
 from pathlib import Path
 
 from kvquant.outputs import atomic_write
@@ -509,6 +510,7 @@ def plot_task_accuracy(summaries, out):
 # --------------------------------------------------------------------------------------------
 FRONTIER_LABEL_GAP = 0.075  # decades between stacked labels
 FRONTIER_LABEL_COLUMN = 0.05  # bits: points closer than this stack their labels in one column
+FRONTIER_KEY_WIDTH = 80       # characters a line of the numbered key
 GOAL_COLORS = ("#ff7f0e", "#9467bd", "#2ca02c", "#17becf")   # the held-out goals, by budget
 FRONTIER_STYLE = {
     "tq": ("#1f77b4", "o", "tq (Lloyd-Max, Beta codebook)"),
@@ -520,7 +522,7 @@ FRONTIER_STYLE = {
     "kv8": ("#d62728", "P", "kv8 fp8 (row / group-32 scales)"),
     "K/V split": ("#e377c2", "d", "K/V split (K codec / V codec)"),
     "stream options": ("#e41a1c", "*", "stream options (@center, @normalize, @sinks=1)"),
-    "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=16 or 64)"),
+    "recent window": ("#ff1493", "p", "+ a recent window of f32 rows (recent=N)"),
     "simulation": ("#bcbd22", "8", "simulated (KIVI, pre-RoPE keys): quantize-dequantize"),
     "cache plan": ("#6a3d9a", "8", "bits allocated per layer (a cache plan)"),
     "plug-in codec": ("#b15928", "o", "plug-in codecs (vq, ds, tokmean, qjl, chsplit: docs/field-codecs.md)"),
@@ -601,9 +603,12 @@ def plot_frontier(result, out):
                               "alpha": 0.85},
                         arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5,
                                     "shrinkA": 0, "shrinkB": 4})
-    entries = [(number[x["codec"]], f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} "
-                f"bits, {x['kld_mean']:.2e}"
-                + (f" (pick {picks[x['codec']]} bits)" if x["codec"] in picks else ""),
+    # wrapped, so that long K/V specs do not squeeze the axes (and clip the title)
+    entries = [(number[x["codec"]],
+                textwrap.fill(f"{spec_label(x['codec'])}: {x['bits_per_value']:.2f} bits, "
+                              f"{x['kld_mean']:.2e}"
+                              + (f" (pick {picks[x['codec']]} bits)" if x["codec"] in picks
+                                 else ""), FRONTIER_KEY_WIDTH, subsequent_indent="    "),
                 FRONTIER_STYLE.get(x["family"], ("#7f7f7f",))[0]) for x in named]
     front = [rows[i] for i in pareto_front(rows)]
     fx, fy = [], []
@@ -641,7 +646,7 @@ def plot_frontier(result, out):
     ax.set_ylabel("mean KL(p_f32 || p_codec) on real text (nats)")
     t = result["meta"]["text"]
     text = {"code": "Python source", "pydoc": "pydoc prose"}.get(t.get("name"), t.get("name"))
-    ax.set_title(f"{result['meta']['model']['model']} KV cache: quality per byte ({text}, "
+    ax.set_title(f"{result['meta']['model']['model']} KV cache: quality per byte\n({text}, "
                  f"{t['positions']} positions, chunks of {t['chunk_tokens']})", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
