@@ -458,13 +458,15 @@ def plot_task_accuracy(summaries, out):
     codecs numbered, named in one key below."""
     import textwrap
     summaries = [read_json(s) if not isinstance(s, dict) else s for s in summaries]
-    # wide enough for the key's wrapped spec names below the panels
-    fig, axes = _figure(ncols=len(summaries), width=max(4.6, 8.0 / len(summaries)), height=4.2)
     specs = []
     for s in summaries:
         for r in s["rows"]:
             if r["spec"] not in specs:
                 specs.append(r["spec"])
+    # wide enough for the key's wrapped spec names below the panels, and tall enough that the
+    # key (up to two lines a spec) leaves the panels their height
+    fig, axes = _figure(ncols=len(summaries), width=max(4.6, 8.0 / len(summaries)),
+                        height=2.8 + 0.3 * len(specs))
     import matplotlib
     cmap = matplotlib.colormaps["tab10" if len(specs) <= 10 else "tab20"]
     colour = {spec: cmap(i % cmap.N) for i, spec in enumerate(specs)}

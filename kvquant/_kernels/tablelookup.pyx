@@ -14,7 +14,6 @@ from libc.stdlib cimport free, malloc
 import numpy as np
 
 
-
 cdef inline void unpack_blocks(const uint8_t* row, Py_ssize_t n_blocks, int bits,
                                uint8_t* codes) noexcept nogil:
     """Eight codes fill exactly `bits` whole bytes: each block read as one word, cut at fixed
