@@ -2,25 +2,27 @@
 this layer's bytes and side values after them; and LSB-first bit packing of small codes."""
 import numpy as np
 
+from kvquant._kernels import bitpack
+from kvquant._threads import resolve_n_threads
 from kvquant.codecs import Codec, get_codec
 from kvquant.codecs.base import ROW_NONFINITE, SIDE_DTYPES
 
 
 def pack_codes(codes, width):
-    """Pack unsigned codes of ``width`` bits, shape (n, k), LSB first -> uint8 (n, ceil(k*width/8))."""
-    n, k = codes.shape
-    bits = (codes[:, :, None].astype(np.uint32) >> np.arange(width, dtype=np.uint32)) & 1
-    return np.packbits(bits.reshape(n, k * width).astype(np.uint8), axis=1, bitorder="little")
+    """Pack unsigned codes of ``width`` (<= 8) bits, shape (n, k), LSB first -> uint8
+    (n, ceil(k*width/8)): kvquant's compiled bit packing, the layout its codecs use."""
+    codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    packed = np.empty((codes.shape[0], (codes.shape[1] * width + 7) // 8), np.uint8)
+    bitpack.pack_rows(codes, width, packed, resolve_n_threads(None, codes.size))
+    return packed
 
 
 def unpack_codes(packed, k, width):
-    """The inverse of :func:`pack_codes`: uint8 (n, bytes) -> int64 codes (n, k)."""
-    n = packed.shape[0]
-    if width in (2, 4, 8) or (width == 6 and k % 4 == 0):
-        return _unpack_aligned(np.ascontiguousarray(packed), n, k, width)
-    bits = np.unpackbits(packed, axis=1, count=k * width, bitorder="little")
-    weights = (1 << np.arange(width, dtype=np.int64))
-    return bits.reshape(n, k, width).astype(np.int64) @ weights
+    """The inverse of :func:`pack_codes`: uint8 (n, bytes) -> uint8 codes (n, k)."""
+    packed = np.ascontiguousarray(packed, dtype=np.uint8)
+    codes = np.empty((packed.shape[0], k), np.uint8)
+    bitpack.unpack_rows(packed, width, codes, resolve_n_threads(None, codes.size))
+    return codes
 
 
 class LayeredCodec(Codec):
@@ -98,21 +100,3 @@ class LayeredCodec(Codec):
             with np.errstate(over="ignore"):
                 values = values.astype(np.float16).astype(np.float32)
         return values
-
-
-def _unpack_aligned(packed, n, k, width):
-    """Widths whose codes tile whole bytes (2, 4, 8; 6 in groups of 4 codes over 3 bytes):
-    shifts and masks on the bytes instead of a bit array (the consumers read every code)."""
-    if width == 8:
-        return packed[:, :k].astype(np.int64)
-    if width in (2, 4):
-        per = 8 // width
-        shifts = np.arange(per, dtype=np.uint8) * width
-        codes = (packed[:, :, None] >> shifts) & ((1 << width) - 1)
-        return codes.reshape(n, -1)[:, :k].astype(np.int64)
-    b = packed[:, :k * 6 // 8].reshape(n, -1, 3).astype(np.int64)
-    codes = np.stack([b[..., 0] & 63,
-                      (b[..., 0] >> 6) | ((b[..., 1] & 15) << 2),
-                      (b[..., 1] >> 4) | ((b[..., 2] & 3) << 4),
-                      b[..., 2] >> 2], axis=-1)
-    return codes.reshape(n, k)
