@@ -61,8 +61,8 @@ def test_dump_kv_and_codebooks_where_nothing_can_be_created(monkeypatch, capsys,
     import kvquant.models
     monkeypatch.setattr(kvquant.models, "load_model", _no_work)
     _refused(capsys, ["dump-kv", "--out", unwritable + "/rows.npz"], "cannot create the folder")
-    from kvquant import codebooks
-    monkeypatch.setattr(codebooks, "regenerate", _no_work)
+    from kvquant.codebooks import store
+    monkeypatch.setattr(store, "regenerate", _no_work)
     with pytest.raises(SystemExit):
         cli.main(["codebooks", "fit", "--dist", "gaussian", "--bits", "2", "--out", unwritable])
     assert "cannot create the folder" in capsys.readouterr().err
@@ -76,8 +76,8 @@ def test_bench_checks_out_before_timing(monkeypatch, capsys, a_file):
 
 
 def test_codebooks_fit_checks_out_before_fitting(monkeypatch, capsys, a_file):
-    from kvquant import codebooks
-    monkeypatch.setattr(codebooks, "regenerate", _no_work)
+    from kvquant.codebooks import store
+    monkeypatch.setattr(store, "regenerate", _no_work)
     with pytest.raises(SystemExit) as exc:      # argparse's parser.error: exit 2, usage + line
         cli.main(["codebooks", "fit", "--dist", "gaussian", "--bits", "2",
                   "--out", str(a_file)])
