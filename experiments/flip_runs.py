@@ -79,17 +79,16 @@ def model_tag(model_name):
 # Tasks: module-level functions of picklable arguments (for any executor)
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
-def _loaded(name, wrap):
+def _loaded(name):
     from kvquant.models import load_model
-    model = load_model(name)
-    return wrap(model) if wrap is not None else model
+    return load_model(name)
 
 
 def model_of(source):
-    """The model of a task: ``source`` is a model object (runs in this process) or
-    ``(name, wrap)``: ``load_model(name)``, passed through the module-level function ``wrap``
-    when not None, loaded once per worker process."""
-    return _loaded(*source) if isinstance(source, tuple) else source
+    """The model of a task: ``source`` is a model object (runs in this process) or a model
+    name, loaded once per worker process. The caches come from the spec texts alone, so a
+    plug-in kind's specs (``sim:``, ``probe:``) need nothing more than the model."""
+    return _loaded(source) if isinstance(source, str) else source
 
 
 def protocol_task(source, specs, prompts, n_new):
@@ -270,7 +269,7 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         units.bind({"model": model.describe(), "model_name": str(model_name),
                     "kvquant": kvquant.__version__})
     with open_executor(scheduler, workers) as ex:
-        source = model if ex.kind == "serial" else (model_name, None)
+        source = model if ex.kind == "serial" else model_name
         lanes = workers if ex.kind == "local" else 2
         proto = _run_protocol(ex, source, codecs, prompts,
                               1 if ex.kind == "serial" else lanes, progress, units)

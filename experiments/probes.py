@@ -67,6 +67,7 @@ from kvquant.cli import DefaultsHelpFormatter
 from kvquant.cache import QuantizedKVCache, RowStream
 from kvquant.codecs import Codec, get_codec
 from kvquant.codecs.identity import F32Codec
+from kvquant.specs import CacheSpec, SpecKind
 from kvquant.streams.options import format_stream_spec, parse_stream_spec
 
 from .common import environment, write_csv, write_json
@@ -76,7 +77,9 @@ __all__ = [
     "FP8SimCodec",
     "OutlierSplitCodec",
     "PROBES",
+    "PROBE_PREFIX",
     "Probe",
+    "ProbeSpec",
     "QJLResidualCodec",
     "SimulatedCodec",
     "format_markdown",
@@ -84,6 +87,8 @@ __all__ = [
     "main",
     "make_codec",
     "new_probe_cache",
+    "parse_probe",
+    "probe_spec",
     "probe_bits",
     "qjl_scale",
     "qjl_sketch",
@@ -538,38 +543,76 @@ def probe_bits(probe, head_dim=64, tokens=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Run: kvquant.flips' chunk statistics, with a model whose caches are the probes'
+# The probe spec kind: ``probe:<probe name>`` is a cache spec every model and worker parses
 # --------------------------------------------------------------------------------------------
-class ProbeModel:
-    """A model whose ``new_cache(name)`` also builds probes' caches (by probe name), for
-    :func:`kvquant.flips.chunk_stats`."""
-
-    def __init__(self, model, probes):
-        self.model = model
-        self.vocab_size = model.vocab_size
-        self.probes = {p.name: p for p in probes}
-
-    def new_cache(self, name):
-        if name in self.probes:
-            return new_probe_cache(self.model.config, self.probes[name])
-        return self.model.new_cache(name)
-
-    def forward(self, tokens, cache, last_only=False):
-        return self.model.forward(tokens, cache, last_only=last_only)
-
-    def forward_hidden(self, tokens, cache):
-        return self.model.forward_hidden(tokens, cache)
-
-    def logits(self, hidden_rows):
-        return self.model.logits(hidden_rows)
+PROBE_PREFIX = "probe:"
 
 
-def probe_model(model):
-    """The model of the probes' tasks (a worker loads it once, see
-    :func:`kvquant_experiments.flip_runs.model_of`)."""
-    return ProbeModel(model, PROBES)
+def parse_probe(name):
+    """The :class:`Probe` named ``name``: a default probe (with its idea and counterpart) or
+    ``"<k>[/<v>][ recent=<W>]"`` of any real or simulated stream specs (idea ``custom``)."""
+    name = name.strip()
+    if name in PROBES_BY_NAME:
+        return PROBES_BY_NAME[name]
+    pair, _, window = name.partition(" recent=")
+    try:
+        window = int(window) if window else 0
+    except ValueError:
+        window = -1
+    if window < 0:
+        raise ValueError(f"probe {name!r}: the window after ' recent=' must be an integer >= 0")
+    sides = pair.split("/")
+    if len(sides) > 2 or not all(s.strip() for s in sides):
+        raise ValueError(f"probe {name!r}: expected '<K spec>[/<V spec>][ recent=<W>]'")
+    for side in sides:
+        parse_stream_spec(side.strip())       # the stream grammar checked here, widths at build
+    return _probe("custom", sides[0].strip(), sides[-1].strip(), window)
 
 
+@dataclass(frozen=True)
+class ProbeSpec(CacheSpec):
+    """``probe:<name>``: the cache of one :class:`Probe`, the ``probe`` kind of
+    :class:`kvquant.specs.CacheSpec`, installed through the entry-point group
+    ``kvquant.cache_specs`` so that every model and worker process builds it from its text."""
+
+    probe: Probe
+    kind = "probe"
+
+    @property
+    def text(self):
+        return PROBE_PREFIX + self.probe.name
+
+    @property
+    def label(self):
+        return self.probe.name
+
+    @classmethod
+    def parse(cls, text):
+        return cls(parse_probe(text.strip()[len(PROBE_PREFIX):]))
+
+    @property
+    def family(self):
+        return "simulation" if self.probe.simulated else "probe"
+
+    def bits_per_value(self, head_dim, tokens=None):
+        return probe_bits(self.probe, head_dim, tokens)
+
+    def new_kv_cache(self, layout):
+        return new_probe_cache(layout, self.probe, capacity=layout.capacity)
+
+
+# what kvquant.specs loads from the entry point "probe" (setup.cfg)
+SPEC_KIND = SpecKind("probe", lambda text: text.startswith(PROBE_PREFIX), ProbeSpec.parse)
+
+
+def probe_spec(probe):
+    """The cache spec text of a probe as models take it (the f32 reference stays ``f32``)."""
+    return "f32" if probe.name == "f32" else PROBE_PREFIX + probe.name
+
+
+# --------------------------------------------------------------------------------------------
+# Run: kvquant.flips' chunk statistics over the probes' cache specs
+# --------------------------------------------------------------------------------------------
 def run_probes(probes=None, positions=DEFAULTS["positions"],
                chunk_tokens=DEFAULTS["chunk_tokens"], workers=None, progress=None,
                text="pydoc", scheduler=None):
@@ -598,15 +641,14 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
     for p in probes:
         if p.name not in PROBES_BY_NAME:
             raise ValueError(f"unknown probe {p.name!r}")
-    names = [p.name for p in probes]
+    names = [probe_spec(p) for p in probes]
     model = load_model(MODEL)
     cfg = model.config
     d = cfg.head_dim
     rows_per_token = 2 * cfg.n_layers * cfg.n_kv_heads
-    check = ProbeModel(model, probes)
     per_token = {}
-    for p in probes:                      # a bad probe fails before the long run
-        cache = check.new_cache(p.name)
+    for p, name in zip(probes, names):    # a bad probe fails before the long run
+        cache = model.new_cache(name)
         per_token[p.name] = cache.bytes_per_token
         from_codecs = probe_bits(p, d)
         from_cache = 8.0 * cache.bytes_per_token / (rows_per_token * d)
@@ -614,7 +656,6 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
             raise AssertionError(f"{p.name}: {from_codecs} bits from the codecs, {from_cache} "
                                  "from the cache")
     tokens, resolved = text_tokens(model, text)
-    source = resolved.source
     chunks = text_chunks(tokens, positions, chunk_tokens, bos=model.bos_token_id)
     described = model.describe()
     workers = min(2, os.cpu_count() or 1) if workers is None else int(workers)
@@ -623,11 +664,11 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
     if scheduler is None and workers == 1:
         scheduler = "serial"
     with open_executor(scheduler, workers) as ex:
-        task_model = ProbeModel(model, PROBES) if ex.kind == "serial" else (MODEL, probe_model)
+        task_model = model if ex.kind == "serial" else MODEL
         stats = run_chunks(ex, task_model, names, chunks,
                            1 if ex.kind == "serial" else 2, progress)
         executor_description = ex.description
-    del check, model
+    del model
     rows = combine_chunks(names, stats)
     by_name = {}
     for p, row in zip(probes, rows):

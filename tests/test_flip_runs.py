@@ -157,7 +157,7 @@ def test_chunks_give_the_same_numbers_serially_and_in_worker_processes(tiny):
     with open_executor("serial") as ex, threadpool_limits(1):
         serial = flip_runs.run_chunks(ex, tiny, specs, chunks)
     with open_executor(None, workers=2) as ex:
-        pooled = flip_runs.run_chunks(ex, ("tiny-mla", None), specs, chunks, groups_per_chunk=2)
+        pooled = flip_runs.run_chunks(ex, "tiny-mla", specs, chunks, groups_per_chunk=2)
     for a, b in zip(serial, pooled):
         assert a["nll_f32"] == b["nll_f32"] and list(b["specs"]) == specs
         for spec in specs:
@@ -179,7 +179,7 @@ def test_a_dask_cluster_gives_the_serial_numbers(tiny):
                                   dashboard_address=None) as cluster:
         with open_executor(cluster.scheduler_address) as ex:
             assert ex.kind == "dask"
-            remote = flip_runs.run_chunks(ex, ("tiny-mla", None), specs, chunks,
+            remote = flip_runs.run_chunks(ex, "tiny-mla", specs, chunks,
                                           groups_per_chunk=2)
     for spec in specs:
         assert np.array_equal(serial[0]["specs"][spec]["kld"], remote[0]["specs"][spec]["kld"])

@@ -360,7 +360,7 @@ def test_probe_caches_give_each_stream_its_own_state(rng):
     assert np.array_equal(cache.stream(0, "k", 0).decode()[0], K[0, 0])      # the sink
 
 
-def test_probe_model_on_a_tiny_llama(tmp_path):
+def test_probe_specs_build_their_caches_in_any_model(tmp_path):
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
     from kvquant.flips import chunk_stats
@@ -370,16 +370,31 @@ def test_probe_model_on_a_tiny_llama(tmp_path):
     write_tiny_llama(path)
     model = LlamaGGUF(str(path))
     assert model.config.head_dim == 32
-    mine = [Probe("fp8", "fp8-e4m3", "fp8-e4m3"), Probe("w", "tq2", "tq2", window=40),
-            Probe("w", "tq2", "tq2", window=3), Probe("q", "tq2h+qjl", "tq3")]
-    pm = probes.ProbeModel(model, mine)
+    # probes that are not among the defaults: the kind parses "<k>[/<v>][ recent=<W>]"
+    mine = ["fp8-e4m3", "tq2 recent=40", "tq2 recent=3", "tq2h+qjl/tq3"]
     ids = np.random.default_rng(1).integers(0, model.vocab_size, 33)
-    names = ["f32", "kv8", "tq2"] + [p.name for p in mine]
-    st = chunk_stats(pm, names, ids)["specs"]
-    assert np.array_equal(st["fp8-e4m3"]["kld"], st["kv8"]["kld"])      # the same bits
-    assert st["tq2 recent=40"]["kld"].max() < 1e-9                       # f32 everywhere
-    assert 0 < st["tq2 recent=3"]["kld"].mean() < st["tq2"]["kld"].mean()
-    assert st["tq2h+qjl/tq3"]["kld"].mean() > 0
+    names = ["f32", "kv8", "tq2"] + [probes.PROBE_PREFIX + m for m in mine]
+    st = chunk_stats(model, names, ids)["specs"]
+    assert np.array_equal(st["probe:fp8-e4m3"]["kld"], st["kv8"]["kld"])      # the same bits
+    assert st["probe:tq2 recent=40"]["kld"].max() < 1e-9                      # f32 everywhere
+    assert 0 < st["probe:tq2 recent=3"]["kld"].mean() < st["tq2"]["kld"].mean()
+    assert st["probe:tq2h+qjl/tq3"]["kld"].mean() > 0
+
+
+def test_probe_specs_parse_once_and_name_what_is_wrong():
+    from kvquant.specs import parse_cache_spec
+    spec = parse_cache_spec("probe:fp8-e5m2")
+    assert isinstance(spec, probes.ProbeSpec) and spec.probe.idea == "fp8"
+    assert spec.probe.counterpart == "kv8" and spec.label == "fp8-e5m2"
+    assert parse_cache_spec(spec.text) == spec
+    custom = parse_cache_spec("probe:tq3@sinks=1/fp8-e5m2 recent=8").probe
+    assert (custom.idea, custom.k, custom.v, custom.window) == ("custom", "tq3@sinks=1",
+                                                                "fp8-e5m2", 8)
+    assert spec.bits_per_value(64) == probes.probe_bits(spec.probe, 64)
+    for bad, words in (("probe:", "expected"), ("probe:a/b/c", "expected"),
+                       ("probe:tq3 recent=x", "window"), ("probe:tq3 recent=-2", "window")):
+        with pytest.raises(ValueError, match=words):
+            parse_cache_spec(bad)
 
 
 @pytest.mark.slow
