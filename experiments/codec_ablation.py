@@ -15,7 +15,8 @@ A comparison whose rows are missing from the runs is listed as missing, never gu
 import argparse
 import sys
 
-from .frontier import merge_tune_runs, read_result
+from .frontier import read_result
+from .frontier_picks import merge_tune_runs
 
 K_WINDOW = "@center,normalize,sinks=1,recent=12"
 V_WINDOW = "@center,sinks=1,recent=4"

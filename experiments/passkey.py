@@ -428,7 +428,7 @@ def main(argv=None):
     configs = split_spec_text(args.configs) if args.configs else list(DEFAULT_BASELINES)
     choices = None
     if args.choices:
-        from kvquant_experiments.frontier import load_choices
+        from kvquant_experiments.frontier_picks import load_choices
         try:
             choices = load_choices(args.choices)
         except (ValueError, OSError) as exc:

@@ -560,9 +560,9 @@ def plot_frontier(result, out):
     drawn, the two budgets and goals marked. ``result``: a frontier result or its JSON path."""
     from matplotlib.figure import Figure
 
-    from kvquant_experiments.frontier import (BASELINES, BUDGET_HIGH, BUDGET_LOW, HELD_OUT_GOALS,
-                                              KLD_GOAL_LOW, frontier_rows, pareto_front,
-                                              picks_of)
+    from kvquant_experiments.frontier import (BASELINES, BUDGET_HIGH, BUDGET_LOW, KLD_GOAL_LOW,
+                                              frontier_rows, pareto_front, picks_of)
+    from kvquant_experiments.frontier_picks import HELD_OUT_GOALS
     if isinstance(result, (str, os.PathLike)):
         result = read_json(result)
     rows = [x for x in frontier_rows(result) if x["codec"] != "f32"]

@@ -359,7 +359,7 @@ def _committed_frontier_section():
                 _fmt(c.get("tune_kld_mean"), 3)] for b, c in choices.items()])
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("frontier-choices-*.json"))]
     if runs:
-        from kvquant_experiments.frontier import goals_table
+        from kvquant_experiments.frontier_picks import goals_table
         sec.para("The goals on held-out text, cell by cell (`python -m kvquant_experiments."
                  "frontier --goals data/results/frontier-choices-*.json --choices "
                  "data/results/frontier-choices.json`; a column per run of the picks, its "

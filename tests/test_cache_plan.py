@@ -159,6 +159,7 @@ def test_per_head_specs_must_cover_every_head():
 # -- the frontier and kvquant flips --------------------------------------------------------------
 def test_the_frontier_measures_a_plan_as_a_config(tiny_llama, prose, tmp_path):
     from kvquant_experiments import frontier
+    from kvquant_experiments import frontier_picks
     path = str(tmp_path / "mixed.json")
     CachePlan.uniform("tq4", 2, 2).with_unit(1, "v", "tq2").save(path)
     result = frontier.run_frontier(["tq4", path], positions=64, chunk_tokens=32, prompts=1,
@@ -168,7 +169,7 @@ def test_the_frontier_measures_a_plan_as_a_config(tiny_llama, prose, tmp_path):
     assert rows[path]["bits_per_value"] == pytest.approx((3 * 5 + 3) / 4)
     assert rows[path]["family"] == "cache plan" and rows[path]["k"] == path
     assert rows[path]["kld_mean"] > rows["tq4"]["kld_mean"]
-    choices = frontier.choose(result, budgets=(4.6,))
+    choices = frontier_picks.choose(result, budgets=(4.6,))
     assert choices["4.6"]["pair"] == path
 
 

@@ -8,7 +8,7 @@ from _experiments_env import ROOT, ensure_importable
 
 ensure_importable()
 
-from kvquant_experiments import executor, flip_report, frontier  # noqa: E402
+from kvquant_experiments import executor, flip_report, frontier, frontier_picks  # noqa: E402
 
 RESULTS = ROOT / "data" / "results"
 TUNE_RUN = RESULTS / "frontier-smollm2-N2048-c512-p4.json"
@@ -27,7 +27,7 @@ def test_committed_choices_are_the_picks_of_the_tune_runs(tune_run):
     assert TUNE_MORE
     runs = [tune_run] + [json.loads(p.read_text()) for p in TUNE_MORE]
     assert {r["meta"]["text"]["name"] for r in runs} == {"pydoc"}
-    made = frontier.choose(frontier.merge_tune_runs(runs))
+    made = frontier_picks.choose(frontier_picks.merge_tune_runs(runs))
     assert {b: (c["pair"], c["bits"], c["tune_text"]) for b, c in made.items()} == {
         b: (c["pair"], c["bits"], c["tune_text"]) for b, c in committed.items()}
     assert list(committed) == ["2.5", "3", "3.5", "4.5", "5.5", "8.5"]
@@ -39,7 +39,7 @@ def test_committed_choices_are_the_picks_of_the_tune_runs(tune_run):
 
 def test_each_pick_is_the_lowest_kld_within_its_budget(tune_run):
     rows = [r for r in tune_run["rows"] if r["codec"] != "f32"]
-    picks = frontier.choose(tune_run)
+    picks = frontier_picks.choose(tune_run)
     assert "2.5" not in picks     # the grid has nothing this small: no pick, not an error
     for budget, pick in picks.items():
         fits = [r for r in rows if r["bits_per_value"] <= float(budget) + 1e-9]
@@ -49,8 +49,8 @@ def test_each_pick_is_the_lowest_kld_within_its_budget(tune_run):
 
 
 def test_a_run_of_the_picks_measures_the_baselines_and_each_pick_once(tune_run):
-    choices = frontier.choose(tune_run)
-    configs = frontier.choice_configs(choices, extra=["tq4", "polar5/polar4"])
+    choices = frontier_picks.choose(tune_run)
+    configs = frontier_picks.choice_configs(choices, extra=["tq4", "polar5/polar4"])
     assert configs[:9] == ["f32", "kv8", "q8_0", "q8_0+rot", "q4_0", "q4_0+rot", "tq4",
                            "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
     assert configs[9:13] == [c["pair"] for c in choices.values()]
@@ -66,10 +66,10 @@ def test_choose_from_writes_where_asked_and_bad_files_are_refused(tmp_path, caps
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"four": {"pair": "tq4/tq4", "bits": 4.5, "tune_text": "pydoc"}}))
     with pytest.raises(ValueError, match="not a budget"):
-        frontier.load_choices(bad)
+        frontier_picks.load_choices(bad)
     bad.write_text(json.dumps({"4.5": {"pair": "tq4/tq4"}}))
     with pytest.raises(ValueError, match="lacks"):
-        frontier.load_choices(bad)
+        frontier_picks.load_choices(bad)
 
 
 def _cell(cell):
@@ -99,9 +99,9 @@ def test_picks_can_come_from_several_runs_on_one_tune_text(tune_run, tmp_path):
     extra = dict(copy.deepcopy(smallest), codec="polar3/polar3",
                  kld_mean=min(r["kld_mean"] for r in rows) / 2)
     more["rows"] = [tune_run["rows"][0], extra]
-    merged = frontier.merge_tune_runs([tune_run, more])
+    merged = frontier_picks.merge_tune_runs([tune_run, more])
     assert len(merged["rows"]) == len(tune_run["rows"]) + 1
-    picks = frontier.choose(merged)
+    picks = frontier_picks.choose(merged)
     bits = next(r for r in frontier.frontier_rows(merged)
                 if r["codec"] == "polar3/polar3")["bits_per_value"]
     fits = [b for b in picks if float(b) >= bits]
@@ -109,7 +109,7 @@ def test_picks_can_come_from_several_runs_on_one_tune_text(tune_run, tmp_path):
     other = copy.deepcopy(more)
     other["meta"]["text"]["name"] = "code"
     with pytest.raises(ValueError, match="not a run on the same tune text.*text 'pydoc' vs 'code'"):
-        frontier.merge_tune_runs([tune_run, other], ["grid.json", "code.json"])
+        frontier_picks.merge_tune_runs([tune_run, other], ["grid.json", "code.json"])
     paths = []
     for name, r in (("grid.json", tune_run), ("code.json", other)):
         paths.append(tmp_path / name)
@@ -156,7 +156,7 @@ def test_frontier_json_readers_name_a_bad_file(tmp_path, capsys, content, match)
             assert match in exc.value.code, (argv, exc.value.code)
     bad.write_text('{"4.5": 7}')
     with pytest.raises(ValueError, match="not a pick"):
-        frontier.load_choices(bad)
+        frontier_picks.load_choices(bad)
 
 
 def test_evidence_adds_each_picks_held_out_runs_and_task_rows(tmp_path):
@@ -182,9 +182,9 @@ def test_evidence_adds_each_picks_held_out_runs_and_task_rows(tmp_path):
                          "paired": {"acc_norm": paired}}]}
     frontier_rows = lambda r: r["rows"]
     import unittest.mock as mock
-    with mock.patch.object(frontier, "frontier_rows", frontier_rows), \
-            mock.patch.object(frontier, "result_stem", lambda r: r["meta"]["text"]["name"]):
-        out = frontier.pick_evidence(choices, [tune, held], [summary])
+    with mock.patch.object(frontier_picks, "frontier_rows", frontier_rows), \
+            mock.patch.object(frontier_picks, "result_stem", lambda r: r["meta"]["text"]["name"]):
+        out = frontier_picks.pick_evidence(choices, [tune, held], [summary])
     assert out["3.5"]["held_out"] == [{"model": "gemma3-270m", "text": "code",
                                        "positions": 1024, "chunk_tokens": 512, "bits": 3.2,
                                        "kld_mean": 0.02, "from": "code"}]   # the tune run not
@@ -201,7 +201,7 @@ def test_the_ablation_finds_every_comparison_in_the_committed_tune_runs():
     the committed tune runs (nothing missing, nothing guessed)."""
     from kvquant_experiments import codec_ablation
     runs = [json.loads(TUNE_RUN.read_text())] + [json.loads(p.read_text()) for p in TUNE_MORE]
-    merged = frontier.merge_tune_runs(runs)
+    merged = frontier_picks.merge_tune_runs(runs)
     entries = codec_ablation.ablation_rows({r["codec"]: r for r in merged["rows"]})
     assert [e for e in entries if "missing" in e] == []
     for e in entries:
