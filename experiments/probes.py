@@ -65,227 +65,38 @@ import numpy as np
 
 from kvquant.cli import DefaultsHelpFormatter
 from kvquant.cache import QuantizedKVCache, RowStream
-from kvquant.codecs import Codec, get_codec
-from kvquant.codecs.identity import F32Codec
+from kvquant.codecs import Codec, get_codec, parse_spec
+from kvquant.codecs.registry import registered_factory
 from kvquant.specs import CacheSpec, SpecKind
 from kvquant.streams.options import format_stream_spec, parse_stream_spec
 
+from .codecs.simulated import QJL_SEED, SimulatedCodec
 from .common import environment, write_csv, write_json
 
 __all__ = [
-    "FP8_FORMATS",
-    "FP8SimCodec",
     "OutlierSplitCodec",
     "PROBES",
     "PROBE_PREFIX",
     "Probe",
     "ProbeSpec",
-    "QJLResidualCodec",
-    "SimulatedCodec",
     "format_markdown",
-    "fp8_roundtrip",
     "main",
     "make_codec",
     "new_probe_cache",
     "parse_probe",
     "probe_spec",
     "probe_bits",
-    "qjl_scale",
-    "qjl_sketch",
     "run_probes",
     "write_probes",
 ]
 
 MODEL = "smollm2"
 DEFAULTS = {"positions": 2048, "chunk_tokens": 512}
-QJL_SEED = 20250425                 # the sketch matrix's seed (any fixed value)
-RESIDUAL_NORM_BYTES = 2             # |r| of the QJL residual, stored as fp16
-FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
-INERT_AMAX = 1e-35                  # kv8's rule: a group whose max is not above it is stored as 0
 
 
 # --------------------------------------------------------------------------------------------
-# Simulated codecs
+# The per-stream outlier split (stateful: a stream factory, not a registered codec)
 # --------------------------------------------------------------------------------------------
-class SimulatedCodec(F32Codec):
-    """A codec simulated by its quantize-dequantize: rows are stored as float32 after
-    :meth:`quantize`, scores and contexts go through the f32 codec's kernels, and sizes count
-    ``nominal_bytes_per_row`` (what the real format would store, side values included).
-
-    Subclasses set ``spec`` and implement ``quantize(X) -> X_hat``: X of shape (n, dim), float32,
-    finite rows; X_hat of the same shape.
-
-    Parameters
-    ----------
-    dim : int
-    nominal_bytes_per_row : int
-    fixed_bytes : int
-        Bytes stored once per stream (not per row), e.g. a channel assignment.
-    """
-
-    family = "simulated"
-    engine_tag = None
-
-    def __init__(self, dim, nominal_bytes_per_row, fixed_bytes=0):
-        super().__init__(dim)
-        self.nominal_bytes_per_row = int(nominal_bytes_per_row)
-        self.fixed_bytes = int(fixed_bytes)
-
-    @property
-    def bytes_per_row(self):
-        return self.nominal_bytes_per_row
-
-    def quantize(self, X):
-        raise NotImplementedError
-
-    def _encode(self, X, n_threads):
-        bad = ~np.isfinite(X).all(axis=1)
-        # the quantizer sees finite rows only; bad rows are refused (or stored as zeros)
-        clean = np.where(bad[:, None], np.float32(0), X) if bad.any() else X
-        X_hat = np.ascontiguousarray(self.quantize(clean), dtype=np.float32)
-        if X_hat.shape != X.shape:
-            raise AssertionError(f"{self.spec}: quantize returned {X_hat.shape} for {X.shape}")
-        codes = X_hat.view(np.uint8).copy()
-        codes[bad] = 0
-        return codes, np.zeros((X.shape[0], 0), np.float32), bad.astype(np.uint8)
-
-
-def fp8_roundtrip(X, fmt="e4m3", group=None):
-    """Rows through fp8 with one f32 scale per ``group`` values (per row when None).
-
-    The scale maps the group's largest magnitude to the format's maximum; the arithmetic is
-    kv8's (docs/reference.md §1.1): y = x * (max / amax) in float32, rounded to fp8 (nearest, ties to
-    even, by ``ml_dtypes``), decoded as y * (amax / max); a group whose amax is not above 1e-35
-    decodes to zeros.
-
-    Parameters
-    ----------
-    X : ndarray of shape (n, d), float32, finite
-    fmt : {"e4m3", "e5m2"}
-    group : int or None
-        Values per scale; must divide d.
-
-    Returns
-    -------
-    ndarray of shape (n, d), float32
-    """
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise ImportError("the fp8 simulation rounds with ml_dtypes: pip install ml_dtypes "
-                          "(in kvquant's 'test' extra)") from None
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"fp8 format {fmt!r} is not one of {sorted(FP8_FORMATS)}")
-    X = np.asarray(X, dtype=np.float32)
-    n, d = X.shape
-    group = d if group is None else int(group)
-    if group < 1 or d % group:
-        raise ValueError(f"group {group} must be a positive divisor of the width {d}")
-    dtype_name, fmax = FP8_FORMATS[fmt]
-    G = X.reshape(n, d // group, group)
-    amax = np.abs(G).max(axis=2)
-    live = amax > np.float32(INERT_AMAX)
-    amax = np.where(live, amax, np.float32(1))
-    inv = np.float32(fmax) / amax                       # float32, as the kernel
-    y = (G * inv[..., None]).astype(getattr(ml_dtypes, dtype_name)).astype(np.float32)
-    out = y * (amax / np.float32(fmax))[..., None]
-    out[~live] = 0.0
-    return out.reshape(n, d)
-
-
-class FP8SimCodec(SimulatedCodec):
-    """fp8 (e4m3fn or e5m2) with f32 scales per row or per group: :func:`fp8_roundtrip`.
-
-    Bytes per row: d codes + 4 per scale (kv8's layout)."""
-
-    def __init__(self, dim, fmt="e4m3", group=None):
-        if fmt not in FP8_FORMATS:
-            raise ValueError(f"fp8 format {fmt!r} is not one of {sorted(FP8_FORMATS)}")
-        group = int(dim) if group is None else int(group)
-        if group < 1 or dim % group:
-            raise ValueError(f"group {group} must be a positive divisor of the width {dim}")
-        super().__init__(dim, dim + 4 * (dim // group))
-        self.fmt, self.group = fmt, group
-        self.spec = f"fp8-{fmt}" + ("" if group == dim else f"-g{group}")
-
-    def quantize(self, X):
-        return fp8_roundtrip(X, self.fmt, self.group)
-
-
-def qjl_scale(d, sketch):
-    """The constant c of the QJL estimator x_r = |r| c S^T sign(S r), which makes
-    E_S[x_r] = r (arXiv 2504.19874).
-
-    For S with i.i.d. N(0, 1) entries each row s gives E[s sign(s . u)] = sqrt(2/pi) u (u a unit
-    vector), so c = sqrt(pi/2) / d (d rows). For S = sqrt(d) O, O uniformly random orthogonal,
-    each row is sqrt(d) times a uniform unit vector o with E[o sign(o . u)] = E|o_1| u,
-    E|o_1| = Gamma(d/2) / (sqrt(pi) Gamma((d+1)/2)); so c = 1 / (d sqrt(d) E|o_1|).
-    """
-    if sketch == "gauss":
-        return math.sqrt(math.pi / 2) / d
-    if sketch == "orth":
-        mean_abs = math.exp(math.lgamma(d / 2) - math.lgamma((d + 1) / 2)) / math.sqrt(math.pi)
-        return 1.0 / (d * math.sqrt(d) * mean_abs)
-    raise ValueError(f"sketch {sketch!r} is not 'orth' or 'gauss'")
-
-
-def qjl_sketch(d, sketch, seed=QJL_SEED):
-    """The d x d sketch matrix S, float64: sqrt(d) times a uniformly random orthogonal matrix
-    (QR of a Gaussian matrix, signs fixed by R's diagonal) or i.i.d. N(0, 1) entries."""
-    rng = np.random.default_rng(seed)
-    G = rng.standard_normal((d, d))
-    if sketch == "gauss":
-        return G
-    if sketch != "orth":
-        raise ValueError(f"sketch {sketch!r} is not 'orth' or 'gauss'")
-    Q, R = np.linalg.qr(G)
-    return math.sqrt(d) * Q * np.sign(np.diag(R))[None, :]
-
-
-class QJLResidualCodec(SimulatedCodec):
-    """An MSE codec plus a 1-bit QJL sketch of its residual (TurboQuant_prod).
-
-    x^ = x_mse + |r| c S^T sign(S r), r = x - x_mse, |r| rounded to fp16 (stored in 2 bytes).
-
-    Parameters
-    ----------
-    dim : int
-    mse : str or Codec
-        The MSE codec (a real codec: its own encode and decode).
-    sketch : {"orth", "gauss"}
-    seed : int
-        Seed of S.
-    spec : str, optional
-        The codec's name (default: the MSE codec's spec + ``+qjl`` or ``+qjl-gauss``).
-    """
-
-    def __init__(self, dim, mse, sketch="orth", seed=QJL_SEED, spec=None):
-        mse = mse if isinstance(mse, Codec) else get_codec(mse, dim)
-        if mse.dim != dim:
-            raise ValueError(f"the MSE codec has width {mse.dim}, not {dim}")
-        super().__init__(dim, mse.bytes_per_row + (dim + 7) // 8 + RESIDUAL_NORM_BYTES)
-        self.mse = mse
-        self.sketch = sketch
-        self.S = qjl_sketch(dim, sketch, seed)
-        self.c = qjl_scale(dim, sketch)
-        self.spec = spec or f"{mse.spec}+qjl" + ("-gauss" if sketch == "gauss" else "")
-
-    def residual_norm(self, r):
-        """|r| per row, rounded to fp16 as stored; float64 (n,)."""
-        norm = np.sqrt(np.einsum("ij,ij->i", r, r))
-        with np.errstate(over="ignore"):
-            stored = norm.astype(np.float16)
-        if not np.isfinite(stored).all():
-            raise ValueError(f"{self.spec}: a residual norm exceeds the fp16 maximum 65504")
-        return stored.astype(np.float64)
-
-    def quantize(self, X):
-        x_mse = self.mse.decode(self.mse.encode(X)).astype(np.float64)
-        r = X.astype(np.float64) - x_mse
-        signs = np.where(r @ self.S.T >= 0.0, 1.0, -1.0)
-        return x_mse + (self.residual_norm(r) * self.c)[:, None] * (signs @ self.S)
-
-
 def _pow2_parts(n):
     """``n`` as a sum of powers of two, largest first (48 -> [32, 16])."""
     return [1 << k for k in range(n.bit_length() - 1, -1, -1) if n >> k & 1]
@@ -356,39 +167,27 @@ class OutlierSplitCodec(SimulatedCodec):
             raise
 
 
-_FP8_SPEC = re.compile(r"fp8-(e4m3|e5m2)(?:-g(\d+))?")
-_QJL_SPEC = re.compile(r"tq(\d)h\+qjl(?:-(gauss))?")
 _SPLIT_SPEC = re.compile(r"split(\d+)(low)?:tq(\d)h\+tq(\d)h")
 
 
 def is_simulated(codec_spec):
-    """True when ``codec_spec`` names one of this module's simulated codecs."""
-    return any(p.fullmatch(codec_spec) for p in (_FP8_SPEC, _QJL_SPEC, _SPLIT_SPEC))
-
-
-@functools.lru_cache(maxsize=None)
-def _stateless_codec(codec_spec, dim):
-    m = _FP8_SPEC.fullmatch(codec_spec)
-    if m:
-        return FP8SimCodec(dim, m.group(1), int(m.group(2)) if m.group(2) else None)
-    m = _QJL_SPEC.fullmatch(codec_spec)
-    if m:
-        return QJLResidualCodec(dim, f"tq{m.group(1)}:side_dtype=f16",
-                                sketch="gauss" if m.group(2) else "orth", spec=codec_spec)
-    return get_codec(codec_spec, dim)
+    """True when ``codec_spec`` is the outlier split or a codec whose entry point is marked
+    simulated (:mod:`kvquant_experiments.codecs.simulated`)."""
+    if _SPLIT_SPEC.fullmatch(codec_spec):
+        return True
+    base, _ = parse_spec(codec_spec)
+    factory = registered_factory(base)
+    return bool(getattr(factory, "simulated", False))
 
 
 def make_codec(codec_spec, dim):
-    """The codec of a spec: a simulated one of this module or a real one (:func:`get_codec`).
+    """The codec of a spec: the outlier split, else any codec :func:`get_codec` builds (the
+    simulated fp8 and QJL codecs are registered ones, :mod:`kvquant_experiments.codecs.simulated`).
 
-    ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-<fmt>-g<N>``: :class:`FP8SimCodec`.
-    ``tq<b>h+qjl``, ``tq<b>h+qjl-gauss``: :class:`QJLResidualCodec` on ``tq<b>:side_dtype=f16``
-    with an orthogonal (default) or Gaussian sketch.
     ``split<n>:tq<hi>h+tq<lo>h``: :class:`OutlierSplitCodec`, the n channels of largest mean
     square under tq<hi> and the rest under tq<lo> (fp16 norms; widths that are no power of two
     are cut into powers of two, each with its own codec); ``split<n>low:...`` gives the extra bits
     to the n channels of smallest mean square. A new object per call (per-stream state).
-    Stateless codecs are shared.
     """
     m = _SPLIT_SPEC.fullmatch(codec_spec)
     if m:
@@ -399,7 +198,7 @@ def make_codec(codec_spec, dim):
                  + [(w, f"tq{lo}:side_dtype=f16") for w in _pow2_parts(dim - n_out)])
         return OutlierSplitCodec(dim, parts, select="smallest" if low else "largest",
                                  spec=codec_spec)
-    return _stateless_codec(codec_spec, dim)
+    return get_codec(codec_spec, dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,10 +217,10 @@ def with_recent(stream_spec, window):
 
 
 def stream_entry(stream_spec, dim):
-    """What a QuantizedKVCache takes for one stream: the spec itself for a real codec, else a
-    stream factory building the simulated codec (with its stream options) per layer and head."""
+    """What a QuantizedKVCache takes for one stream: the spec itself for a codec objects may be
+    shared for, else (the outlier split) a stream factory building it per layer and head."""
     codec_spec, options = parse_stream_spec(stream_spec)
-    if not is_simulated(codec_spec):
+    if not _SPLIT_SPEC.fullmatch(codec_spec):
         return stream_spec
     make_codec(codec_spec, dim)          # a bad spec fails here, not in a worker
     return functools.partial(_make_stream, codec_spec, options, dim)

@@ -1,4 +1,4 @@
-"""The probes' simulation layer (experiments/probes.py): each simulated codec against an
+"""The probes' simulation layer (experiments/probes.py, experiments/codecs/simulated.py): each simulated codec against an
 independent statement of what it should be; the recent-window attention against plain
 attention; bits per value against their formulas. Tiny shapes, no real model (one slow test)."""
 import math
@@ -13,9 +13,11 @@ ensure_importable()
 from kvquant import get_codec  # noqa: E402
 from kvquant.cache import QuantizedKVCache  # noqa: E402
 from kvquant_experiments import probes  # noqa: E402
-from kvquant_experiments.probes import (FP8SimCodec, OutlierSplitCodec, Probe,  # noqa: E402
-                                        QJLResidualCodec, fp8_roundtrip, make_codec,
-                                        probe_bits, qjl_scale, qjl_sketch)
+from kvquant_experiments.codecs import simulated  # noqa: E402
+from kvquant_experiments.codecs.simulated import (FP8SimCodec, QJLResidualCodec,  # noqa: E402
+                                                  fp8_roundtrip, qjl_scale, qjl_sketch)
+from kvquant_experiments.probes import (OutlierSplitCodec, Probe, make_codec,  # noqa: E402
+                                        probe_bits)
 from _window_reference import RecentWindowCache  # noqa: E402
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the test extra (ml_dtypes) is not installed")
@@ -74,7 +76,7 @@ def test_fp8_rounding_is_nearest_even_on_the_format_grid(fmt, rng):
     expected = round_to_grid(X.astype(np.float64), grid, even)
     assert np.array_equal(got, expected.astype(np.float32))
     # and ml_dtypes' own cast of the same values
-    cast = X.astype(getattr(ml_dtypes, probes.FP8_FORMATS[fmt][0])).astype(np.float32)
+    cast = X.astype(getattr(ml_dtypes, simulated.FP8_FORMATS[fmt][0])).astype(np.float32)
     assert np.array_equal(got, cast)
 
 
@@ -89,6 +91,21 @@ def test_simulated_e4m3_is_the_kv8_codec(group, rng):
     sim = FP8SimCodec(64, "e4m3", group)
     assert np.array_equal(sim.decode(sim.encode(X)), real.decode(real.encode(X)))
     assert sim.bytes_per_row == real.bytes_per_row == 64 + 4 * (64 // (group or 64))
+
+
+SIMULATED_NAMES = ["fp8-e4m3", "fp8-e5m2", "fp8-e4m3-g32", "fp8-e5m2-g32", "tq2h+qjl", "tq3h+qjl",
+                   "tq4h+qjl", "tq2h+qjl-gauss", "tq3h+qjl-gauss", "tq4h+qjl-gauss"]
+
+
+@pytest.mark.parametrize("name", SIMULATED_NAMES)
+def test_simulated_codecs_are_installed_codecs_that_keep_the_contract(name):
+    from kvquant.codecs import available_codecs
+    from kvquant.testing import check_codec
+    assert name in available_codecs()                        # through the entry points
+    codec = get_codec(name, 64)
+    assert codec.spec == name and codec.simulated and probes.is_simulated(name)
+    check_codec(codec)       # bytes_per_row: the nominal size (its formulas are tested here too)
+    assert not probes.is_simulated("tq4") and not get_codec("tq4", 64).simulated
 
 
 def test_e5m2_error_is_four_times_e4m3s(rng):

@@ -90,6 +90,9 @@ class Codec:
     # bits per element a spec names (tq4 -> 4), None when the codec names none; subclasses set it
     nominal_bits = None
     engine_tag = None  # the engine's format tag where this codec is one of its tiers
+    # True for a research codec that stores rows after a quantize-dequantize and counts the
+    # bytes its real format would store (bytes_per_row is then that nominal size, not its codes')
+    simulated = False
     side_dtype = "f32"
     # what nonfinite="inert" does with a refused row (error messages)
     inert_rule = "stores them as inert zero rows (zero codes, side value 0), as the engine does"
