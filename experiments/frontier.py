@@ -38,7 +38,7 @@ texts they were not picked on::
 
 The field's other schemes run as simulations (``sim:`` specs of
 :mod:`kvquant_experiments.simulated_caches`: KIVI, transformers' QuantizedCache default, pre-RoPE
-keys; serially, in this process)::
+keys; a spec kind installed by entry point, so worker processes run them too)::
 
     python -m kvquant_experiments.frontier --configs "q4_0+rot,sim:kivi4,sim:hf-quanto4,sim:chan4-g128@prerope/tok4-g64"
 
