@@ -60,15 +60,15 @@ def numpy_reference(codec):
         levels = codec.levels64
         return (lambda X: reference.engine_tq4_encode_rows(X, levels),
                 lambda enc: reference.tq_decode_rows(enc[0], enc[1], levels, 4, d))
-    if spec.startswith("tq"):
+    if codec.family == "tq":
         levels, bits = codec.levels64, codec.bits
         return (lambda X: reference.tq_encode_rows(X, levels, bits),
                 lambda enc: reference.tq_decode_rows(enc[0], enc[1], levels, bits, d))
-    if spec.startswith("polar") and codec.compat:
+    if codec.family == "polar" and codec.compat:
         bits = codec.bits
         return (lambda X: reference.polar_engine_encode_rows(X, bits),
                 lambda enc: reference.polar_engine_decode_rows(enc[0], enc[1], bits, d))
-    if spec.startswith("polar"):
+    if codec.family == "polar":
         tables = _polar_tables(codec)
         return (lambda X: reference.polar_lloyd_encode_rows(X, *tables),
                 lambda enc: reference.polar_lloyd_decode_rows(enc[0], enc[1], *tables, d))
@@ -114,17 +114,13 @@ def yardstick(X_yard, threads):
     return run
 
 
-def _is_tq(spec):
-    return spec.startswith("tq") and spec[2:].split(":")[0].isdigit()
-
-
 def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
     codec = get_codec(spec, d)
     codec.decode(codec.encode(X[:256], n_threads=threads), n_threads=threads)   # warm-up
     # blocks timed right before and right after the encoder's: the yardstick, and for a tq<b>
     # codec tq4's encoder (each warmed)
     around = {"yard": yard}
-    if _is_tq(spec) and spec != "tq4":
+    if codec.family == "tq" and codec.spec != "tq4":
         tq4 = get_codec("tq4", d)
         around["tq4"] = lambda: tq4.encode(X, n_threads=threads)
     times = {name: [] for name, fn in around.items() if fn is not None}
