@@ -22,7 +22,8 @@ from kvquant._kernels import softmax as _softmax
 from kvquant.codecs import Codec
 from kvquant._threads import blas_threads, resolve_n_threads
 from kvquant.streams.spec import StreamSpec
-from kvquant.streams.store import RowStream, StreamStore  # noqa: F401 (RowStream: a KV head)
+from kvquant.streams.row_stream import RowStream  # noqa: F401 (a KV head)
+from kvquant.streams.store import StreamStore
 
 
 def softmax(scores, out=None, scale=1.0, n_threads=1):

@@ -9,7 +9,8 @@ zero row's codes (placeholders, never read; kept as loaded).
 import numpy as np
 
 from kvquant.streams.options import StreamOptions
-from kvquant.streams.store import RowStream, StreamStore
+from kvquant.streams.row_stream import RowStream
+from kvquant.streams.store import StreamStore
 
 
 class CacheRecords:

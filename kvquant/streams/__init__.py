@@ -6,7 +6,8 @@ from kvquant.streams.options import (
     MAX_RECENT, MAX_SINKS, StreamOptions, format_stream_spec, parse_stream_spec, split_stream_spec,
     window_start)
 from kvquant.streams.spec import StreamSpec
-from kvquant.streams.store import PreparedRows, RowStream, StreamState, StreamStore
+from kvquant.streams.row_stream import RowStream
+from kvquant.streams.store import PreparedRows, StreamState, StreamStore
 
 __all__ = ["MAX_RECENT", "MAX_SINKS", "PreparedRows", "RowStream", "StreamOptions", "StreamSpec",
            "StreamState", "StreamStore", "format_stream_spec", "parse_stream_spec",
