@@ -48,6 +48,9 @@ Run::
     PYTHONPATH=. python -m experiments.probes --ideas reference,window --positions 4096 \
         --chunk-tokens 2048
 
+Each probe runs as the cache spec ``probe:<name>`` (the ``codec`` field of a result row; files
+written before probes were a spec kind say the bare name).
+
 Writes ``probes-smollm2-<text>-N<positions>-c<chunk>[-<ideas>].{json,csv,md}`` (the ideas are
 named when a run covers only some of them) into ``--out``, by default a folder of that name under
 the current directory. ``--text`` takes a UTF-8 file too; ``--scheduler`` a Dask cluster.
@@ -310,8 +313,8 @@ assert len(PROBES_BY_NAME) == len(PROBES), "probe names must be unique"
 
 
 def new_probe_cache(cfg, probe, capacity=256):
-    """The cache of one probe for a Llama config (``cfg.n_layers``, ``n_kv_heads``,
-    ``head_dim``)."""
+    """The cache of one probe for a K/V model's shape ``cfg`` (``n_layers``, ``n_kv_heads``,
+    ``head_dim``: a :class:`kvquant.specs.KVLayout` or a Llama config)."""
     d = cfg.head_dim
     streams = {"k": (stream_entry(with_recent(probe.k, probe.window), d), d),
                "v": (stream_entry(with_recent(probe.v, probe.window), d), d)}
@@ -365,7 +368,9 @@ def parse_probe(name):
         raise ValueError(f"probe {name!r}: expected '<K spec>[/<V spec>][ recent=<W>]'")
     for side in sides:
         parse_stream_spec(side.strip())       # the stream grammar checked here, widths at build
-    return _probe("custom", sides[0].strip(), sides[-1].strip(), window)
+    probe = _probe("custom", sides[0].strip(), sides[-1].strip(), window)
+    # another spelling of a default probe ("tq4/tq4", "tq4 recent=0") is that probe
+    return PROBES_BY_NAME.get(probe.name, probe)
 
 
 @dataclass(frozen=True)

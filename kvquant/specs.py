@@ -135,13 +135,18 @@ class PairSpec(CacheSpec):
 
     @property
     def family(self):
-        """``"plug-in codec"`` when a stream's codec is not a built-in one (registered or
-        installed), else ``"recent window"`` or ``"stream options"`` when a stream has them,
-        else the codec's series (:attr:`kvquant.codecs.Codec.series`) when K and V share the
-        codec, else ``"K/V split"``."""
-        from kvquant.codecs import parse_spec, registry
+        """``"simulation"`` when a stream's codec is a simulated one (:attr:`Codec.simulated`:
+        a bar to compare with, not an entrant), ``"plug-in codec"`` when a stream's codec is not
+        a built-in one (registered or installed), else ``"recent window"`` or ``"stream
+        options"`` when a stream has them, else the codec's series
+        (:attr:`kvquant.codecs.Codec.series`) when K and V share the codec, else ``"K/V
+        split"``."""
+        from kvquant.codecs import is_simulated_codec, parse_spec, registry
         plugins = registry.plugin_names()
-        if any(parse_spec(s.codec_spec)[0] in plugins for s in self.streams):
+        plugin_streams = [s for s in self.streams if parse_spec(s.codec_spec)[0] in plugins]
+        if any(is_simulated_codec(s.codec_spec) for s in plugin_streams):
+            return "simulation"
+        if plugin_streams:
             return "plug-in codec"
         if self.k.options.recent or self.v.options.recent:
             return "recent window"

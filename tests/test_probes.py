@@ -408,6 +408,17 @@ def test_probe_specs_parse_once_and_name_what_is_wrong():
     assert (custom.idea, custom.k, custom.v, custom.window) == ("custom", "tq3@sinks=1",
                                                                 "fp8-e5m2", 8)
     assert spec.bits_per_value(64) == probes.probe_bits(spec.probe, 64)
+    for other_spelling in ("probe:tq4/tq4", "probe:tq4 recent=0"):
+        again = parse_cache_spec(other_spelling)
+        assert again == parse_cache_spec("probe:tq4") and again.probe.idea == "reference"
+    for probe in probes.PROBES:
+        spec = parse_cache_spec(probes.PROBE_PREFIX + probe.name)
+        assert spec.probe == probe and parse_cache_spec(spec.text) == spec
+    # a simulated codec named as a plain cache spec is drawn as a simulation, as its probe is
+    assert parse_cache_spec("fp8-e5m2").family == "simulation"
+    assert parse_cache_spec("tq3h+qjl/tq3").family == "simulation"
+    assert parse_cache_spec("probe:fp8-e5m2").family == "simulation"
+    assert parse_cache_spec("vq3").family == "plug-in codec"
     for bad, words in (("probe:", "expected"), ("probe:a/b/c", "expected"),
                        ("probe:tq3 recent=x", "window"), ("probe:tq3 recent=-2", "window")):
         with pytest.raises(ValueError, match=words):

@@ -1,6 +1,7 @@
 """Codecs from the 3-bit literature, built on kvquant's public codec API as any user would.
 
-Each module defines one codec and a ``factory(dim, **options)``; the package's metadata
+Each module defines one codec and a ``factory(dim, **options)`` (``simulated.py``: the probes'
+simulated fp8 and QJL codecs, one named factory per spec); the package's metadata
 registers them in the entry-point group ``kvquant.codecs`` (setup.cfg), so ``get_codec``,
 the models' cache specs, ``kvquant flips``/``tasks``, the frontier and every worker process find
 them by name. The papers, the bytes each spends and what we measured: docs/field-codecs.md.

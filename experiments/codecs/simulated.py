@@ -11,7 +11,8 @@ what a format's rounding does to a model, not its speed or memory.
     Gaussian sketch: at d = 64 exactly the bits of ``tq<b+1>``.
 
 Each name is an entry point of the group ``kvquant.codecs`` (setup.cfg), so every model, worker
-and command takes it like any codec. The per-stream outlier split (``split<n>:...``) chooses its
+and command takes it like any codec. Only these ten names exist (the probes' grid); another group
+size or bit width is one more entry point (``_factory`` below). The per-stream outlier split (``split<n>:...``) chooses its
 channels from a stream's first rows and so cannot be one shared codec object: it stays a stream
 factory of the probes.
 """

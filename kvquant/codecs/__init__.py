@@ -20,7 +20,8 @@ BUILTIN_FORMS = ("f32", "kv8", "kv8-g<N>", "tq<b> (b = 1..8)", "polar<b> (b = 2.
                  *(f"{k} (+rot)" for k in ggml.KINDS))
 
 __all__ = ["BUILTIN_FORMS", "WIDTH_RULE", "Codec", "EncodedRows", "available_codecs",
-           "describe_codec", "get_codec", "parse_spec", "register_codec", "unregister_codec"]
+           "describe_codec", "get_codec", "is_simulated_codec", "parse_spec", "register_codec",
+           "unregister_codec"]
 
 
 def available_codecs():
@@ -92,19 +93,29 @@ def get_codec(spec, dim, **options):
     return codec
 
 
-def describe_codec(spec):
-    """``(series, nominal_bits)`` a codec spec declares (:attr:`Codec.series`,
-    :attr:`Codec.nominal_bits`), whatever width it is built for: the first of a few widths
-    that the codec takes (ValueError naming the spec when it takes none)."""
+def _built_at_some_width(spec):
+    """The codec of ``spec`` at the first of a few widths that it takes (ValueError naming the
+    spec when it takes none): for what a codec declares whatever its width."""
     error = None
     for dim in (64, 128, 512, 96):
         try:
-            codec = get_codec(spec, dim)
+            return get_codec(spec, dim)
         except ValueError as exc:   # a width this codec refuses (a group size, a block)
             error = error or exc
-            continue
-        return codec.series, codec.nominal_bits
     raise error
+
+
+def describe_codec(spec):
+    """``(series, nominal_bits)`` a codec spec declares (:attr:`Codec.series`,
+    :attr:`Codec.nominal_bits`), whatever width it is built for."""
+    codec = _built_at_some_width(spec)
+    return codec.series, codec.nominal_bits
+
+
+def is_simulated_codec(spec):
+    """Whether the codec of ``spec`` is a simulation (:attr:`Codec.simulated`: float32 rows
+    after a quantize-dequantize, nominal bytes), whatever width it is built for."""
+    return bool(_built_at_some_width(spec).simulated)
 
 
 def builtin_codec(base, dim, options):
