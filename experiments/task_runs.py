@@ -30,6 +30,7 @@ DEFAULT_CODECS = ("f32", "kv8", "tq4")
 BLOCK_ITEMS = 16     # items per executor call, run together; little is lost on a kill
 IN_FLIGHT_BLOCKS = 64  # blocks submitted ahead to a pool or cluster (results are small)
 LOG_VERSION = 1
+TIMING_KIND = "timing"  # a log line after a block: its seconds, tokens run and items
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,11 +99,13 @@ def _header(meta, spec):
 
 
 def read_log(path, header=None):
-    """(header, item results) of a spec's log. An incomplete last line (a killed write) is cut
-    off the file; a header other than ``header`` (when given) is refused."""
+    """(header, item results, timing) of a spec's log. An incomplete last line (a killed write)
+    is cut off the file; a header other than ``header`` (when given) is refused. ``timing``
+    sums the log's timing records (``{"seconds", "tokens", "items"}`` of every block whose time
+    was logged, whichever run computed it)."""
     path = Path(path)
     if not path.is_file():
-        return None, []
+        return None, [], {"seconds": 0.0, "tokens": 0, "items": 0}
     raw = path.read_bytes()
     good = raw.rfind(b"\n") + 1
     if good < len(raw):
@@ -114,8 +117,9 @@ def read_log(path, header=None):
             os.fsync(f.fileno())
         raw = raw[:good]
     lines = raw.decode("utf-8").splitlines()
+    timing = {"seconds": 0.0, "tokens": 0, "items": 0}
     if not lines:
-        return None, []
+        return None, [], timing
     try:
         stored = json.loads(lines[0])
         records = [json.loads(line) for line in lines[1:] if line.strip()]
@@ -130,17 +134,28 @@ def read_log(path, header=None):
         raise ValueError(f"{path} was written for another run ({', '.join(diff)} differ: "
                          f"{ {k: stored.get(k) for k in diff} }); give another --out or "
                          "--fresh to start it over")
-    return stored, records
+    items = []
+    for r in records:
+        if r.get("kind") == TIMING_KIND:
+            for key in timing:
+                timing[key] += r[key]
+        else:
+            items.append(r)
+    return stored, items, timing
 
 
-def _append(path, header, records):
-    """Append item results to a log (its header first when new), fsynced."""
+def _append(path, header, records, timing=None):
+    """Append item results to a log (its header first when new) and, when given, the block's
+    timing record (``{"seconds", "tokens", "items"}``: a resumed run's summary times every
+    logged block, not only its own), fsynced."""
     new = not path.exists() or path.stat().st_size == 0
     with open(path, "a", encoding="utf-8") as f:
         if new:
             f.write(json.dumps(header) + "\n")
         for r in records:
             f.write(json.dumps(r) + "\n")
+        if timing is not None:
+            f.write(json.dumps({"kind": TIMING_KIND, **timing}) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -165,21 +180,24 @@ def _storage(model, spec):
 def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
     """Score the items of ``meta`` (``meta["limit"]`` of them) under each spec, resuming from
     the logs in ``out_dir``; returns ``{spec: item results}`` of those items and a timing
-    dict ``{spec: {"seconds", "tokens", "items"}}`` of what this run computed."""
+    dict ``{spec: {"seconds", "tokens", "items"}}`` over every block whose time is logged
+    (this run's and earlier runs' on the same log; logs written before timing records
+    were kept time only the blocks computed since)."""
     from kvquant_experiments.executor import SerialExecutor
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     items = _items(meta["task"], meta["num_fewshot"], _member_limit(meta))
     keys = [it.key for it in items]
     from kvquant.specs import parse_cache_spec
-    done, paths, todo = {}, {}, []
+    done, paths, todo, timing = {}, {}, [], {}
     for spec in specs:
         cache = parse_cache_spec(spec)
         path = paths[spec] = out_dir / f"{spec_tag(spec)}.jsonl"
         if fresh and path.exists():
             path.unlink()
-        _, records = read_log(path, _header(meta, spec))
+        _, records, logged = read_log(path, _header(meta, spec))
         done[spec] = {(r["task"], r["doc_id"]): r for r in records}
+        timing[spec] = logged
         missing = [i for i, k in enumerate(keys) if k not in done[spec]]
         for b in range(0, len(missing), BLOCK_ITEMS):
             todo.append({"model": meta["model"], "backend": meta["backend"],
@@ -188,7 +206,6 @@ def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
                          "limit": _member_limit(meta), "spec": spec, "cache": cache,
                          "indices": missing[b:b + BLOCK_ITEMS]})
     n_todo = sum(len(c["indices"]) for c in todo)
-    timing = {s: {"seconds": 0.0, "tokens": 0, "items": 0} for s in specs}
     bar = None
     if progress and n_todo:
         try:
@@ -215,7 +232,9 @@ def run_tasks(meta, specs, out_dir, executor=None, progress=True, fresh=False):
                 cell = in_flight.pop(future)
                 block = future.result()
                 spec = cell["spec"]
-                _append(paths[spec], _header(meta, spec), block["items"])
+                _append(paths[spec], _header(meta, spec), block["items"],
+                        {"seconds": block["seconds"], "tokens": block["tokens"],
+                         "items": len(block["items"])})
                 for r in block["items"]:
                     done[spec][(r["task"], r["doc_id"])] = r
                 t = timing[spec]
@@ -258,6 +277,7 @@ def summarize(meta, results, storage=None, timing=None, reference="f32"):
             t = timing[spec]
             row["items_per_s"] = t["items"] / t["seconds"] if t["seconds"] else None
             row["tokens_per_s"] = t["tokens"] / t["seconds"] if t["seconds"] else None
+            row["timed_items"] = t["items"]
         rows.append(row)
     by_spec = {r["spec"]: r for r in rows}
     if reference in results:
@@ -323,9 +343,11 @@ def format_markdown(summary):
               "1-point difference at the observed discordance (alpha 0.05, power 0.8)."]
     speeds = [r for r in summary["rows"] if r.get("items_per_s")]
     if speeds:
-        lines += ["", "Throughput of this run's computed items (worker seconds): " + "; ".join(
-            f"`{r['spec']}` {r['items_per_s']:.2f} items/s, {r['tokens_per_s']:.0f} tokens/s"
-            for r in speeds) + "."]
+        lines += ["", "Throughput over the items whose blocks' time is logged (worker seconds; "
+                  "the runs of a resumed log may have shared the machine): " + "; ".join(
+                      f"`{r['spec']}` {r['items_per_s']:.2f} items/s, "
+                      f"{r['tokens_per_s']:.0f} tokens/s ({r['timed_items']} items)"
+                      for r in speeds) + "."]
     return "\n".join(lines) + "\n"
 
 

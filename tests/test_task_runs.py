@@ -37,6 +37,11 @@ def _lines(path):
     return path.read_text().splitlines()
 
 
+def _items(lines):
+    """The item records of a log's lines after its header (timing records left out)."""
+    return [r for r in map(json.loads, lines) if r.get("kind") != "timing"]
+
+
 def test_table_logs_and_resume(setup, tmp_path, capsys):
     model, task = setup
     out = tmp_path / "run"
@@ -52,16 +57,24 @@ def test_table_logs_and_resume(setup, tmp_path, capsys):
     assert rows["tq4"]["paired"]["acc_norm"]["n"] == 4
     assert "verdict" in rows["tq4"]
     log = out / "tq4.jsonl"
-    header, *records = [json.loads(x) for x in _lines(log)]
+    header = json.loads(_lines(log)[0])
+    records = _items(_lines(log)[1:])
     assert header["kind"] == "header" and header["spec"] == "tq4"
     assert [r["doc_id"] for r in records] == [0, 1, 2, 3]
     assert all(len(r["lls"]) == 3 for r in records)
+    timings = [json.loads(x) for x in _lines(log)[1:] if '"kind": "timing"' in x]
+    assert sum(t["items"] for t in timings) == 4 and all(t["seconds"] > 0 for t in timings)
+    speed = rows["tq4"]["items_per_s"]
+    assert rows["tq4"]["timed_items"] == 4 and speed > 0
 
-    # a rerun computes nothing: the logs are unchanged
+    # a rerun computes nothing: the logs are unchanged, and the summary it writes again keeps
+    # the throughput of the blocks the logs timed
     before = log.read_bytes()
     status, _, _ = _run(capsys, "--model", model, "--task", task, "--limit", "4", "--codecs",
                         "f32,tq4", "--out", str(out))
     assert status == 0 and log.read_bytes() == before
+    again = {r["spec"]: r for r in json.loads((out / "summary-n4.json").read_text())["rows"]}
+    assert again["tq4"]["items_per_s"] == speed and again["tq4"]["timed_items"] == 4
 
     # a killed write left half a line: it is dropped, the item scored again, nothing else lost
     log.write_bytes(before + b'{"task": "x", "doc_')
@@ -70,11 +83,11 @@ def test_table_logs_and_resume(setup, tmp_path, capsys):
                           "--plot-beside", str(out / "summary-n4.json"))
     assert status == 0 and "incomplete last line" in err
     assert log.read_bytes().startswith(before)
-    records = [json.loads(x) for x in _lines(log)[1:]]
+    records = _items(_lines(log)[1:])
     assert sorted(r["doc_id"] for r in records) == list(range(6))
     assert (out / "summary-n6.json").is_file() and (out / "summary-n4.json").is_file()
     # the first four items are the n=4 run's, untouched
-    assert records[:4] == [json.loads(x) for x in before.decode().splitlines()[1:]]
+    assert records[:4] == _items(before.decode().splitlines()[1:])
 
 
 def test_a_log_of_another_run_is_refused(setup, tmp_path, capsys):
@@ -134,7 +147,7 @@ def test_a_group_limit_applies_to_each_member(setup, tmp_path, capsys, monkeypat
     status, text, err = _run(capsys, "--model", model, "--task", "pair", "--limit", "2",
                              "--codecs", "f32", "--out", str(out))
     assert status == 0, err
-    records = [json.loads(x) for x in _lines(out / "f32.jsonl")[1:]]
+    records = _items(_lines(out / "f32.jsonl")[1:])
     per_task = {}
     for r in records:
         per_task.setdefault(r["task"], []).append(r["doc_id"])
@@ -163,13 +176,13 @@ def test_a_serial_run_writes_each_block_as_it_finishes(setup, tmp_path, capsys, 
     status, _, _ = _run(capsys, "--model", model, "--task", task, "--limit", "6", "--codecs",
                         "f32", "--out", str(out))
     assert status == 130 and calls == [[0, 1], [2, 3]]
-    assert [json.loads(x)["doc_id"] for x in _lines(out / "f32.jsonl")[1:]] == [0, 1]
+    assert [r["doc_id"] for r in _items(_lines(out / "f32.jsonl")[1:])] == [0, 1]
     # the rerun scores only what is missing
     monkeypatch.setattr(task_runs, "score_block", real)
     status, _, err = _run(capsys, "--model", model, "--task", task, "--limit", "6",
                           "--codecs", "f32", "--out", str(out))
     assert status == 0, err
-    assert [json.loads(x)["doc_id"] for x in _lines(out / "f32.jsonl")[1:]] == list(range(6))
+    assert [r["doc_id"] for r in _items(_lines(out / "f32.jsonl")[1:])] == list(range(6))
 
 
 def _children(pid):
