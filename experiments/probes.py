@@ -68,8 +68,7 @@ import numpy as np
 
 from kvquant.cli import DefaultsHelpFormatter
 from kvquant.cache import QuantizedKVCache, RowStream
-from kvquant.codecs import Codec, get_codec, parse_spec
-from kvquant.codecs.registry import registered_factory
+from kvquant.codecs import Codec, get_codec, is_simulated_codec
 from kvquant.specs import CacheSpec, SpecKind
 from kvquant.streams.options import format_stream_spec, parse_stream_spec
 
@@ -174,13 +173,9 @@ _SPLIT_SPEC = re.compile(r"split(\d+)(low)?:tq(\d)h\+tq(\d)h")
 
 
 def is_simulated(codec_spec):
-    """True when ``codec_spec`` is the outlier split or a codec whose entry point is marked
-    simulated (:mod:`kvquant_experiments.codecs.simulated`)."""
-    if _SPLIT_SPEC.fullmatch(codec_spec):
-        return True
-    base, _ = parse_spec(codec_spec)
-    factory = registered_factory(base)
-    return bool(getattr(factory, "simulated", False))
+    """True when ``codec_spec`` is the outlier split or a simulated codec
+    (:attr:`kvquant.codecs.Codec.simulated`, e.g. :mod:`kvquant_experiments.codecs.simulated`)."""
+    return bool(_SPLIT_SPEC.fullmatch(codec_spec)) or is_simulated_codec(codec_spec)
 
 
 def make_codec(codec_spec, dim):

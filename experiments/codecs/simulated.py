@@ -213,7 +213,7 @@ class QJLResidualCodec(SimulatedCodec):
 
 
 # --------------------------------------------------------------------------------------------
-# Entry points (setup.cfg): one factory per name, marked simulated for the probes' tables
+# Entry points (setup.cfg): one factory per name
 # --------------------------------------------------------------------------------------------
 def _factory(name, build):
     def factory(dim, **options):
@@ -223,7 +223,6 @@ def _factory(name, build):
             raise ValueError(f"{name} takes no options, got {sorted(options)}")
         return build(int(dim))
     factory.__name__ = name.replace("-", "_").replace("+", "_")
-    factory.simulated = True
     return factory
 
 
