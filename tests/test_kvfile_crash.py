@@ -5,8 +5,9 @@
 * RLIMIT_FSIZE (a full disk) during append and during header creation: committed data stays
   readable, the retry completes.
 * hypothesis: truncation, byte flips, extreme header words, lying counts, on valid files of
-  every tier: a clean refusal or a valid prefix, never another exception, a hang or a huge
-  allocation.
+  every tier: a clean refusal (naming the file and a cause) or a valid prefix, never another
+  exception, a hang or a huge allocation; ``kvquant inspect`` passes (exit 0) no file the loader
+  refuses or loads only in part.
 """
 import glob
 import os
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 from _kvfile_data import deadline, records_equal
 from kvquant.kvfile import (
     CacheFile, CacheFileRefused, CacheFileSaveError, KVFileShape, inspect_file)
+from kvquant.kvfile.inspect import format_inspection
 from kvquant.kvfile.schema import SIDE_MAX
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -477,10 +479,14 @@ def test_fuzz_corruption(fuzz_dir, tier, mutations):
     tracemalloc.start()
     try:
         with deadline(10):
-            inspect_file(path)  # never raises on a readable file, whatever its bytes
+            info = inspect_file(path)  # never raises on a readable file, whatever its bytes
+            format_inspection(info)
+            inspect_ok = info["supported"] and not info.get("problem")   # its exit status 0
             try:
                 cf = CacheFile.open(path, CSHAPE, readonly=True, **case)
-            except CacheFileRefused:
+            except CacheFileRefused as exc:   # a named error: it names the file and a cause
+                assert path in str(exc) and exc.path == path and exc.reason, exc
+                assert not inspect_ok, ("inspect passes a file the loader refuses", exc)
                 stats["refused"] += 1
                 return
         peak = tracemalloc.get_traced_memory()[1]
@@ -521,6 +527,8 @@ def test_fuzz_corruption(fuzz_dir, tier, mutations):
             side = cf.records.side(name)
             assert np.all(np.isfinite(side)) and np.all(side >= 0) and np.all(side < SIDE_MAX)
         assert np.all(cf.records.tokens >= 0) and np.all(cf.records.tokens < CSHAPE.vocab)
+    if status == "loaded" and inspect_ok:   # inspect passes only what loads whole
+        assert n == cf.report.header_count, (n, cf.report.messages)
     stats["full" if n == FUZZ_RECORDS else "prefix"] += 1
 
 
