@@ -10,6 +10,8 @@ A stream spec (``tq4@recent=16``, ``polar4@center,sinks=4``; kvquant.streams.opt
 its stream holds besides the codes, as the cache's streams hold it: the first N rows in float32
 instead of codes (``sinks``), float32 copies of the W last rows (``recent``), one float32 vector
 for ``center`` and one for ``normalize``; ``"kv8/tq4"`` gives one spec per stream (K/V, L/R).
+Specs are :class:`kvquant.specs.StreamListSpec` objects (a string is parsed by it, a pair
+:class:`kvquant.specs.PairSpec` gives its streams); sizes are asked of the codecs.
 Byte sizes use decimal units (1 GB = 10^9 B) as the reference figures do; ``GiB`` is also
 accepted. A size given as a string needs its unit.
 """
@@ -19,10 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.codecs import get_codec
-from kvquant.specs import split_spec_text
-# Stream options (the one import of them here: the module may move with the streams).
-from kvquant.streams.options import parse_stream_spec
+from kvquant.codecs import CodecWidthError, UnknownCodecError, codec_for_width
+from kvquant.specs import StreamListSpec, split_spec_text
+from kvquant.streams.spec import StreamSpec
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class Stream:
     """Rows of one kind per layer and token: ``count`` rows of width ``dim``.
 
     ``grouped_scales=False`` keeps one scale per row under ``kv8-g<N>`` (the engine groups the
-    latent L only; the rope row R keeps its per-row scale).
+    latent L only; the rope row R keeps its per-row scale):
+    :meth:`kvquant.streams.spec.StreamSpec.with_row_scales`.
     """
     name: str
     dim: int
@@ -175,12 +177,20 @@ def load_shape(model):
 
 
 def row_bytes(spec, dim):
-    """Stored bytes of one coded row (side values included), or None when the codec cannot take
-    the width (e.g. a rotated codec on a width that is not a power of two) or is unknown."""
-    try:
-        return get_codec(spec, dim).bytes_per_row
-    except ValueError:
-        return None
+    """Stored bytes of one coded row of width ``dim`` (side values included) under the codec of
+    ``spec``, a codec or stream spec (string or :class:`~kvquant.streams.spec.StreamSpec`;
+    stream options do not change a coded row).
+
+    Raises
+    ------
+    UnknownCodecError
+        ``spec`` names no codec this process can build (an unknown name, or bits or options its
+        family refuses): :class:`kvquant.codecs.UnknownCodecError`.
+    CodecWidthError
+        The codec refuses rows of width ``dim`` (e.g. a rotated codec on a width that is not a
+        power of two): :class:`kvquant.codecs.CodecWidthError`.
+    """
+    return codec_for_width(StreamSpec.of(spec).codec_spec, dim).bytes_per_row
 
 
 @dataclass(frozen=True)
@@ -210,27 +220,45 @@ class StreamCost:
         return self.bytes_at(max(n, 1)) - max(n, 1) * self.row_bytes
 
 
-def _codec_spec(spec, stream):
-    base, _, options = spec.partition(":")
-    if not stream.grouped_scales and re.fullmatch(r"kv8-g\d+", base):
-        return "kv8" + (":" + options if options else "")
-    return spec
-
-
 def stream_specs(shape, spec):
-    """The spec of each stream of ``shape``: one spec for every stream, or one per stream
-    separated by ``/`` (``"kv8/tq4"``: K (or L) in kv8, V (or R) in tq4). Each may carry stream
-    options after ``@`` (``"tq4@recent=16"``)."""
+    """The :class:`~kvquant.streams.spec.StreamSpec` of each stream of ``shape``
+    (:meth:`kvquant.specs.StreamListSpec.for_streams`): one spec for every stream, or one per
+    stream separated by ``/`` (``"kv8/tq4"``: K (or L) in kv8, V (or R) in tq4), each with
+    optional stream options after ``@`` (``"tq4@recent=16"``). ``spec`` is a string, a
+    StreamListSpec or a pair :class:`~kvquant.specs.PairSpec`. A stream whose rows keep one
+    scale each (``grouped_scales=False``) gets its spec with row scales (``kv8-g32`` ->
+    ``kv8``)."""
     shape = load_shape(shape)
-    parts = [p.strip() for p in spec.split("/")]
-    if len(parts) == 1:
-        return parts * len(shape.streams)
-    if len(parts) != len(shape.streams) or not all(parts):
-        raise ValueError(
-            f"{spec!r} gives {len(parts)} stream specs separated by '/', but {shape.name} has "
-            f"{len(shape.streams)} streams ({', '.join(s.name for s in shape.streams)}): give "
-            "one spec for all of them or one per stream")
-    return parts
+    specs = StreamListSpec.of(spec).for_streams([s.name for s in shape.streams], shape.name)
+    return [s if stream.grouped_scales else s.with_row_scales()
+            for stream, s in zip(shape.streams, specs)]
+
+
+def checked_stream_costs(shape, spec):
+    """One StreamCost per stream of ``shape``.
+
+    Raises
+    ------
+    UnknownCodecError
+        A stream's spec names no codec this process can build.
+    CodecWidthError
+        A stream's codec refuses the width of its rows (the message names the stream).
+    ValueError
+        Bad stream options (``@...``), a ``/`` list that does not match the streams, or another
+        kind's spec (a plan, ``ggml:``).
+    """
+    shape = load_shape(shape)
+    costs = []
+    for stream, s in zip(shape.streams, stream_specs(shape, spec)):
+        try:
+            b = row_bytes(s, stream.dim)
+        except CodecWidthError as exc:
+            raise CodecWidthError(f"{shape.name}'s {stream.name} rows (width {stream.dim}): "
+                                  f"{exc}") from None
+        o = s.options
+        costs.append(StreamCost(b, stream.dim, o.sinks, o.recent,
+                                int(o.center) + int(o.normalize)))
+    return costs
 
 
 def stream_costs(shape, spec):
@@ -238,20 +266,16 @@ def stream_costs(shape, spec):
 
     Raises
     ------
+    UnknownCodecError
+        A stream's spec names no codec this process can build.
     ValueError
-        Bad stream options (``@...``) or a ``/`` list that does not match the streams.
+        Bad stream options (``@...``), a ``/`` list that does not match the streams, or another
+        kind's spec (a plan, ``ggml:``).
     """
-    shape = load_shape(shape)
-    costs = []
-    for stream, part in zip(shape.streams, stream_specs(shape, spec)):
-        codec_spec, options = parse_stream_spec(part)
-        b = row_bytes(_codec_spec(codec_spec, stream), stream.dim)
-        if b is None:
-            return None
-        vectors = int(bool(options.get("center"))) + int(bool(options.get("normalize")))
-        costs.append(StreamCost(b, stream.dim, int(options.get("sinks", 0)),
-                                int(options.get("recent", 0)), vectors))
-    return costs
+    try:
+        return checked_stream_costs(shape, spec)
+    except CodecWidthError:
+        return None
 
 
 def layer_row_bytes(shape, spec):
@@ -292,6 +316,10 @@ def pool_bytes(shape, spec, context, slots=1):
     costs = stream_costs(shape, spec)
     if costs is None:
         return None
+    return _pool_bytes(shape, costs, context, slots)
+
+
+def _pool_bytes(shape, costs, context, slots):
     context = int(context)
     per_layer = sum(s.count * c.bytes_at(context) for s, c in zip(shape.streams, costs))
     return int(slots) * (shape.cached_layers * per_layer + 4 * context * shape.extra_f32_per_token)
@@ -311,16 +339,18 @@ def max_context(shape, spec, ram_bytes, slots=1, reserve_bytes=0):
     """The longest context whose pool fits in ram_bytes - reserve_bytes (0 if not even one token
     fits; a reserve above the RAM raises ValueError)."""
     shape = load_shape(shape)
+    spec = StreamListSpec.of(spec)
     per_token = token_bytes(shape, spec)
     if per_token is None:
         return None
     room = room_bytes(ram_bytes, reserve_bytes)
     slots = _check_slots(slots)
-    most_sinks = max(c.sinks for c in stream_costs(shape, spec))
+    costs = stream_costs(shape, spec)
+    most_sinks = max(c.sinks for c in costs)
     lo, hi = 0, room // (slots * per_token) + most_sinks + 1   # pool(hi) > room
     while hi - lo > 1:   # the pool grows with the context: the last context that fits
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if pool_bytes(shape, spec, mid, slots) <= room else (lo, mid)
+        lo, hi = (mid, hi) if _pool_bytes(shape, costs, mid, slots) <= room else (lo, mid)
     return lo
 
 
@@ -332,7 +362,14 @@ def _check_slots(slots):
 
 def available_codecs(specs, shape):
     """The specs whose codec exists (registered) and takes every width of the shape."""
-    return [s for s in specs if token_bytes(shape, s) is not None]
+    out = []
+    for spec in specs:
+        try:
+            if token_bytes(shape, spec) is not None:
+                out.append(spec)
+        except UnknownCodecError:
+            pass
+    return out
 
 
 def budget_table(shape, specs=DEFAULT_CODECS, ram_bytes="64GB", contexts=DEFAULT_CONTEXTS,
@@ -342,10 +379,10 @@ def budget_table(shape, specs=DEFAULT_CODECS, ram_bytes="64GB", contexts=DEFAULT
     shape = load_shape(shape)
     f32 = token_bytes(shape, "f32")
     rows = []
-    for spec in available_codecs(specs, shape):
+    for spec in available_codecs([StreamListSpec.of(s) for s in specs], shape):
         per_token = token_bytes(shape, spec)
         rows.append({
-            "codec": spec,
+            "codec": spec.text,
             "layer_row_bytes": layer_row_bytes(shape, spec),
             "token_bytes": per_token,
             "fixed_bytes": fixed_bytes(shape, spec),
@@ -419,24 +456,31 @@ def cmd_budget(args):
         contexts = [parse_tokens(c) for c in args.contexts.split(",") if c.strip()]
         if not contexts:
             raise ValueError(f"--contexts {args.contexts!r} names no context; use e.g. 32k,128k")
-        specs = split_spec_text(args.codecs) if args.codecs else list(DEFAULT_CODECS)
-        if not specs:
+        texts = split_spec_text(args.codecs) if args.codecs else list(DEFAULT_CODECS)
+        if not texts:
             raise ValueError(f"--codecs {args.codecs!r} names no codec")
         _check_slots(args.slots)
         room_bytes(args.ram, args.reserve)
-        missing = []
-        for spec in specs:
+        specs, unknown, refused = [], [], []
+        for text in texts:
             try:
-                if token_bytes(shape, spec) is None:
-                    missing.append(spec)
+                spec = StreamListSpec.of(text)
+                checked_stream_costs(shape, spec)
+            except UnknownCodecError as exc:
+                unknown.append(f"{text} ({exc})")
+            except CodecWidthError as exc:
+                refused.append(f"{text} ({exc})")
             except ValueError as exc:   # a bad stream option or '/' list: its own message
-                raise ValueError(f"--codecs {spec!r}: {exc}") from None
+                raise ValueError(f"--codecs {text!r}: {exc}") from None
+            else:
+                specs.append(spec)
     except ValueError as exc:
         _fail(exc)
-    if args.codecs and missing:
-        _fail(f"codec(s) {', '.join(missing)} unknown or unable to take the widths of "
-              f"{shape.name} ({', '.join(str(s.dim) for s in shape.streams)}); see "
-              "`kvquant info` and docs/codecs.md")
+    if unknown:
+        _fail(f"unknown codec(s): {'; '.join(unknown)}; see `kvquant info` and docs/codecs.md")
+    if args.codecs and refused:
+        _fail(f"codec(s) unable to take the widths of {shape.name}: {'; '.join(refused)}; see "
+              "docs/codecs.md")
     rows = budget_table(shape, specs, args.ram, contexts, args.slots, args.reserve)
     if args.json:
         print(json.dumps({"model": shape.to_json(), "ram_bytes": parse_bytes(args.ram),

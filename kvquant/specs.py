@@ -21,6 +21,10 @@ plug-in kinds
     use in any process: e.g. ``sim:`` (the experiments' simulated caches).
 
 CacheSpecs are immutable and pickle, so worker processes and Dask receive objects.
+
+:class:`StreamListSpec` is the per-stream form of a pair for a model whose cache holds any
+number of streams per layer (``"kv8/tq4/f32"``; the memory budget's model shapes): it counts
+bytes and builds no cache, so no kind claims a string for it.
 """
 import re
 from dataclasses import dataclass
@@ -29,9 +33,10 @@ from kvquant.codecs import describe_codec
 from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import stream_bytes
 
-__all__ = ["CacheSpec", "KVLayout", "PairSpec", "SpecKind", "parse_cache_spec",
-           "parse_cache_specs", "process_registrations", "register_spec_kind",
-           "restore_registrations", "split_spec_text", "unregister_spec_kind"]
+__all__ = ["CacheSpec", "KVLayout", "PairSpec", "SpecKind", "StreamListSpec",
+           "parse_cache_spec", "parse_cache_specs", "process_registrations",
+           "register_spec_kind", "restore_registrations", "split_spec_text",
+           "unregister_spec_kind"]
 
 ENTRY_POINT_GROUP = "kvquant.cache_specs"
 # the stream options' bare flags (kvquant.streams.options): a list piece that is one of them
@@ -115,7 +120,7 @@ class PairSpec(CacheSpec):
 
     @classmethod
     def parse(cls, text):
-        parts = [p.strip() for p in text.split("/")]
+        parts = _stream_parts(text)
         if len(parts) == 1:
             parts = parts * 2
         if len(parts) != 2 or not all(parts):
@@ -178,6 +183,95 @@ class PairSpec(CacheSpec):
         k, v = self.checked((d, d), ("K", "V"))
         return QuantizedKVCache(layout.n_layers, {"k": (k, d), "v": (v, d)},
                                 n_kv_heads=layout.n_kv_heads, capacity=layout.capacity)
+
+
+def _stream_parts(text):
+    """The stream specs of a per-stream list, ``/`` between them (stripped; empty ones kept for
+    the caller to refuse)."""
+    return [p.strip() for p in text.split("/")]
+
+
+@dataclass(frozen=True)
+class StreamListSpec:
+    """One stream spec for every stream of a model, or one per stream in the model's order,
+    ``/`` between them: ``"tq4"``, ``"kv8/tq4@recent=16"``, ``"kv8/tq4/f32"``.
+
+    The per-stream form of :class:`PairSpec` for a model whose cache holds any number of streams
+    per layer and token (K and V of a GQA model, L and R of the MLA model, or more; the memory
+    budget's model shapes, :mod:`kvquant.budget`). It counts bytes and builds no cache.
+
+    Examples
+    --------
+    >>> s = StreamListSpec.parse("kv8/tq4@recent=16/f32")
+    >>> [str(x) for x in s.for_streams(("k", "v", "x"))]
+    ['kv8', 'tq4@recent=16', 'f32']
+    >>> [str(x) for x in StreamListSpec.of(parse_cache_spec("tq4")).for_streams(("L", "R"))]
+    ['tq4', 'tq4']
+    """
+
+    streams: tuple
+
+    def __post_init__(self):
+        if (not isinstance(self.streams, tuple) or not self.streams
+                or not all(isinstance(s, StreamSpec) for s in self.streams)):
+            raise TypeError(f"streams must be a non-empty tuple of StreamSpecs, got "
+                            f"{self.streams!r}")
+
+    @classmethod
+    def parse(cls, text):
+        """The StreamListSpec of ``text`` (ValueError naming what is wrong, or the kind that
+        claims ``text`` when it is another kind's spec, e.g. ``ggml:q8_0/q4_0``)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"a cache spec must be a non-empty string, got {text!r}")
+        text = text.strip()
+        for kind in _load_kinds().values():
+            if kind.claims(text):
+                raise ValueError(
+                    f"{text!r} is a {kind.name} spec, not a list of stream specs: give one "
+                    "stream spec for every stream, or one per stream separated by '/' (e.g. "
+                    "'kv8' or 'kv8/tq4')")
+        parts = _stream_parts(text)
+        if not all(parts):
+            raise ValueError(f"{text!r}: an empty stream spec beside a '/'; give one stream "
+                             "spec for every stream, or one per stream separated by '/'")
+        return cls(tuple(StreamSpec.parse(p) for p in parts))
+
+    @classmethod
+    def of(cls, spec):
+        """``spec`` itself when it is a StreamListSpec; the streams of a :class:`PairSpec` (one
+        when K and V are equal) or of a StreamSpec; else :meth:`parse` of a string. Another
+        kind's CacheSpec (a plan, llama.cpp's attention) holds no per-stream list: ValueError."""
+        if isinstance(spec, cls):
+            return spec
+        if isinstance(spec, StreamSpec):
+            return cls((spec,))
+        if isinstance(spec, PairSpec):
+            return cls((spec.k,) if spec.k == spec.v else spec.streams)
+        if isinstance(spec, CacheSpec):
+            raise ValueError(f"{spec.text!r} is a {spec.kind} spec, not a list of stream specs")
+        return cls.parse(spec)
+
+    @property
+    def text(self):
+        """The canonical text (parsing it gives an equal spec)."""
+        return "/".join(str(s) for s in self.streams)
+
+    def __str__(self):
+        return self.text
+
+    def for_streams(self, names, model="the model"):
+        """One StreamSpec per stream named in ``names``: the one spec for all of them, or the
+        list's specs in order (ValueError when their count is another; ``model`` names the model
+        in it)."""
+        names = tuple(names)
+        if len(self.streams) == 1:
+            return self.streams * len(names)
+        if len(self.streams) != len(names):
+            raise ValueError(
+                f"{self.text!r} gives {len(self.streams)} stream specs separated by '/', but "
+                f"{model} has {len(names)} streams ({', '.join(names)}): give one spec for all "
+                "of them or one per stream")
+        return self.streams
 
 
 # --------------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_cli_json_and_custom_shape(capsys, tmp_path):
     assert data["rows"][0]["max_context"] == 10**6 // 136
     with pytest.raises(SystemExit) as exc:
         main(["budget", "--model", str(shape), "--codecs", "tq9"])
-    assert exc.value.code == 2 and "unknown or unable" in capsys.readouterr().err
+    assert exc.value.code == 2 and "unknown codec(s): tq9" in capsys.readouterr().err
 
 
 def test_codecs_split_outside_spec_options(capsys):
@@ -165,7 +165,13 @@ def test_no_quiet_zero_context(capsys):
     (["--contexts", "0"], "a context must be at least 1 token"),
     (["--contexts", ","], "names no context"),
     (["--contexts", "12x"], "cannot read '12x' as a token count"),
-    (["--codecs", "tq9"], "codec(s) tq9 unknown or unable"),
+    (["--codecs", "tq9"], "unknown codec(s): tq9 (tq bits must be an integer in 1..8, got 9)"),
+    (["--codecs", "nope"], "unknown codec(s): nope (unknown codec spec 'nope'"),
+    (["--model", "smollm2", "--codecs", "kv8-g48"],
+     "codec(s) unable to take the widths of smollm2: kv8-g48 (smollm2's k rows (width 64): kv8 "
+     "group size 48 must be a positive divisor of the width 64)"),
+    (["--codecs", "ggml:q8_0/q4_0"], "'ggml:q8_0/q4_0' is a ggml spec, not a list of stream specs"),
+    (["--codecs", "kv8/"], "an empty stream spec"),
     (["--codecs", "side=unbiased,tq4"], "follows no spec"),
     (["--codecs", "tq4@bogus=1"], "unknown stream option 'bogus'"),
     (["--codecs", "tq4@recent=-1"], "recent"),
@@ -179,3 +185,50 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvquant budget: ") and message in err, err
+
+
+def test_unknown_codecs_and_refused_widths_are_distinct_errors():
+    """row_bytes names its refusal: a spec that is no codec, or a codec that refuses the width;
+    the totals keep None for a refused width and raise for an unknown codec."""
+    with pytest.raises(budget.UnknownCodecError, match="unknown codec spec 'nope'"):
+        budget.row_bytes("nope", 64)
+    with pytest.raises(budget.UnknownCodecError, match="tq bits must be an integer in 1..8"):
+        budget.row_bytes("tq9", 64)
+    with pytest.raises(budget.CodecWidthError, match="power-of-two row width"):
+        budget.row_bytes("tq4", 96)
+    with pytest.raises(budget.CodecWidthError, match="group size 48"):
+        budget.row_bytes("kv8-g48", 64)
+    assert not issubclass(budget.UnknownCodecError, budget.CodecWidthError)
+    assert not issubclass(budget.CodecWidthError, budget.UnknownCodecError)
+    assert budget.token_bytes("smollm2", "kv8-g48") is None
+    with pytest.raises(budget.UnknownCodecError):
+        budget.token_bytes("smollm2", "nope")
+    with pytest.raises(budget.CodecWidthError, match=r"smollm2's k rows \(width 64\)"):
+        budget.checked_stream_costs("smollm2", "kv8-g48")
+    assert budget.available_codecs(["nope", "kv8-g48", "kv8"], "smollm2") == ["kv8"]
+
+
+def test_row_scales_for_a_stream_that_keeps_them_at_any_width():
+    """The tiny MLA model's rope row R (width 8) keeps one scale per row: kv8-g32 counts it as
+    kv8, though a group of 32 would not divide 8."""
+    assert budget.layer_row_bytes("tiny-mla", "kv8-g32") == (32 + 4) + (8 + 4)
+    assert budget.layer_row_bytes("tiny-mla", "kv8-g32@sinks=1/kv8-g32") == (32 + 4) + (8 + 4)
+    # 5 layers; a sink row: float32 in place of its codes and scale
+    assert budget.fixed_bytes("tiny-mla", "kv8-g32@sinks=1") == 5 * (4 * 32 - 36 + 4 * 8 - 12)
+
+
+def test_specs_are_objects_and_any_number_of_streams():
+    from kvquant.specs import StreamListSpec, parse_cache_spec
+    shape = budget.load_shape(json.dumps({
+        "name": "three", "n_layers": 2,
+        "streams": [{"name": "a", "dim": 64}, {"name": "b", "dim": 64}, {"name": "c", "dim": 32}]}))
+    assert budget.layer_row_bytes(shape, "kv8/tq4/f32") == 68 + 36 + 128
+    assert budget.layer_row_bytes(shape, StreamListSpec.parse("kv8/tq4/f32")) == 68 + 36 + 128
+    assert budget.layer_row_bytes("glm-5.2", parse_cache_spec("kv8/tq4")) == \
+        budget.layer_row_bytes("glm-5.2", "kv8/tq4") == (512 + 4) + (32 + 4)
+    rows = budget.budget_table("smollm2", [parse_cache_spec("tq4"), "kv8/kv8"], contexts=(1024,))
+    assert [r["codec"] for r in rows] == ["tq4", "kv8/kv8"]
+    with pytest.raises(ValueError, match="gives 2 stream specs separated by '/', but three has 3"):
+        budget.token_bytes(shape, "kv8/tq4")
+    with pytest.raises(ValueError, match="is a ggml spec"):
+        budget.token_bytes("smollm2", parse_cache_spec("ggml:q8_0/q4_0"))

@@ -10,8 +10,9 @@ import pytest
 from kvquant.cache import QuantizedKVCache
 from kvquant.ggml_attention import GGMLAttentionCache, GGMLPair
 from kvquant.models.plan import CachePlan
-from kvquant.specs import (CacheSpec, KVLayout, PairSpec, SpecKind, parse_cache_spec,
-                           parse_cache_specs, register_spec_kind, unregister_spec_kind)
+from kvquant.specs import (CacheSpec, KVLayout, PairSpec, SpecKind, StreamListSpec,
+                           parse_cache_spec, parse_cache_specs, register_spec_kind,
+                           unregister_spec_kind)
 from kvquant.streams.spec import StreamSpec
 
 LAYOUT = KVLayout(n_layers=2, n_kv_heads=3, head_dim=64)
@@ -166,3 +167,76 @@ def test_stream_specs_inside_a_pair_are_the_stream_layers_objects():
     spec = parse_cache_spec("tq4:side_dtype=f16@center/kv8")
     assert spec.k == StreamSpec.parse("tq4:side_dtype=f16@center")
     assert spec.k.codec(64).side_dtype == "f16"
+
+
+def test_a_stream_list_gives_one_spec_per_stream_of_any_model():
+    spec = StreamListSpec.parse(" kv8 / tq4@recent=16,sinks=1 / f32 ")
+    assert spec.text == "kv8/tq4@sinks=1,recent=16/f32"
+    assert StreamListSpec.parse(spec.text) == spec
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    k, v, x = spec.for_streams(("k", "v", "x"))
+    assert (k.codec_spec, v.options.recent, v.options.sinks, x.codec_spec) == ("kv8", 16, 1, "f32")
+    # one spec serves every stream
+    assert StreamListSpec.parse("tq4").for_streams("abcd") == (StreamSpec.parse("tq4"),) * 4
+    # the grammar of a pair: a pair gives its streams, one when they are equal
+    assert StreamListSpec.of(parse_cache_spec("kv8/tq4@sinks=1")) == \
+        StreamListSpec.parse("kv8/tq4@sinks=1")
+    assert StreamListSpec.of(parse_cache_spec("tq4/tq4")).text == "tq4"
+    assert StreamListSpec.of(StreamSpec.parse("polar4@center")).text == "polar4@center"
+    assert StreamListSpec.of(spec) is spec
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("kv8/tq4", r"'kv8/tq4' gives 2 stream specs separated by '/', but m has 3 streams \(a, b, c\)"),
+    ("kv8//tq4", "an empty stream spec"),
+    ("", "non-empty string"),
+    ("ggml:q8_0/q4_0", "'ggml:q8_0/q4_0' is a ggml spec, not a list of stream specs"),
+    ("plan.json", "is a plan spec"),
+    ("tq4@bogus", "unknown stream option 'bogus'"),
+])
+def test_a_bad_stream_list_is_a_named_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        StreamListSpec.parse(bad).for_streams(("a", "b", "c"), "m")
+
+
+def test_another_kinds_object_is_no_stream_list():
+    with pytest.raises(ValueError, match="is a ggml spec"):
+        StreamListSpec.of(parse_cache_spec("ggml:q8_0"))
+    with pytest.raises(TypeError, match="non-empty tuple of StreamSpecs"):
+        StreamListSpec(("tq4",))
+
+
+def test_row_scales_are_asked_of_the_codec_family():
+    from kvquant.codecs import row_scaled_spec
+    assert row_scaled_spec("kv8-g32") == "kv8"
+    assert row_scaled_spec("kv8-g32:nonfinite=inert") == "kv8:nonfinite=inert"
+    assert row_scaled_spec("tq4:seed=7") == "tq4:seed=7" and row_scaled_spec("kv8") == "kv8"
+    s = StreamSpec.parse("kv8-g32@center,sinks=1")
+    assert str(s.with_row_scales()) == "kv8@center,sinks=1"
+    t = StreamSpec.parse("tq4@sinks=1")
+    assert t.with_row_scales() is t
+
+
+@pytest.mark.parametrize("spec, dim, error, match", [
+    ("nope", 64, "UnknownCodecError", "unknown codec spec 'nope'"),
+    ("tq9", 64, "UnknownCodecError", "tq bits must be an integer in 1..8"),
+    ("tq4:bogus=1", 64, "UnknownCodecError", "unknown option"),
+    ("tq4", 96, "CodecWidthError", "power-of-two row width"),
+    ("polar4", 48, "CodecWidthError", "power-of-two row width"),
+    ("q4_0", 48, "CodecWidthError", "multiple of 32"),
+    ("q4_0+rot", 96, "CodecWidthError", "power-of-two"),
+    ("kv8-g48", 64, "CodecWidthError", "group size 48"),
+    ("vq3", 96, "CodecWidthError", "power-of-two"),     # a plug-in's plain ValueError
+])
+def test_a_codec_refusal_says_whether_the_codec_or_the_width_is_wrong(spec, dim, error, match):
+    import kvquant.codecs as codecs
+    with pytest.raises(getattr(codecs, error), match=match):
+        codecs.codec_for_width(spec, dim)
+    other = {"UnknownCodecError": codecs.CodecWidthError,
+             "CodecWidthError": codecs.UnknownCodecError}[error]
+    try:
+        codecs.codec_for_width(spec, dim)
+    except other:
+        pytest.fail(f"{spec} at {dim} raised both errors")
+    except ValueError:
+        pass

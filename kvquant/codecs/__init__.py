@@ -10,7 +10,8 @@ from elsewhere come in through :mod:`kvquant.codecs.registry` (``register_codec`
 """
 from kvquant.codecs import fp8, ggml, identity, lloyd, polar
 from kvquant.codecs import registry
-from kvquant.codecs.base import WIDTH_RULE, Codec, EncodedRows
+from kvquant.codecs.base import (WIDTH_RULE, Codec, CodecWidthError, EncodedRows,
+                                 UnknownCodecError)
 from kvquant.codecs.registry import register_codec, unregister_codec
 
 _FAMILIES = (identity.parse, fp8.parse, lloyd.parse, polar.parse, ggml.parse)
@@ -19,8 +20,9 @@ _INT_OPTIONS = ("seed", "group", "bits")
 BUILTIN_FORMS = ("f32", "kv8", "kv8-g<N>", "tq<b> (b = 1..8)", "polar<b> (b = 2..6)",
                  *(f"{k} (+rot)" for k in ggml.KINDS))
 
-__all__ = ["BUILTIN_FORMS", "WIDTH_RULE", "Codec", "EncodedRows", "available_codecs",
-           "describe_codec", "get_codec", "is_simulated_codec", "parse_spec", "register_codec",
+__all__ = ["BUILTIN_FORMS", "WIDTH_RULE", "Codec", "CodecWidthError", "EncodedRows",
+           "UnknownCodecError", "available_codecs", "codec_for_width", "describe_codec",
+           "get_codec", "is_simulated_codec", "parse_spec", "register_codec", "row_scaled_spec",
            "unregister_codec"]
 
 
@@ -80,8 +82,9 @@ def get_codec(spec, dim, **options):
         return codec
     factory = registry.registered_factory(base)
     if factory is None:
-        raise ValueError(f"unknown codec spec {spec!r}; known: {', '.join(available_codecs())}"
-                         " (kvquant.register_codec adds one)")
+        raise UnknownCodecError(f"unknown codec spec {spec!r}; known: "
+                                f"{', '.join(available_codecs())} (kvquant.register_codec adds "
+                                "one)")
     try:
         codec = factory(dim, **merged)
     except TypeError as exc:
@@ -103,6 +106,43 @@ def _built_at_some_width(spec):
         except ValueError as exc:   # a width this codec refuses (a group size, a block)
             error = error or exc
     raise error
+
+
+def codec_for_width(spec, dim):
+    """:func:`get_codec` of ``spec`` for rows of width ``dim``, its refusals told apart.
+
+    Raises
+    ------
+    UnknownCodecError
+        ``spec`` names no codec this process can build at any width (an unknown name, or bits
+        or options its family refuses).
+    CodecWidthError
+        The codec exists but refuses rows of width ``dim``; a plug-in's plain ValueError counts
+        as one when the spec builds at another width.
+    """
+    try:
+        return get_codec(spec, dim)
+    except (UnknownCodecError, CodecWidthError):
+        raise
+    except ValueError as exc:
+        try:
+            _built_at_some_width(spec)
+        except ValueError:
+            raise UnknownCodecError(str(exc)) from None
+        raise CodecWidthError(str(exc)) from None
+
+
+def row_scaled_spec(spec):
+    """``spec`` with one scale per row in place of scale groups (``"kv8-g32"`` -> ``"kv8"``,
+    codec options kept), ``spec`` itself when its codec keeps no scale groups: the codec of rows
+    whose producer scales each row whole (the engine groups the MLA model's latent L, not its
+    rope row R)."""
+    base, _ = parse_spec(spec)
+    row_base = fp8.row_scaled_base(base)
+    if row_base is None:
+        return spec
+    opt_text = spec.strip().partition(":")[2]
+    return row_base + (":" + opt_text if opt_text else "")
 
 
 def describe_codec(spec):

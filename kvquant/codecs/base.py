@@ -20,6 +20,16 @@ FLT_MAX = float(np.finfo(np.float32).max)
 F16_MAX = 65504.0
 
 
+class UnknownCodecError(ValueError):
+    """A spec that names no codec this process can build at any width: a name no built-in
+    family or plug-in has, or bits or options its family refuses."""
+
+
+class CodecWidthError(ValueError):
+    """A codec that exists but refuses rows of the width asked (a rotated codec on a width that
+    is not a power of two, a block or scale group that does not divide it)."""
+
+
 @dataclass(frozen=True)
 class EncodedRows:
     """Rows as a codec stores them.

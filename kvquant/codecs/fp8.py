@@ -16,7 +16,7 @@ import numpy as np
 
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import fp8 as _fp8
-from kvquant.codecs.base import Codec
+from kvquant.codecs.base import Codec, CodecWidthError
 
 
 class FP8Codec(Codec):
@@ -46,7 +46,7 @@ class FP8Codec(Codec):
             self.engine_tag = 1
         else:
             if group < 1 or self.dim % group:
-                raise ValueError(
+                raise CodecWidthError(
                     f"kv8 group size {group} must be a positive divisor of the width {self.dim}"
                 )
             self.group = int(group)
@@ -76,10 +76,20 @@ class FP8Codec(Codec):
         _consumers.context_kv8(codes, side, self.group, W, out, n_threads)
 
 
+# kv8-g<N>: one scale per N elements
+_GROUPED = re.compile(r"kv8-g(\d+)")
+
+
 def parse(base, dim, options):
     if base == "kv8":
         return FP8Codec(dim, **options)
-    m = re.fullmatch(r"kv8-g(\d+)", base)
+    m = _GROUPED.fullmatch(base)
     if m:
         return FP8Codec(dim, group=int(m.group(1)), **options)
     return None
+
+
+def row_scaled_base(base):
+    """``"kv8"`` for a grouped base ``kv8-g<N>`` (one scale per row in place of one per N
+    elements), None for any other base."""
+    return "kv8" if _GROUPED.fullmatch(base) else None

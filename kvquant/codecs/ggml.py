@@ -51,7 +51,7 @@ import numpy as np
 
 from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import ggml as _ggml
-from kvquant.codecs.base import Codec
+from kvquant.codecs.base import Codec, CodecWidthError
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 BLOCK = 32
@@ -86,11 +86,11 @@ class GGMLCodec(Codec):
             raise ValueError(f"kind must be one of {tuple(KINDS)}, got {kind!r}")
         name = kind + ("+rot" if rotate else "")
         if self.dim % BLOCK:
-            raise ValueError(
+            raise CodecWidthError(
                 f"{name} stores blocks of {BLOCK} values: the row width must be a multiple of "
                 f"{BLOCK}, got {self.dim}; use kv8 for width {self.dim}")
         if rotate and not is_power_of_two(self.dim):
-            raise ValueError(
+            raise CodecWidthError(
                 f"{name} needs a power-of-two row width (the Hadamard rotation), got {self.dim}; "
                 f"use the unrotated {kind} for width {self.dim}")
         if seed is not None and not rotate:

@@ -36,7 +36,7 @@ from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import lloyd as _lloyd
 from kvquant.codebooks import levels_checksum, load_codebook
 from kvquant.codecs.base import (F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec,
-                                 codecs_for_width)
+                                 CodecWidthError, codecs_for_width)
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 # The engine's 4-bit levels (Gaussian Lloyd-Max, Max 1960, three decimals), positive half.
@@ -80,7 +80,7 @@ class LloydCodec(Codec):
                 MIN_BITS <= bits <= MAX_BITS):
             raise ValueError(f"tq bits must be an integer in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
         if not is_power_of_two(self.dim) or self.dim < 2:
-            raise ValueError(
+            raise CodecWidthError(
                 f"tq{bits} needs a power-of-two row width (the Hadamard rotation), got {self.dim}; "
                 f"use {codecs_for_width(self.dim)} for width {self.dim}"
             )

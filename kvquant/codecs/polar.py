@@ -82,7 +82,7 @@ from kvquant._kernels import consumers as _consumers
 from kvquant._kernels import lloyd as _lloyd
 from kvquant._kernels import polar as _polar
 from kvquant.codecs.base import (F16_MAX, FLT_MAX, ROW_LIMIT, SIDE_DTYPES, Codec,
-                                 codecs_for_width)
+                                 CodecWidthError, codecs_for_width)
 from kvquant.rotation import ENGINE_SEED, HadamardRotation, is_power_of_two
 
 MIN_BITS, MAX_BITS = 2, 6
@@ -380,7 +380,7 @@ class PolarCodec(Codec):
             raise ValueError(
                 f"polar bits must be an integer in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
         if not is_power_of_two(self.dim) or self.dim < 2:
-            raise ValueError(
+            raise CodecWidthError(
                 f"polar{bits} needs a power-of-two row width (the Hadamard rotation and the "
                 f"pairwise polar transform), got {self.dim}; use {codecs_for_width(self.dim)} "
                 f"for width {self.dim}")

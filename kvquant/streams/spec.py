@@ -8,7 +8,7 @@ codec the stream then uses.
 """
 from dataclasses import dataclass, field
 
-from kvquant.codecs import get_codec, parse_spec
+from kvquant.codecs import get_codec, parse_spec, row_scaled_spec
 from kvquant.streams.options import StreamOptions, parse_stream_spec
 
 
@@ -90,6 +90,12 @@ class StreamSpec:
         if key not in self._codecs:
             self._codecs[key] = get_codec(self.codec_spec, dim, **codec_options)
         return self._codecs[key]
+
+    def with_row_scales(self):
+        """This spec with one scale per row where its codec groups scales (``kv8-g32@sinks=1``
+        -> ``kv8@sinks=1``: :func:`kvquant.codecs.row_scaled_spec`), itself otherwise."""
+        codec_spec = row_scaled_spec(self.codec_spec)
+        return self if codec_spec == self.codec_spec else StreamSpec(codec_spec, self.options)
 
     def check(self, dim, what=None):
         """This spec, after checking that its codec takes rows of width ``dim``; errors start
