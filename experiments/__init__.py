@@ -23,8 +23,9 @@ kv_rows         ``kvquant dump-kv``: a model's cache rows on a text, and their r
 flip_report     the report's flip tables (flip_runs), Pareto chart data, per-position strip
 frontier        quality per byte of codec pairs on a model and a text
 probes          ideas measured with simulated codecs (fp8 formats, QJL, outliers, window)
-speed           encode throughput; decode-step time of the consumers against numpy
-                (kvquant.bench), one cell per (d, T)
+bench           speed: ``kvquant bench`` and every other speed measurement, one module per
+                question (its docstring lists them); bench.report_cells: the report's encode
+                throughput and decode-step cells, one per (d, T)
 memory          bytes per token and context per RAM budget (kvquant.budget)
 cache_files     cache files of each tier written, reopened, refused (kvquant.kvfile)
 plots           every figure, from result files only

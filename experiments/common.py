@@ -144,7 +144,7 @@ def environment():
 def _numerics():
     try:
         from kvquant._kernels import consumers
-        from kvquant.bench import blas_info
+        from kvquant_experiments.bench.timing import blas_info
         return {"blas": blas_info(), "simd": consumers.get_simd()}
     except Exception as exc:  # noqa: BLE001 - an environment record never stops a result
         return {"blas": f"unknown ({exc})"}

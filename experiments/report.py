@@ -275,7 +275,8 @@ def _speed_section(res, out, figures):
         sec.para(
             "One decode step (scores, softmax, context) over T cached rows, one query, through "
             "each codec's compressed-domain consumers, against numpy on float32 rows; "
-            f"`kvquant.bench.time_cell`: each method warmed and timed in its own block of "
+            "`kvquant_experiments.bench.attention_step.time_cell` (what `kvquant bench` times): "
+            "each method warmed and timed in its own block of "
             f"{grid['repeats']} calls, {grid['rounds']} rounds in rotated order, medians; "
             "byte limit = the bytes the step reads (every row twice) over the read bandwidth "
             "measured in the same cell, of limit = byte limit / time. "
@@ -299,22 +300,24 @@ def _speed_section(res, out, figures):
             cols += [f"numpy ms ({nt}t)", f"codec ms ({nt}t)", f"speedup ({nt}t)",
                      f"of limit ({nt}t)"]
         sec.table(cols + ["flags"], rows)
-        from kvquant.bench import POLAR_NOTE
+        from kvquant_experiments.bench.attention_step import POLAR_NOTE
         sec.para(POLAR_NOTE)
         try:
-            from kvquant_experiments import bench_attention
+            from kvquant_experiments.bench import attention_targets as bench_attention
         except ImportError as exc:
             sec.not_available("the attention benchmark's targets", f"{exc}")
         else:
             if callable(getattr(bench_attention, "verdict", None)):
-                sec.para("Targets of the attention benchmark (`experiments/bench_attention.py`; "
+                sec.para("Targets of the attention benchmark "
+                         "(`python -m kvquant_experiments.bench.attention_targets`; "
                          "its own grid goes to T = 131072), checked on this grid at "
                          f"{max(grid['threads'])} thread(s):")
                 sec.add(bench_attention.verdict({"threads": grid["threads"],
                                                  "rows": res["step"]}), "")
             else:
                 sec.not_available("the attention benchmark's targets",
-                                  "experiments/bench_attention.py has no verdict()")
+                                  "kvquant_experiments.bench.attention_targets has no "
+                                  "verdict()")
     else:
         sec.not_available("decode-step timing", res["unavailable"].get("*", "no codec could be "
                                                                           "timed"))
@@ -494,7 +497,8 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
     dict with ``report`` (path of REPORT.md), ``seconds``, ``sections`` {key: seconds},
     ``unavailable`` (lines "not available") and ``reused`` / ``computed`` cell counts.
     """
-    from kvquant_experiments import distortion, flip_report, inner_products, speed
+    from kvquant_experiments import distortion, flip_report, inner_products
+    from kvquant_experiments.bench import report_cells as speed
     from kvquant_experiments.executor import open_executor
     _require_plotting()
     t_start = time.perf_counter()

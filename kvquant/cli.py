@@ -173,7 +173,7 @@ COMMAND_GROUP = "kvquant.commands"
 
 def _installed_commands():
     """``{name: entry point}`` of the commands installed in the group ``kvquant.commands``
-    (the research package's report, flips, tasks, dump-kv; any package may add one). Each
+    (the research package's report, flips, tasks, dump-kv, bench; any package may add one). Each
     names a ``main(argv)`` that parses its own options; it is imported only when run."""
     from importlib.metadata import entry_points
     return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
@@ -233,8 +233,8 @@ def build_parser():
         p.set_defaults(func=cmd_installed)
 
     # each module that owns a command registers it (imported here: scipy etc. load lazily)
-    from kvquant import bench, budget, codebooks, kvfile
-    for module in (codebooks, budget, bench, kvfile):
+    from kvquant import budget, codebooks, kvfile
+    for module in (codebooks, budget, kvfile):
         module.add_cli(sub)
     return parser
 

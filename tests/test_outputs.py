@@ -69,8 +69,8 @@ def test_dump_kv_and_codebooks_where_nothing_can_be_created(monkeypatch, capsys,
 
 
 def test_bench_checks_out_before_timing(monkeypatch, capsys, a_file):
-    from kvquant import bench
-    monkeypatch.setattr(bench, "run", _no_work)
+    from kvquant_experiments.bench import attention_step
+    monkeypatch.setattr(attention_step, "run", _no_work)
     _refused(capsys, ["bench", "--codecs", "kv8", "--dims", "64", "--contexts", "64",
                       "--out", str(a_file)], "kvquant bench", "not a folder")
 

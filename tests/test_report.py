@@ -56,14 +56,17 @@ def test_cli_report_help_comes_from_the_research_package():
 def test_missing_pieces_are_named_not_dropped(tmp_path, monkeypatch):
     monkeypatch.setattr(distortion, "SMOKE_CODECS", distortion.SMOKE_CODECS + ["nosuch4"])
     import kvquant
-    for piece in ("bench", "budget"):  # as if these modules were not built yet
-        monkeypatch.setitem(sys.modules, f"kvquant.{piece}", None)
-        monkeypatch.delattr(kvquant, piece, raising=False)
+    import kvquant_experiments.bench
+    # as if these modules were not built yet
+    for package, piece in ((kvquant_experiments.bench, "attention_step"), (kvquant, "budget")):
+        monkeypatch.setitem(sys.modules, f"{package.__name__}.{piece}", None)
+        monkeypatch.delattr(package, piece, raising=False)
     res = report.run_report(tmp_path / "rep", smoke=True, scheduler="serial", progress=False,
                             real="no", log=lambda msg: None)
     md = (tmp_path / "rep" / "REPORT.md").read_text()
     assert re.search(r"not available\*\*: codec `nosuch4` — unknown codec spec", md)
-    assert "not available**: decode-step timing — kvquant.bench is not in this build" in md
+    assert ("not available**: decode-step timing — kvquant_experiments.bench.attention_step is "
+            "not in this build") in md
     assert "not available**: the memory budget — kvquant.budget is not in this build" in md
     assert len(res["unavailable"]) >= 4
     # Every codec of the grid is either in a table or named as not available.

@@ -51,12 +51,13 @@ CACHE_THREADS = 1
 # against it, so attention and projections both take the threads OpenMP allows ("auto";
 # OMP_NUM_THREADS caps them). "auto" (the default) takes the pool where OpenMP allows exactly 2
 # threads, where it was measured, and "blas" elsewhere (without OpenMP the pool would be one
-# thread; on more cores it was not measured). On 2 cores (tools/decode_threads.py, settings
-# alternating in one process; data/results/decode_threads_*_pool_zen4.txt) the pool gave the
-# shortest steps of a SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens and of SmolLM2
-# at 4096 (0.68-0.96 of one attention thread's a round), and about the same for Gemma 3 270M at
-# 8000 (50.0 against 47.0-49.3 ms: its 671 MB output matrix is most of a step either way). The
-# products' bits differ from BLAS's in rounding only (tests/test_decode_threads.py).
+# thread; on more cores it was not measured). On 2 cores
+# (kvquant_experiments.bench.decode_threads, settings alternating in one process;
+# data/results/decode_threads_*_pool_zen4.txt) the pool gave the shortest steps of a
+# SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens and of SmolLM2 at 4096 (0.68-0.96
+# of one attention thread's a round), and about the same for Gemma 3 270M at 8000 (50.0 against
+# 47.0-49.3 ms: its 671 MB output matrix is most of a step either way). The products' bits
+# differ from BLAS's in rounding only (tests/test_decode_threads.py).
 # DECODE_PROJECTIONS = "blas" keeps numpy's products and picks between two ways of dodging the
 # spinning: attention on 1 thread with BLAS left as it is, or attention on 2 threads with BLAS
 # held to 1 for the whole step, the second once the cached K/V elements the step reads reach

@@ -33,11 +33,12 @@ and libgomp's after a parallel region (GOMP_SPINCOUNT spins): a forward alternat
 each spins on the core the other needs. A remedy is one way to share the 2 cores; each runs in a
 process of its own (the environment knobs are read when the libraries load), see REMEDIES.
 
-    python -m experiments.bench_forward --file /tmp/smollm2-shape.gguf --out /tmp/fwd
-    python -m experiments.bench_forward --file F --remedies cache1,blas1 --tokens 8k --steps 3
+    python -m kvquant_experiments.bench.forward_attention --file /tmp/smollm2-shape.gguf \
+        --out /tmp/fwd
+    python -m kvquant_experiments.bench.forward_attention --file F --remedies cache1,cache2+blas1 \
+        --tokens 8k --steps 3
 """
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -45,6 +46,8 @@ import sys
 import time
 
 import numpy as np
+
+from kvquant_experiments.bench.timing import blas_limited, rotated
 
 # SmolLM2-135M's shape (its GGUF's metadata), context raised to allow 32k cached tokens.
 SMOLLM2_SHAPE = dict(n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv=3, head_dim=64,
@@ -194,7 +197,7 @@ class TimedAttention:
         if self._controller is None:
             out = self.cache.attend(layer, q, **kwargs)
         else:
-            with self._controller.limit(limits=self.blas_threads, user_api="blas"):
+            with blas_limited(self.blas_threads, self._controller):
                 out = self.cache.attend(layer, q, **kwargs)
         self.attend_s += time.perf_counter() - t0
         # CPU time of every thread of the process: threads spinning while others work add to it
@@ -267,16 +270,14 @@ def run_remedy(path, remedy, codecs=DEFAULT_CODECS, tokens=32768, steps=5, warmu
     gguf_decoder.DECODE_BLAS_THREADS = None
     try:
         for r in range(rounds):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
+            for name in rotated(names, r):
                 codec = name != "numpy"
                 gguf_decoder.DECODE_ATTENTION_THREADS = cache_threads if codec else 1
                 # numpy f32 attention keeps numpy's products: the yardstick is plain numpy
                 gguf_decoder.DECODE_PROJECTIONS = projections if codec else "blas"
-                limit = blas_step if codec else None
-                ctx = (controller.limit(limits=limit, user_api="blas") if limit is not None
-                       else contextlib.nullcontext())
-                with ctx:
+                # each step times several spans (step, attention, appends, CPU times), so the
+                # block is its own loop rather than timing.block_times
+                with blas_limited(blas_step if codec else None, controller):
                     for i in range(warmup + steps):
                         measured = one_step(timed[name])
                         if i >= warmup:
@@ -310,7 +311,7 @@ def run_remedies(path, remedies, codecs=DEFAULT_CODECS, tokens=32768, steps=5, w
     results = []
     for remedy in remedies:
         env = {**os.environ, **REMEDIES[remedy][0]}
-        cmd = [sys.executable, "-m", "kvquant_experiments.bench_forward", "--worker",
+        cmd = [sys.executable, "-m", "kvquant_experiments.bench.forward_attention", "--worker",
                "--file", path, "--remedies", remedy, "--codecs", ",".join(codecs),
                "--tokens", str(tokens), "--steps", str(steps), "--warmup", str(warmup),
                "--rounds", str(rounds), "--seed", str(seed)]

@@ -8,14 +8,17 @@ step's long-context ratio (printed); and with one pool (``DECODE_PROJECTIONS = "
 products on kvquant's OpenMP threads, as many as OpenMP allows, the attention on the same). The
 settings alternate over rounds, medians printed. Prints only; writes nothing.
 
-    python tools/decode_threads.py --model smollm2 --tokens 4096 --codecs tq4,kv8
-    python tools/decode_threads.py --model /tmp/smollm2-shape.gguf --tokens 32768 --random-rows
+    python -m kvquant_experiments.bench.decode_threads --model smollm2 --tokens 4096 \
+        --codecs tq4,kv8
+    python -m kvquant_experiments.bench.decode_threads --model /tmp/smollm2-shape.gguf \
+        --tokens 32768 --random-rows
 
 ``--random-rows`` appends random Gaussian K/V rows to every layer instead of prefilling tokens
-(what experiments/bench_forward.py does; a 32k-token prefill would take long), for a GGUF whose
-context allows ``--tokens`` (such as the SmolLM2-shaped file that benchmark writes). Each round
-times every setting in turn in this one process, so a drift of the machine over minutes falls on
-all of them; the per-round ratios to the first setting are printed beside the medians.
+(what :mod:`kvquant_experiments.bench.forward_attention` does; a 32k-token prefill would take
+long), for a GGUF whose context allows ``--tokens`` (such as the SmolLM2-shaped file that
+benchmark writes). Each round times every setting in turn in this one process, so a drift of the
+machine over minutes falls on all of them; the per-round ratios to the first setting are printed
+beside the medians.
 """
 import argparse
 import time
@@ -23,6 +26,7 @@ import time
 import numpy as np
 
 from kvquant.models import gguf_decoder, load_model
+from kvquant_experiments.bench.timing import block_times, mirrored, warm_up
 
 SETTINGS = {"attention 1 thread, BLAS as it is": (1, None, "blas"),
             "attention 2 threads, BLAS 1 thread": (2, 1, "blas"),
@@ -59,7 +63,7 @@ def main(argv=None):
         caches[spec] = model.new_cache(spec)
         t0 = time.perf_counter()
         if args.random_rows:
-            from kvquant_experiments.bench_forward import fill
+            from kvquant_experiments.bench.forward_attention import fill
             caches[spec].reserve(needed)
             fill([caches[spec]], model.n_layers, model.n_kv_heads, model.head_dim, args.tokens)
         else:
@@ -71,17 +75,14 @@ def main(argv=None):
     previous = [getattr(gguf_decoder, knob) for knob in knobs]
     try:
         for r in range(args.rounds):
-            order = list(SETTINGS.items())
-            for name, setting in (order if r % 2 == 0 else order[::-1]):
+            for name, setting in mirrored(SETTINGS.items(), r):
                 for knob, value in zip(knobs, setting):
                     setattr(gguf_decoder, knob, value)
                 for spec, cache in caches.items():
-                    block = []
-                    for i in range(args.steps + 2):          # two untimed steps first
-                        t0 = time.perf_counter()
+                    def step(cache=cache):
                         model.forward(rng.integers(0, model.vocab_size, 1), cache, last_only=True)
-                        if i >= 2:
-                            block.append(time.perf_counter() - t0)
+                    warm_up(step, calls=2)                   # two untimed steps first
+                    block = block_times(step, args.steps)
                     times[name][spec] += block
                     per_round[name][spec].append(np.median(block))
     finally:

@@ -1,5 +1,5 @@
-"""The attention bench's logic: byte accounting, byte limits, flags, the step it times, its
-files. Nothing here asserts a speed."""
+"""The attention bench's logic (``kvquant bench``, kvquant_experiments.bench.attention_step): byte
+accounting, byte limits, flags, the step it times, its files. Nothing here asserts a speed."""
 import contextlib
 import csv
 import json
@@ -7,8 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from kvquant import bench, get_codec
+from kvquant import get_codec
 from kvquant.reference import softmax
+
+from _experiments_env import ensure_importable
+
+ensure_importable()
+from kvquant_experiments.bench import attention_step as bench  # noqa: E402
 
 SMALL_BUFFER = np.ones(1 << 18, np.float32)   # 1 MiB: the bandwidth probe, fast in tests
 

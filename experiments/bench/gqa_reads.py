@@ -6,21 +6,26 @@ For each head width d and query count m (the query heads sharing a KV head), num
 ``--repeats``), so the ratios printed are against numpy in the same run. ``--clock thread`` times
 the calling thread's CPU time instead of the wall clock: with ``--threads 1`` it is robust to
 other jobs on a busy machine. ``--cold`` reads the rows from memory, not the caches: every call
-reads the next of enough copies of its rows to hold 4x the last-level cache (kvquant.bench's
-cold rows; a model's forward evicts each layer's rows before its next step). Prints one line per
-(d, m); writes nothing.
+reads the next of enough copies of its rows to hold 4x the last-level cache (``kvquant bench``'s
+cold rows, :mod:`kvquant_experiments.bench.attention_step`; a model's forward evicts each layer's
+rows before its next step). Prints one line per (d, m); writes nothing.
 
-    python tools/gqa_read_speed.py --dims 64,128,512 --queries 1,3 --rows 131072 --threads 2
-    KVQUANT_SIMD=avx2 python tools/gqa_read_speed.py --dims 512 --queries 1 --threads 2
-    python tools/gqa_read_speed.py --dims 512 --threads 1 --clock thread
-    python tools/gqa_read_speed.py --dims 64,128 --queries 1,3 --threads 2 --cold
+    python -m kvquant_experiments.bench.gqa_reads --dims 64,128,512 --queries 1,3 --rows 131072 \
+        --threads 2
+    KVQUANT_SIMD=avx2 python -m kvquant_experiments.bench.gqa_reads --dims 512 --queries 1 \
+        --threads 2
+    python -m kvquant_experiments.bench.gqa_reads --dims 512 --threads 1 --clock thread
+    python -m kvquant_experiments.bench.gqa_reads --dims 64,128 --queries 1,3 --threads 2 --cold
 """
 import argparse
-import time
 
 import numpy as np
 
+from kvquant_experiments.bench.timing import CLOCKS
 
+
+# Its own loop rather than timing.block_times: each call reads the next copy of the rows (picked
+# outside the timed call), and the best call is kept, not the median.
 def _best(fn, copies, repeats, clock):
     """Best time of fn(copy), each call on the next copy (every copy warmed first)."""
     for rows in copies + copies[:2]:
@@ -54,9 +59,10 @@ def main(argv=None):
 
     from kvquant import get_codec
     from kvquant._kernels import consumers
-    from kvquant.bench import copies_for, copies_of, last_level_cache_bytes
+    from kvquant_experiments.bench.attention_step import (copies_for, copies_of,
+                                                          last_level_cache_bytes)
 
-    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    clock = CLOCKS[args.clock]
     T, nt = args.rows, args.threads
     cache = None
     if args.cold:

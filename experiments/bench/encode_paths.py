@@ -6,8 +6,14 @@ time, best of ``--repeats`` calls interleaved over codecs and paths; printed as 
 relative to the widest path and relative to tq4 on the same path. Prints only; writes nothing.
 The ggml formats' rotation follows ``KVQUANT_SIMD`` alone (set it for the whole run).
 
-    python tools/encode_speed.py --dims 128,512 --codecs "tq4;tq5;tq8"
-    python tools/encode_speed.py --dims 128,512 --codecs "tq4;polar4;polar4:alloc=level;polar3;polar6" --paths auto
+The calls are interleaved over codecs and paths and the best kept, not timed in warmed blocks
+as :mod:`kvquant_experiments.bench.timing` does: one thread, timed by its own CPU time, has no
+other method's spinning threads in its way, and each codec is timed at the same moments as the
+others.
+
+    python -m kvquant_experiments.bench.encode_paths --dims 128,512 --codecs "tq4;tq5;tq8"
+    python -m kvquant_experiments.bench.encode_paths --dims 128,512 \
+        --codecs "tq4;polar4;polar4:alloc=level;polar3;polar6" --paths auto
 """
 import argparse
 import time

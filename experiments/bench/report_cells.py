@@ -1,14 +1,17 @@
-"""Speed: encode throughput per codec, and one attention decode step against T.
+"""The report's speed cells: encode throughput per codec, and one attention decode step
+against T.
 
 A decode step over T cached rows of width d, for one query q: ``s = scores(X, q) / sqrt(d)``,
 ``w = softmax(s)``, ``ctx = context(X, w)``. Each codec runs through its compressed-domain
 consumers (``codec.scores`` / ``codec.context``: nothing decoded); the yardstick is numpy on the
-float32 rows. The timing itself is the library's benchmark, :func:`kvquant.bench.time_cell`
-(each method warmed and timed in its own block, rounds in rotated order, medians, BLAS held to
-the same thread count, the read bandwidth measured in the cell and each time's byte limit);
-here it is one cell per (d, T), with resume and the figure.
+float32 rows. The timing itself is ``kvquant bench``'s,
+:func:`kvquant_experiments.bench.attention_step.time_cell` (each method warmed and timed in its
+own block, rounds in rotated order, medians, BLAS held to the same thread count, the read
+bandwidth measured in the cell and each time's byte limit); here it is one cell per (d, T), with
+resume and the figure.
 
-Encode throughput (and decode, for reference) is timed here per (codec, d).
+Encode throughput (and decode, for reference) is timed here per (codec, d)
+(:func:`kvquant_experiments.bench.timing.time_call`).
 
 Timings are run in one process, cells one after another (concurrent cells would time each
 other). They are not reproducible numbers, so a resumed run keeps the stored ones; ask for a
@@ -16,17 +19,16 @@ fresh run to measure again.
 """
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from kvquant_experiments.bench.timing import time_call
 from kvquant_experiments.common import (cell_stem, codec_status, environment, is_smoke,
                                         read_json, stable_seed, write_csv, write_json)
 from kvquant_experiments.executor import SerialExecutor, run_cells, submit_cells
 
-__all__ = ["collect", "default_grid", "encode_cell", "has_consumers", "run_speed", "step_cell",
-           "time_call"]
+__all__ = ["collect", "default_grid", "encode_cell", "has_consumers", "run_speed", "step_cell"]
 
 DEFAULT_CODECS = ["f32", "kv8", "kv8-g32", "tq2", "tq4", "tq8", "polar4", "q8_0", "q4_0"]
 SMOKE_CODECS = ["f32", "kv8", "tq4"]
@@ -48,20 +50,6 @@ def has_consumers(codec):
     return callable(getattr(codec, "scores", None)) and callable(getattr(codec, "context", None))
 
 
-def time_call(fn, min_time_s=0.2, min_repeats=5, max_repeats=10000):
-    """Median seconds of one call of ``fn()`` (after one warm-up call)."""
-    fn()
-    times = []
-    total = 0.0
-    while len(times) < min_repeats or (total < min_time_s and len(times) < max_repeats):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        total += dt
-    return float(np.median(times))
-
-
 def encode_cell(cell):
     """Encode throughput of one codec: rows/s and input MB/s (float32 rows)."""
     codec, reason = codec_status(cell["codec"], cell["dim"])
@@ -81,18 +69,20 @@ def encode_cell(cell):
 
 
 def step_cell(cell):
-    """One (d, T) cell of the attention benchmark: ``kvquant.bench.time_cell`` (numpy f32 and
+    """One (d, T) cell of the attention benchmark: ``attention_step.time_cell`` (numpy f32 and
     every codec's consumers, each in its own warmed block, medians, byte limits).
 
     Codecs that do not build here or have no consumers are returned in ``unavailable`` with the
     reason instead of being timed.
     """
     try:
-        from kvquant import bench
+        from kvquant_experiments.bench import attention_step as bench
     except ImportError as exc:
-        return {"available": False, "reason": f"kvquant.bench is not in this build ({exc})"}
+        return {"available": False, "reason": "kvquant_experiments.bench.attention_step is not "
+                                              f"in this build ({exc})"}
     if not callable(getattr(bench, "time_cell", None)):
-        return {"available": False, "reason": "kvquant.bench has no time_cell()"}
+        return {"available": False,
+                "reason": "kvquant_experiments.bench.attention_step has no time_cell()"}
     usable, unavailable = [], {}
     for spec in cell["codecs"]:
         codec, reason = codec_status(spec, cell["dim"])
@@ -215,5 +205,5 @@ def collect(results_dir):
 
 
 if __name__ == "__main__":
-    sys.exit("kvquant_experiments.speed is a section of the report, not a command: run "
-             "kvquant report (kvquant report --help), or kvquant distortion for one table")
+    sys.exit("kvquant_experiments.bench.report_cells is a section of the report, not a command: "
+             "run kvquant report (kvquant report --help), or kvquant distortion for one table")

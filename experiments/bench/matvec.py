@@ -6,16 +6,15 @@ Random float32 matrices of SmolLM2-135M's shapes (30 layers of q, k, v, o, gate,
 in its own block (3 untimed passes, then --repeats timed ones), the blocks in --rounds rounds;
 medians printed. Prints only; writes nothing.
 
-    python tools/matvec_speed.py --rounds 2
+    python -m kvquant_experiments.bench.matvec --rounds 2
 """
 import argparse
-import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from kvquant._kernels.matvec import matvec
-from kvquant_experiments.bench_forward import SMOLLM2_SHAPE
+from kvquant_experiments.bench.forward_attention import SMOLLM2_SHAPE
+from kvquant_experiments.bench.timing import blas_limited, block_times, warm_up
 
 
 def step_shapes(shape=SMOLLM2_SHAPE):
@@ -50,15 +49,11 @@ def main(argv=None):
                "matvec, 1 thread": (lambda: kvquant_step(1), 1),
                "matvec, 2 threads": (lambda: kvquant_step(2), 1)}
     times = {name: [] for name in methods}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):     # the same order every round, as the committed runs
         for name, (step, blas) in methods.items():
-            with threadpool_limits(limits=blas, user_api="blas"):
-                for _ in range(3):
-                    step()
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    step()
-                    times[name].append(time.perf_counter() - t0)
+            with blas_limited(blas):
+                warm_up(step, calls=3)
+                times[name] += block_times(step, args.repeats)
     print(f"{len(mats)} matrices, {sum(W.nbytes for W in mats) / 1e6:.0f} MB, one row each")
     for name, ts in times.items():
         print(f"{name}: {1e3 * np.median(ts):.1f} ms a step (median), {1e3 * min(ts):.1f} best")

