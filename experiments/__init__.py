@@ -18,7 +18,12 @@ inputs          rows to quantize: Gaussian, heavy-tailed with outlier channels, 
 distortion      codecs x bits x d x input kind: relative L2 against bits per value
 inner_products  bias (slope) and error of q . k^ per codec
 texts           named texts that ship with Python, UTF-8 files (``--text``)
-flip_runs       whole flip tables over the executor, their files, ``kvquant flips``
+models          a run's model: its name in file names, loaded once per worker process
+flip_runs       whole flip tables over the executor (protocol tasks, text chunks, resume)
+flip_storage    every byte in a flip table's sizes (bits per value, compression)
+flip_tables     a flip table as markdown, llama.cpp's statistics under its names
+flip_files      a flip table's JSON, CSV and by-position files
+flip_command    ``kvquant flips``
 kv_rows         ``kvquant dump-kv``: a model's cache rows on a text, and their reader
 flip_report     the report's flip tables (flip_runs), Pareto chart data, per-position strip
 frontier        quality per byte of codec pairs on a model and a text

@@ -142,7 +142,7 @@ def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
     """Allocate every budget from the scans; write one plan file per budget; return paths."""
     from kvquant.models.plan import CachePlan
     from kvquant.specs import parse_cache_spec
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     from kvquant_experiments.sensitivity import load_result
     scans = [load_result(p) for p in scan_paths]
     meta = scans[0]["meta"]

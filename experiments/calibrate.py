@@ -173,7 +173,7 @@ def format_markdown(result):
 
 def main(argv=None):
     from kvquant.models import load_model
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     p = argparse.ArgumentParser(prog="python -m kvquant_experiments.calibrate",
                                 description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)

@@ -211,13 +211,13 @@ def position_stem(cell):
 def pareto_points(table):
     """(codec, bits per value, KLD, kind of KLD) per row of a flip table; f32 excluded.
 
-    Bits per value count every stored byte (:func:`kvquant_experiments.flip_runs.add_storage`):
+    Bits per value count every stored byte (:func:`kvquant_experiments.flip_storage.add_storage`):
     the codes and side values of each token, plus the fixed bytes of stream options (f32 sinks,
     recent-window copies, offsets, scales) spread over the context of one text chunk (or the
     protocol's sequence), as the tables' B/token. The KLD is the real-text mean when the table
     has text, else the teacher-forced mean.
     """
-    from kvquant_experiments.flip_runs import add_storage
+    from kvquant_experiments.flip_storage import add_storage
     rows = add_storage(table["rows"], table["meta"])
     key = "kld_mean" if "kld_mean" in rows[0] else "tf_kld_mean"
     return [{"codec": r["codec"], "bits_per_value": r["bits_per_value"], "kld": r[key],
@@ -238,7 +238,7 @@ def pareto_front(points, key="kld"):
 
 def write_table(table, out_dir, unavailable):
     """Write the merged table as ``kvquant flips`` does, plus the unavailable codecs."""
-    from kvquant_experiments.flip_runs import write_results
+    from kvquant_experiments.flip_files import write_results
     table = dict(table)
     table["meta"] = {**table["meta"], "unavailable": unavailable, "environment": environment()}
     return write_results(table, out_dir, figure=False)[:2]

@@ -174,7 +174,7 @@ def _pair(config):
 
 def frontier_rows(result):
     """Flat rows of a frontier result: bits, family, metrics, front membership, goal flags."""
-    from kvquant_experiments.flip_runs import add_storage
+    from kvquant_experiments.flip_storage import add_storage
     add_storage(result["rows"], result["meta"])
     rows = []
     for r in result["rows"]:
@@ -255,7 +255,7 @@ def run_frontier(configs=None, positions=DEFAULTS["positions"],
 
 
 def _model_tag(result):
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     meta = result["meta"]
     return model_tag(meta.get("model_name", MODEL))
 
@@ -306,7 +306,7 @@ def _with_error(x, key, fmt):
 
 
 def _intervals_note(result):
-    from kvquant_experiments.flip_runs import intervals_note
+    from kvquant_experiments.flip_tables import intervals_note
     if not any("kld_mean_se" in r for r in result["rows"]):
         return ("(A result of an earlier version: no standard errors or bootstrap intervals; "
                 "rerun for them.)")

@@ -38,7 +38,7 @@ def dump_kv(model, tokens):
 # --------------------------------------------------------------------------------------------
 def cmd_dump_kv(args):
     from kvquant.models import load_model
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     from kvquant_experiments.texts import text_tokens
     try:
         if args.positions < 1:

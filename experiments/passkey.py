@@ -236,7 +236,7 @@ def _settled(text):
 # --------------------------------------------------------------------------------------------
 def result_stem(meta):
     """``passkey-<model>-L<lengths>-d<depths in %, increasing>-s<seed>``."""
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     lengths = "-".join(str(n) for n in meta["lengths"])
     depths = "-".join(f"{round(100 * d):d}" for d in sorted(meta["depths"]))
     return safe_stem(f"passkey-{model_tag(meta['model_name'])}-L{lengths}-d{depths}"

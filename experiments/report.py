@@ -230,7 +230,7 @@ def _inner_section(res, out, figures):
 
 def _flip_section(model, title, short, res, out, figures, note=None):
     """``res``: :func:`kvquant_experiments.flip_report.finish` of the model."""
-    from kvquant_experiments.flip_runs import format_markdown
+    from kvquant_experiments.flip_tables import format_markdown
 
     from kvquant_experiments import plots
     sec = Section(model, title, short)

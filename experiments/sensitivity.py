@@ -90,7 +90,7 @@ def _tag(text):
 
 
 def result_stem(model_name, text, positions, chunk_tokens, heads, step, base, group=1):
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     return (f"sensitivity-{model_tag(model_name)}-{text}-N{positions}-c{chunk_tokens}-"
             f"{'heads' if heads else 'layers'}{'' if group == 1 else f'{group}'}-"
             f"step{step:+d}-{_tag(base)}")

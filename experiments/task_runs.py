@@ -355,7 +355,7 @@ def format_markdown(summary):
 # Command line
 # --------------------------------------------------------------------------------------------
 def _model_tag(name, gguf_file=None):
-    from kvquant_experiments.flip_runs import model_tag
+    from kvquant_experiments.models import model_tag
     return model_tag(gguf_file or name)
 
 

@@ -31,9 +31,9 @@ KLD and the PPL ratio also get a paired bootstrap interval over chunks
 A cache configuration is a cache spec (:mod:`kvquant.specs`, docs/specs.md): ``"tq4"``,
 ``"kv8/tq4"`` (K / V on Llama, L / R on the MLA model), a plan file, ``"ggml:q8_0/q8_0"``...
 
-This module holds the protocol and the metrics. Texts, whole runs over an executor, result files
-and the ``kvquant flips`` command are research code: ``kvquant_experiments.texts`` and
-``kvquant_experiments.flip_runs``.
+This module holds the protocol and the metrics. Texts, whole runs over an executor, their tables,
+result files and the ``kvquant flips`` command are research code: ``kvquant_experiments.texts``,
+``flip_runs``, ``flip_storage``, ``flip_tables``, ``flip_files`` and ``flip_command``.
 """
 import math
 import time

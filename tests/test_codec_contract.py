@@ -62,7 +62,7 @@ def test_a_registered_codec_runs_where_the_builtins_run(toysign):
     # it has no compressed-domain consumer: attention reads its rows decoded, and rows say so
     assert not codec.compressed_consumers and kvquant.get_codec("tq4", 64).compressed_consumers
     assert [r["decoded_streams"] for r in rows] == [[], ["L"], ["L", "R"]]
-    from kvquant_experiments.flip_runs import format_markdown
+    from kvquant_experiments.flip_tables import format_markdown
     table = format_markdown({"meta": {"model": {"model": "tiny-mla", "attention": "consumers"},
                                       "protocol": {"prompts": 1, "prompt_tokens": 8,
                                                    "new_tokens": 8}},

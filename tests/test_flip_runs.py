@@ -14,7 +14,8 @@ ensure_importable()
 
 from kvquant import flips  # noqa: E402
 from kvquant.models import load_model  # noqa: E402
-from kvquant_experiments import flip_runs, kv_rows, texts  # noqa: E402
+from kvquant_experiments import (flip_command, flip_files, flip_runs, flip_tables,  # noqa: E402
+                                 kv_rows, texts)
 from kvquant_experiments.executor import open_executor  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,7 +243,7 @@ def test_run_flips_on_a_text_file(tiny_llama, tmp_path):
                                  n_prompts=2, model=tiny_llama, text=str(text))
     meta = result["meta"]["text"]
     assert meta["name"] == "prose" and meta["path"] == str(text) and meta["positions"] == 96
-    assert flip_runs.result_stem(result) == "flips-tiny-llama-p2-prose-N96-c48"
+    assert flip_files.result_stem(result) == "flips-tiny-llama-p2-prose-N96-c48"
     rows = {r["codec"]: r for r in result["rows"]}
     assert rows["f32"]["same_top"]["k"] == 96 and rows["tq3"]["kld_mean"] > 0
     with pytest.raises(ValueError, match="prose.*need 1205 tokens; the text has"):
@@ -251,11 +252,11 @@ def test_run_flips_on_a_text_file(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"exceed the trained context .*\(256 tokens\)"):
         flip_runs.run_flips(path, codecs=["f32"], positions=300, chunk_tokens=300,
                             n_prompts=1, model=tiny_llama, text=str(text))
-    assert "| tq3 |" in flip_runs.format_markdown(result)
+    assert "| tq3 |" in flip_tables.format_markdown(result)
     for row in result["rows"]:       # the report drops timings from its stored cells
         row.pop("text_s")
-    assert "| tq3 |" in flip_runs.format_markdown(result)
-    paths = flip_runs.write_results(result, tmp_path / "out")
+    assert "| tq3 |" in flip_tables.format_markdown(result)
+    paths = flip_files.write_results(result, tmp_path / "out")
     assert [os.path.basename(p) for p in paths] == [
         "flips-tiny-llama-p2-prose-N96-c48" + s for s in
         (".json", ".csv", "-positions.csv", "-kld-by-position.png")]
@@ -474,7 +475,7 @@ def test_an_interrupted_flips_run_resumes_to_the_same_numbers(tmp_path):
     proc = subprocess.Popen(argv + ["--out", str(cut)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    units = cut / flip_runs.UNITS_FOLDER
+    units = cut / flip_command.UNITS_FOLDER
     deadline = time.monotonic() + 120
     try:
         while not (units.is_dir() and len(list(units.glob("*.json"))) >= 2):

@@ -18,7 +18,7 @@ from _experiments_env import ensure_importable  # noqa: E402
 ensure_importable()
 
 from kvquant import flips  # noqa: E402
-from kvquant_experiments import flip_runs, texts  # noqa: E402
+from kvquant_experiments import flip_runs, flip_tables, texts  # noqa: E402
 from kvquant.models.gguf_decoder import GGUFDecoder as LlamaGGUF, rope_adjacent  # noqa: E402
 from kvquant.models.gguf_file import GGUFFile  # noqa: E402
 from kvquant.models.packaged import load_smollm2, smollm2_path  # noqa: E402
@@ -423,4 +423,4 @@ def test_smollm2_flip_table_small(smollm2):
     assert rows["q8_0"]["same_top"]["p"] > 0.95
     assert abs(rows["q8_0"]["ppl_ratio"] - 1) < 0.01
     assert rows["q4_0"]["kld_mean"] > rows["q8_0"]["kld_mean"] > 0
-    assert "same top" in flip_runs.format_markdown(result)
+    assert "same top" in flip_tables.format_markdown(result)

@@ -174,7 +174,7 @@ def test_statistics_refuse_mismatched_arrays():
 
 def test_flip_tables_show_every_byte_and_the_intervals(tmp_path):
     from kvquant.models import load_model
-    from kvquant_experiments import flip_runs
+    from kvquant_experiments import flip_files, flip_runs, flip_tables
     model = load_model("tiny-mla")
     result = flip_runs.run_flips("tiny-mla", codecs=["f32", "kv8", "tq4@sinks=1,recent=4"],
                                  model=model)
@@ -188,8 +188,8 @@ def test_flip_tables_show_every_byte_and_the_intervals(tmp_path):
     f32 = rows["f32"]["bytes_per_token"]
     assert win["compression"] == pytest.approx(f32 / win["bytes_per_token"])
     assert win["bits_per_value"] == pytest.approx(32 * win["bytes_per_token"] / f32)
-    text = flip_runs.format_markdown(result)
+    text = flip_tables.format_markdown(result)
     assert f"| {win['bytes_per_token']:.1f} | {cache.fixed_bytes} |" in text
-    paths = flip_runs.write_results(result, tmp_path)
+    paths = flip_files.write_results(result, tmp_path)
     header = open(paths[1]).readline().strip().split(",")
     assert {"fixed_bytes", "marginal_bytes_per_token", "bits_per_value"} <= set(header)

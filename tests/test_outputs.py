@@ -40,8 +40,8 @@ def _refused(capsys, argv, *needles):
 
 
 def test_flips_checks_out_before_the_run(monkeypatch, capsys, a_file):
-    from kvquant_experiments import flip_runs
-    monkeypatch.setattr(flip_runs, "run_flips", _no_work)
+    from kvquant_experiments import flip_command
+    monkeypatch.setattr(flip_command, "run_flips", _no_work)
     _refused(capsys, ["flips", "--model", "tiny-mla", "--out", str(a_file)],
              "kvquant flips", "--out", "not a folder")
     assert a_file.read_text() == "keep me\n"
@@ -112,16 +112,16 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
 def test_flips_results_are_replaced_whole(tmp_path, monkeypatch):
     """A flips run's files written twice, the second write failing inside the CSV: the first
     run's files are intact (the old code rewrote them in place: a 0-byte or truncated file)."""
-    from kvquant_experiments import flip_runs
+    from kvquant_experiments import flip_files, flip_runs
     result = flip_runs.run_flips("tiny-mla", codecs=["kv8"], n_prompts=1, workers=1)
-    paths = flip_runs.write_results(result, tmp_path, figure=False)
+    paths = flip_files.write_results(result, tmp_path, figure=False)
     before = {p: open(p, "rb").read() for p in paths}
 
     def fail(f, rows):
         f.write("codec,")
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(flip_runs, "_write_rows_csv", fail)
+    monkeypatch.setattr(flip_files, "_write_rows_csv", fail)
     with pytest.raises(OSError):
-        flip_runs.write_results(result, tmp_path, figure=False)
+        flip_files.write_results(result, tmp_path, figure=False)
     assert {p: open(p, "rb").read() for p in paths} == before
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths)

@@ -12,7 +12,7 @@ from _experiments_env import ensure_importable
 ensure_importable()
 
 from kvquant import flips  # noqa: E402
-from kvquant_experiments import flip_runs, texts  # noqa: E402
+from kvquant_experiments import flip_runs, flip_tables, texts  # noqa: E402
 from kvquant.cache import QuantizedKVCache
 from kvquant.codecs.base import Codec
 from kvquant.metrics import wilson_interval
@@ -198,7 +198,7 @@ def test_flip_protocol_table(model, oracle):
     assert rows["kv8"]["bytes_per_token"] == 5 * (32 + 4 + 8 + 4)
     lo, hi = wilson_interval(rows["kv8"]["tf"]["k"], 32)
     assert (rows["kv8"]["tf"]["lo"], rows["kv8"]["tf"]["hi"]) == (lo, hi)
-    text = flip_runs.format_markdown(result)
+    text = flip_tables.format_markdown(result)
     assert "| L tq4 / R f32 |" in text and "32/32 [89, 100]" in text
 
 
