@@ -24,9 +24,10 @@ Run::
 Writes ``alloc-<model>-b<budget>-<scan tags>.json`` (a cache plan, :mod:`kvquant.models.plan`,
 with the allocation's inputs and its predicted KLD in its metadata) per budget.
 """
-import argparse
 import os
 import sys
+
+from .study import Output, study_main
 
 __all__ = ["allocate", "unit_curves", "write_plans"]
 
@@ -183,9 +184,13 @@ def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
     return paths
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.allocate",
-                                description=__doc__.splitlines()[0])
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = False         # seconds of work: the same command writes every plan again
+
+
+def add_arguments(p):
     p.add_argument("--scan", action="append", required=True,
                    help="a sensitivity result (JSON); repeat for steps -1 and +1 of one base")
     p.add_argument("--budget", action="append", type=float, required=True,
@@ -195,12 +200,18 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=None,
                    help="context over which fixed costs are spread (default: the scan's chunk)")
     p.add_argument("--out", required=True, help="folder of the plan files")
-    args = p.parse_args(argv)
-    try:
-        write_plans(args.scan, args.budget, args.out, args.span, args.ratio, args.tokens)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"allocate: {exc}")
+
+
+def outputs(args):
+    return [Output(args.out)]
+
+
+def run(args, progress):
+    write_plans(args.scan, args.budget, args.out, args.span, args.ratio, args.tokens)
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,15 @@ same pair with calibrated ones, in two ways of filling the cache:
 
 writes ``calibration-<model>-<text>-N<positions>-c<chunk>.{json,csv,md}``.
 """
-import argparse
 import os
 import sys
 import time
 
 import numpy as np
 
+from kvquant.outputs import atomic_write
 from .common import environment, write_csv, write_json
+from .study import FILE, FOLDER, Output, add_quiet_argument, add_subcommand, study_main
 
 __all__ = ["CALIBRATION_PAIRS", "compare_calibration", "measure_statistics"]
 
@@ -171,46 +172,47 @@ def format_markdown(result):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    from kvquant.models import load_model
-    from kvquant_experiments.models import model_tag
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.calibrate",
-                                description=__doc__.splitlines()[0])
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = False         # both commands write their files when they end
+
+
+def add_arguments(p):
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("measure", help="measure the statistics on a calibration text")
-    c = sub.add_parser("compare", help="first-append against calibrated statistics")
+    m = add_subcommand(sub, "measure", "measure the statistics on a calibration text")
+    c = add_subcommand(sub, "compare", "first-append against calibrated statistics")
     for q in (m, c):
         q.add_argument("--model", default="smollm2")
         q.add_argument("--positions", type=int, default=1024)
         q.add_argument("--chunk-tokens", type=int, default=512)
         q.add_argument("--out", required=True, help="measure: the .npz to write; compare: a "
                                                      "folder")
-        q.add_argument("--quiet", action="store_true")
+        add_quiet_argument(q)
     m.add_argument("--text", default="pydoc", help="the calibration text")
     c.add_argument("--text", default="code", help="a held-out text")
     c.add_argument("--calibration", required=True, help="the .npz `measure` wrote")
     c.add_argument("--pairs", default=None, help="';'-separated pair specs (default: the "
                                                  "frontier's 3.5- and 4.5-bit picks)")
-    args = p.parse_args(argv)
 
-    def progress(msg):
-        if not args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    try:
-        model = load_model(args.model)
-        if args.command == "measure":
-            stats = measure_statistics(model, args.text, args.positions, args.chunk_tokens,
-                                       args.model)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            stats.save(args.out)
-            print(f"wrote {args.out} ({stats.digest()})")
-            return 0
-        pairs = args.pairs.split(";") if args.pairs else CALIBRATION_PAIRS
-        result = compare_calibration(model, args.calibration, args.text, args.positions,
-                                     args.chunk_tokens, pairs, progress, args.model)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"calibrate: {exc}")
+def outputs(args):
+    return [Output(args.out, FILE if args.command == "measure" else FOLDER)]
+
+
+def run(args, progress):
+    from kvquant.models import load_model
+    from kvquant_experiments.models import model_tag
+    model = load_model(args.model)
+    if args.command == "measure":
+        stats = measure_statistics(model, args.text, args.positions, args.chunk_tokens,
+                                   args.model)
+        stats.save(args.out)
+        print(f"wrote {args.out} ({stats.digest()})")
+        return 0
+    pairs = args.pairs.split(";") if args.pairs else CALIBRATION_PAIRS
+    result = compare_calibration(model, args.calibration, args.text, args.positions,
+                                 args.chunk_tokens, pairs, progress, args.model)
     result["environment"] = environment()
     t = result["meta"]["text"]
     stem = os.path.join(args.out, f"calibration-{model_tag(args.model)}-{t['name']}-"
@@ -218,11 +220,14 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     write_json(stem + ".json", result)
     write_csv(stem + ".csv", result["rows"], CSV_COLUMNS)
-    with open(stem + ".md", "w") as f:
-        f.write(format_markdown(result) + "\n")
-    print(format_markdown(result))
+    text = format_markdown(result)
+    atomic_write(stem + ".md", lambda f: f.write(text + "\n"))
+    print(text)
     print(f"wrote {stem}.json, .csv, .md")
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ given (their union, first row of a configuration kept)::
 
 A comparison whose rows are missing from the runs is listed as missing, never guessed.
 """
-import argparse
 import sys
 
 from .frontier import read_result
 from .frontier_picks import merge_tune_runs
+from .study import study_main
 
 K_WINDOW = "@center,normalize,sinks=1,recent=12"
 V_WINDOW = "@center,sinks=1,recent=4"
@@ -129,18 +129,24 @@ def markdown(entries):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.codec_ablation",
-                                description=__doc__.split("\n\n")[0])
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = False         # reads result files, writes nothing
+
+
+def add_arguments(p):
     p.add_argument("runs", nargs="+", help="frontier result JSONs of one tune protocol")
-    args = p.parse_args(argv)
-    try:
-        merged = merge_tune_runs([read_result(path) for path in args.runs], args.runs)
-    except ValueError as exc:
-        raise SystemExit(f"codec_ablation: {exc}")
+
+
+def run(args, progress):
+    merged = merge_tune_runs([read_result(path) for path in args.runs], args.runs)
     entries = ablation_rows({r["codec"]: r for r in merged["rows"]})
     print(markdown(entries))
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

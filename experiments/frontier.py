@@ -46,16 +46,15 @@ Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,p
 ``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
 """
-import argparse
 import json
 import os
 import sys
 import time
 
-from kvquant.cli import DefaultsHelpFormatter
 from kvquant.ggml_attention import GGML_FAMILY
-from kvquant.outputs import check_out_dir
+from kvquant.outputs import atomic_write
 from .common import environment, safe_stem, write_csv, write_json
+from .study import FILE, Output, add_executor_arguments, add_quiet_argument, study_main
 
 __all__ = [
     "BUDGET_HIGH",
@@ -291,8 +290,8 @@ def write_frontier(result, out_dir):
     result.setdefault("environment", environment())
     write_json(stem + ".json", result)
     write_csv(stem + ".csv", frontier_rows(result), CSV_COLUMNS)
-    with open(stem + ".md", "w") as f:
-        f.write(format_markdown(result) + "\n")
+    text = format_markdown(result) + "\n"
+    atomic_write(stem + ".md", lambda f: f.write(text))
     return [stem + ".json", stem + ".csv", stem + ".md"]
 
 
@@ -410,25 +409,22 @@ def _plot(result, out):
 
 
 def _from_files(paths, what, read):
-    """``read()``, its failures on the user's files said as a command's error (SystemExit)."""
+    """``read()``, a file of another shape said as a ValueError naming the files."""
     try:
         return read()
-    except ValueError as exc:
-        raise SystemExit(f"frontier: {exc}")
     except (KeyError, TypeError) as exc:
-        raise SystemExit(f"frontier: {', '.join(paths)}: not {what} of this version "
-                         f"({type(exc).__name__}: {exc})")
+        raise ValueError(f"{', '.join(paths)}: not {what} of this version "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
-def main(argv=None):
+RESUMES = True          # finished units are kept in UNITS_FOLDER (the run says how many)
+ERRORS = (ImportError,)  # a model format or --scheduler whose extra is not installed
+
+
+def add_arguments(p):
     from kvquant_experiments.texts import TEXTS
 
-    # the picks read this module's results; imported here, not at the top, to keep one direction
-    from .frontier_picks import (HELD_OUT_BASELINES, choice_configs, choose, goals_table,
-                                 load_choices, merge_tune_runs, pick_evidence)
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.frontier",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+    from .frontier_picks import HELD_OUT_BASELINES
     p.add_argument("--model", default=MODEL,
                    help="smollm2, another name load_model knows, or a GGUF file path")
     p.add_argument("--configs", default=None,
@@ -440,9 +436,7 @@ def main(argv=None):
                    help="prompts of the engine's teacher-forced / greedy protocol")
     p.add_argument("--text", default="pydoc",
                    help="a UTF-8 text file or a built-in text (" + ", ".join(TEXTS) + ")")
-    p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
-    p.add_argument("--scheduler", default=None,
-                   help="Dask scheduler address (tcp://host:8786), or 'serial'")
+    add_executor_arguments(p)
     p.add_argument("--out", default=None,
                    help="output folder (default: ./frontier-<model>-<text>-N..-c..-p..)")
     p.add_argument("--figure", default=None,
@@ -482,9 +476,30 @@ def main(argv=None):
     p.add_argument("--plot-only", metavar="JSON", default=None,
                    help="redraw the figure from a frontier JSON (and its CSV and markdown table "
                         "into --out when given)")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    add_quiet_argument(p)
 
+
+def outputs(args):
+    """What the mode asked for writes: the picks file, the choices file --evidence rewrites, or
+    the run's folder (the current one without --out) and --figure."""
+    if args.choose_from:
+        return [Output(args.choices_out, FILE, "--choices-out")]
+    if args.goals:
+        return []
+    if args.evidence:
+        return [Output(args.choices, FILE, "--choices")] if args.choices else []
+    if args.list:
+        return []
+    figure = [Output(args.figure, FILE, "--figure")] if args.figure else []
+    if args.plot_only:      # the figure beside the JSON read unless --out or --figure says
+        return ([Output(args.out)] if args.out else []) + figure
+    return [Output(args.out if args.out is not None else ".")] + figure
+
+
+def run(args, progress):
+    # the picks read this module's results; imported here, not at the top, to keep one direction
+    from .frontier_picks import (choice_configs, choose, goals_table, load_choices,
+                                 merge_tune_runs, pick_evidence)
     if args.choose_from:
         names = [os.path.basename(p) for p in args.choose_from]
         choices = _from_files(
@@ -507,7 +522,8 @@ def main(argv=None):
         return 0
     if args.evidence:
         if not args.choices:
-            raise SystemExit("frontier: --evidence adds to a choices file: give it with --choices")
+            raise ValueError("--evidence adds to a choices file: give it with --choices")
+
         def evidence_of_files():
             docs = [(path, _read_json_file(path)) for path in args.evidence]
             is_summary = [isinstance(d, dict) and "primary_metric" in d for _, d in docs]
@@ -530,16 +546,13 @@ def main(argv=None):
     else:
         configs = list(DEFAULT_CONFIGS)
     if args.choices:
-        try:
-            choices = load_choices(args.choices)
-        except (ValueError, OSError) as exc:
-            raise SystemExit(f"frontier: {exc}")
+        choices = load_choices(args.choices)
         if args.budgets:
             wanted = [f"{float(b):g}" for b in args.budgets.split(",") if b.strip()]
             missing = [b for b in wanted if b not in choices]
             if missing:
-                raise SystemExit(f"frontier: {args.choices} has no pick for {missing} bits; it "
-                                 f"has {', '.join(choices)}")
+                raise ValueError(f"{args.choices} has no pick for {missing} bits; it has "
+                                 f"{', '.join(choices)}")
             choices = {b: choices[b] for b in wanted}
         baselines = split_spec_text(args.baselines) if args.baselines else None
         configs = choice_configs(choices, extra, baselines)
@@ -550,28 +563,20 @@ def main(argv=None):
             print(f"{bits_per_value(c, head_dim, tokens=args.chunk_tokens):5.2f}  {c}")
         return 0
     if args.plot_only:
-        try:
+        def redraw():
             result = read_result(args.plot_only)
             # the CSV and markdown again only where --out says; the figure beside the JSON or
             # at --figure
-            paths = write_frontier(result, check_out_dir(args.out))[1:] if args.out else []
+            paths = write_frontier(result, args.out)[1:] if args.out else []
             out = args.out or os.path.dirname(os.path.abspath(args.plot_only))
             paths.append(_plot(result, args.figure or os.path.join(
                 out, result_stem(result) + ".png")))
-            table = format_markdown(result)
-        except ValueError as exc:
-            raise SystemExit(f"frontier: {exc}")
-        except (KeyError, TypeError) as exc:
-            raise SystemExit(f"frontier: {args.plot_only} is not a frontier result of this "
-                             f"version ({type(exc).__name__}: {exc})")
+            return paths, format_markdown(result)
+        paths, table = _from_files([args.plot_only], "a frontier result", redraw)
         print(table)
         for path in paths:
             print(f"wrote {path}")
         return 0
-
-    def progress(msg):
-        if not args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     from kvquant_experiments.executor import UnitStore
     # finished units kept beside the results (the working folder without --out), so that the
@@ -582,11 +587,10 @@ def main(argv=None):
                               prompts=args.prompts, workers=args.workers, progress=progress,
                               text=args.text, model=args.model, scheduler=args.scheduler,
                               score=args.score, units=units)
-    except (ValueError, ImportError, OSError) as exc:
-        raise SystemExit(f"frontier: {exc}")
-    except KeyboardInterrupt:
-        raise SystemExit(f"frontier: interrupted; {units.saved + units.loaded} finished unit(s) "
-                         f"are saved in {units.folder}: rerun the same command to resume")
+    except KeyboardInterrupt as exc:
+        # the same kind (Ctrl-C or SIGTERM), saying what a rerun picks up
+        raise type(exc)(f"{units.saved + units.loaded} finished unit(s) are saved in "
+                        f"{units.folder}: rerun the same command to resume") from None
     if choices:
         result["meta"]["frontier"]["choices"] = choices
     out = args.out or result_stem(result)
@@ -598,6 +602,9 @@ def main(argv=None):
     for path in paths:
         print(f"wrote {path}")
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ folder of that name under the current directory) after every prompt, and resumes
 a run cut short keeps what it measured. The prompts run depth by depth, every configuration at
 each. Seeds and filler are fixed and recorded in the result.
 """
-import argparse
 import json
 import os
 import re
@@ -28,8 +27,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from kvquant.cli import DefaultsHelpFormatter
+from kvquant.outputs import atomic_write
 from .common import environment, safe_stem, stable_seed, write_csv, write_json
+from .study import Output, add_quiet_argument, study_main
 
 __all__ = [
     "DEFAULT_BASELINES",
@@ -387,8 +387,8 @@ def write_passkey(result, out_dir):
     stem = os.path.join(out_dir, result_stem(result["meta"]))
     write_json(stem + ".json", result)
     write_csv(stem + ".csv", result["rows"], CSV_COLUMNS)
-    with open(stem + ".md", "w") as f:
-        f.write(format_markdown(result) + "\n")
+    text = format_markdown(result) + "\n"
+    atomic_write(stem + ".md", lambda f: f.write(text))
     return [stem + ".json", stem + ".csv", stem + ".md"]
 
 
@@ -396,13 +396,17 @@ def _floats(text, what):
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"passkey: --{what} takes comma-separated numbers, got {text!r}")
+        raise ValueError(f"--{what} takes comma-separated numbers, got {text!r}") from None
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.passkey",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = True          # the result JSON is written after every prompt and read back
+ERRORS = (ImportError,)  # a model format whose extra is not installed
+
+
+def add_arguments(p):
     p.add_argument("--model", default="smollm2",
                    help="smollm2, gemma3-270m, or a GGUF file path")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
@@ -419,9 +423,18 @@ def main(argv=None):
     p.add_argument("--out", default=None,
                    help="output folder (default: ./passkey-<model>-L..-d..-s..)")
     p.add_argument("--list", action="store_true", help="print the configurations, run nothing")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    add_quiet_argument(p)
 
+
+def outputs(args):
+    # a bad number fails before --out is made; without --out the run's own folder goes in the
+    # current one
+    _floats(args.lengths, "lengths")
+    _floats(args.depths, "depths")
+    return [] if args.list else [Output(args.out if args.out is not None else ".")]
+
+
+def run(args, progress):
     from kvquant.specs import split_spec_text
     lengths = [int(n) for n in _floats(args.lengths, "lengths")]
     depths = _floats(args.depths, "depths")
@@ -429,18 +442,11 @@ def main(argv=None):
     choices = None
     if args.choices:
         from kvquant_experiments.frontier_picks import load_choices
-        try:
-            choices = load_choices(args.choices)
-        except (ValueError, OSError) as exc:
-            raise SystemExit(f"passkey: {exc}")
+        choices = load_choices(args.choices)
         configs += [c["pair"] for c in choices.values() if c["pair"] not in configs]
     if args.list:
         print("\n".join(configs))
         return 0
-
-    def progress(msg):
-        if not args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     meta = {"model_name": args.model, "lengths": lengths, "depths": depths, "seed": args.seed}
     out = args.out or result_stem(meta)
@@ -450,17 +456,17 @@ def main(argv=None):
         with open(path) as f:
             done = json.load(f)["rows"]
         progress(f"resuming from {path}: {len(done)} prompts measured")
-    try:
-        result = run_passkey(args.model, configs, lengths, depths, args.seed, done=done,
-                             on_prompt=lambda r: write_passkey(r, out), progress=progress,
-                             choices=choices)
-    except (ValueError, ImportError, OSError) as exc:
-        raise SystemExit(f"passkey: {exc}")
+    result = run_passkey(args.model, configs, lengths, depths, args.seed, done=done,
+                         on_prompt=lambda r: write_passkey(r, out), progress=progress,
+                         choices=choices)
     paths = write_passkey(result, out)
     print(format_markdown(result))
     for path in paths:
         print(f"wrote {path}")
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

@@ -13,20 +13,22 @@ non-increasing assignment of integer widths to levels 2.. that fits the engine's
 Fitting on the sample itself favours the fixed splits (an in-sample fit); the real codecs
 ``polar<b>:alloc=level`` and ``polar<b>`` (radius) run on the same rows for reference.
 
-``python -m experiments.polar_widths [--dim 128] [--bits 4] [--rows 20000]`` writes
+``python -m kvquant_experiments.polar_widths [--dim 128] [--bits 4] [--rows 20000]`` writes
 ``polar-fixed-widths-d<d>-b<b>-rows<n>.{md,json}`` under ``--out`` (default: a folder of that
 name under the current directory).
 """
-import argparse
 import itertools
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kvquant.outputs import atomic_write
 from kvquant_experiments.common import environment, markdown_table, stable_seed, write_json
+from kvquant_experiments.study import Output, study_main
 
-__all__ = ["fixed_split_errors", "main", "polar_angles"]
+__all__ = ["fixed_split_errors", "format_markdown", "main", "measure_widths", "polar_angles"]
 
 MAX_WIDTH = 6
 
@@ -99,26 +101,29 @@ def fixed_split_errors(X, budget_bits, slack_bits=8):
     return out
 
 
-def main(argv=None):
-    from kvquant import get_codec
-    p = argparse.ArgumentParser(prog="python -m experiments.polar_widths",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--rows", type=int, default=20000)
-    p.add_argument("--out", default=None,
-                   help="output folder (default: a folder named for the run, under the current "
-                        "directory)")
-    args = p.parse_args(argv)
-    d, b = args.dim, args.bits
+def check_widths(d, b):
+    """ValueError unless the row width ``d`` and the bits ``b`` are a sweep this module runs."""
     if d < 4 or d & (d - 1) or d > 512:
-        raise SystemExit(f"--dim must be a power of two in 4..512 (the search grows with the "
+        raise ValueError(f"--dim must be a power of two in 4..512 (the search grows with the "
                          f"number of levels), got {d}")
     if not 2 <= b <= 6:
-        raise SystemExit(f"--bits must be in 2..6 (the polar codec's widths), got {b}")
+        raise ValueError(f"--bits must be in 2..6 (the polar codec's widths), got {b}")
+
+
+def measure_widths(d, b, n_rows):
+    """Every fixed split of ``b``-bit polar rows of width ``d`` on ``n_rows`` Gaussian rows
+    (seeded from the parameters), and the real codecs on the same rows.
+
+    Returns
+    -------
+    dict: ``dim``, ``bits``, ``rows``, ``budget_bits``, ``best_fixed``, ``splits`` (best first),
+    ``codecs`` (spec -> mean relative L2), ``seconds``, ``environment``.
+    """
+    from kvquant import get_codec
+    check_widths(d, b)
     t0 = time.perf_counter()
-    rng = np.random.default_rng(stable_seed("polar-widths", d, b, args.rows))
-    X = rng.standard_normal((args.rows, d)).astype(np.float32)
+    rng = np.random.default_rng(stable_seed("polar-widths", d, b, n_rows))
+    X = rng.standard_normal((n_rows, d)).astype(np.float32)
     budget = (d // 2) * b + (d // 2 - 1) * max(b - 1, 1)     # the engine's bits per row
     splits = fixed_split_errors(X, budget)
     real = {}
@@ -126,30 +131,65 @@ def main(argv=None):
         codec = get_codec(spec, d)
         X_hat = codec.decode(codec.encode(X))
         real[spec] = float((np.linalg.norm(X_hat - X, axis=1) / np.linalg.norm(X, axis=1)).mean())
-    engine_split = (b,) + (max(b - 1, 1),) * (len(splits[0][1]) - 1)
-    rows = [[" ".join(map(str, w)), bits, f"{err:.4f}", "engine's split" if w == engine_split
-             else ""] for err, w, bits in splits[:10]]
-    result = {"dim": d, "bits": b, "rows": args.rows, "budget_bits": budget,
-              "best_fixed": {"widths": splits[0][1], "bits": splits[0][2],
-                             "rel_l2": splits[0][0]},
-              "splits": [{"widths": w, "bits": bits, "rel_l2": err} for err, w, bits in splits],
-              "codecs": real, "seconds": round(time.perf_counter() - t0, 1),
-              "environment": environment()}
-    name = f"polar-fixed-widths-d{d}-b{b}-rows{args.rows}"
-    stem = Path(args.out or name) / name
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    write_json(stem.with_suffix(".json"), result)
-    text = (f"# Fixed polar widths per level, d = {d}, {b} bits ({budget} bits per row), "
-            f"{args.rows} Gaussian rows\n\n"
+    return {"dim": d, "bits": b, "rows": n_rows, "budget_bits": budget,
+            "best_fixed": {"widths": splits[0][1], "bits": splits[0][2],
+                           "rel_l2": splits[0][0]},
+            "splits": [{"widths": w, "bits": bits, "rel_l2": err} for err, w, bits in splits],
+            "codecs": real, "seconds": round(time.perf_counter() - t0, 1),
+            "environment": environment()}
+
+
+def format_markdown(result):
+    """The best ten splits and the real codecs, as the result's ``.md``."""
+    d, b, budget = result["dim"], result["bits"], result["budget_bits"]
+    splits = result["splits"]
+    engine_split = (b,) + (max(b - 1, 1),) * (len(splits[0]["widths"]) - 1)
+    rows = [[" ".join(map(str, s["widths"])), s["bits"], f"{s['rel_l2']:.4f}",
+             "engine's split" if tuple(s["widths"]) == engine_split else ""]
+            for s in splits[:10]]
+    return (f"# Fixed polar widths per level, d = {d}, {b} bits ({budget} bits per row), "
+            f"{result['rows']} Gaussian rows\n\n"
             f"Mean relative L2 error; widths by level, level 1 first. {len(splits)} splits "
             "within 8 bits of the budget, best ten:\n\n"
             + markdown_table(["widths", "bits per row", "rel L2", ""], rows)
             + "\n\nThe real codecs on the same rows: "
-            + ", ".join(f"`{k}` {v:.4f}" for k, v in real.items()) + "\n")
-    stem.with_suffix(".md").write_text(text)
+            + ", ".join(f"`{k}` {v:.4f}" for k, v in result["codecs"].items()) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = False         # one computation, written when it ends
+
+
+def add_arguments(p):
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--out", default=None,
+                   help="output folder (default: a folder named for the run, under the current "
+                        "directory)")
+
+
+def outputs(args):
+    check_widths(args.dim, args.bits)   # a bad width fails before --out is created
+    return [Output(args.out if args.out is not None else ".")]
+
+
+def run(args, progress):
+    result = measure_widths(args.dim, args.bits, args.rows)
+    name = f"polar-fixed-widths-d{args.dim}-b{args.bits}-rows{args.rows}"
+    stem = Path(args.out or name) / name
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_json(stem.with_suffix(".json"), result)
+    text = format_markdown(result)
+    atomic_write(stem.with_suffix(".md"), lambda f: f.write(text))
     print(text)
-    return result
+    return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -41,11 +41,11 @@ reference rows, the tq codecs inside ideas 2 and 3 (their own encode/decode), th
 
 Run::
 
-    PYTHONPATH=. python -m experiments.probes             # pydoc prose, ~8 min on 2 cores
-    PYTHONPATH=. python -m experiments.probes --text code
-    PYTHONPATH=. python -m experiments.probes --list      # configurations and their bits only
+    python -m kvquant_experiments.probes             # pydoc prose, ~8 min on 2 cores
+    python -m kvquant_experiments.probes --text code
+    python -m kvquant_experiments.probes --list      # configurations and their bits only
     # the window at a longer context, with the reference rows (~4 min)
-    PYTHONPATH=. python -m experiments.probes --ideas reference,window --positions 4096 \
+    python -m kvquant_experiments.probes --ideas reference,window --positions 4096 \
         --chunk-tokens 2048
 
 Each probe runs as the cache spec ``probe:<name>`` (the ``codec`` field of a result row; files
@@ -55,7 +55,6 @@ Writes ``probes-smollm2-<text>-N<positions>-c<chunk>[-<ideas>].{json,csv,md}`` (
 named when a run covers only some of them) into ``--out``, by default a folder of that name under
 the current directory. ``--text`` takes a UTF-8 file too; ``--scheduler`` a Dask cluster.
 """
-import argparse
 import functools
 import math
 import os
@@ -66,14 +65,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvquant.cli import DefaultsHelpFormatter
 from kvquant.cache import QuantizedKVCache, RowStream
 from kvquant.codecs import Codec, get_codec, is_simulated_codec
+from kvquant.outputs import atomic_write
 from kvquant.specs import CacheSpec, SpecKind
 from kvquant.streams.options import format_stream_spec, parse_stream_spec
 
 from .codecs.simulated import QJL_SEED, SimulatedCodec
 from .common import environment, write_csv, write_json
+from .study import Output, add_executor_arguments, add_quiet_argument, study_main
 
 __all__ = [
     "OutlierSplitCodec",
@@ -589,18 +589,19 @@ def write_probes(result, out_dir):
     result.setdefault("environment", environment())
     write_json(stem + ".json", result)
     write_csv(stem + ".csv", [_flat(r) for r in result["rows"]], CSV_COLUMNS)
-    with open(stem + ".md", "w") as f:
-        f.write(format_markdown(result) + "\n")
+    text = format_markdown(result) + "\n"
+    atomic_write(stem + ".md", lambda f: f.write(text))
     return [stem + ".json", stem + ".csv", stem + ".md"]
 
 
 # --------------------------------------------------------------------------------------------
-# Command line
+# Command line (kvquant_experiments.study)
 # --------------------------------------------------------------------------------------------
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.probes",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+RESUMES = False         # the chunks run without a unit store: the same command starts over
+ERRORS = (ImportError,)  # distributed for --scheduler, ml_dtypes for the fp8 probes
+
+
+def add_arguments(p):
     p.add_argument("--text", default="pydoc",
                    help="a UTF-8 text file or a built-in text (pydoc, code, docstrings)")
     p.add_argument("--positions", type=int, default=DEFAULTS["positions"])
@@ -608,43 +609,44 @@ def main(argv=None):
     p.add_argument("--ideas", default=None,
                    help="comma-separated ideas to run (reference, counterpart, fp8, qjl, "
                         "outliers, window); default all; f32 always runs")
-    p.add_argument("--workers", type=int, default=None, help="default: cores, at most 2")
-    p.add_argument("--scheduler", default=None,
-                   help="Dask scheduler address (tcp://host:8786), or 'serial'")
+    add_executor_arguments(p)
     p.add_argument("--out", default=None,
                    help="output folder (default: ./probes-smollm2-<text>-N..-c..)")
     p.add_argument("--list", action="store_true", help="print the probes and bits, run nothing")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    add_quiet_argument(p)
+
+
+def outputs(args):
+    # without --out the run's own folder goes in the current one
+    return [] if args.list else [Output(args.out if args.out is not None else ".")]
+
+
+def run(args, progress):
     probes = PROBES
     if args.ideas:
         ideas = {s.strip() for s in args.ideas.split(",") if s.strip()}
         unknown = ideas - set(IDEA_TITLES)
         if unknown:
-            p.error(f"unknown ideas {sorted(unknown)}; known: {', '.join(IDEA_TITLES)}")
+            raise ValueError(f"--ideas: unknown ideas {sorted(unknown)}; known: "
+                             f"{', '.join(IDEA_TITLES)}")
         probes = [x for x in PROBES if x.idea in ideas or x.name == "f32"]
     if args.list:
         for x in probes:
             print(f"{probe_bits(x, tokens=args.chunk_tokens):6.3f} {probe_bits(x):6.3f}  "
                   f"{x.idea:11s} {x.name}")
         return 0
-
-    def progress(msg):
-        if not args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-    try:
-        result = run_probes(probes, positions=args.positions, chunk_tokens=args.chunk_tokens,
-                            workers=args.workers, progress=progress, text=args.text,
-                            scheduler=args.scheduler)
-    except (ValueError, ImportError, OSError) as exc:
-        raise SystemExit(f"probes: {exc}")
+    result = run_probes(probes, positions=args.positions, chunk_tokens=args.chunk_tokens,
+                        workers=args.workers, progress=progress, text=args.text,
+                        scheduler=args.scheduler)
     paths = write_probes(result, args.out or result_stem(result))
     print(format_markdown(result))
     print(f"wall time {result['meta']['wall_s']:.0f} s")
     for path in paths:
         print(f"wrote {path}")
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Run (resumable: units already in ``--out``'s result file are not run again)::
 Writes ``sensitivity-<model>-<text>-N<positions>-c<chunk>-<layers|heads>-step<step>-<base
 tag>.{json,csv}``.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -29,8 +28,8 @@ import time
 
 import numpy as np
 
-from kvquant.cli import DefaultsHelpFormatter
 from .common import environment, write_csv, write_json
+from .study import Output, add_quiet_argument, study_main
 
 __all__ = ["CSV_COLUMNS", "result_stem", "run_sensitivity", "shift_bits", "units_of"]
 
@@ -208,11 +207,14 @@ def load_result(path):
     return result
 
 
-def main(argv=None):
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = True          # the result file is written after every unit and read back
+
+
+def add_arguments(p):
     from kvquant_experiments.texts import TEXTS
-    p = argparse.ArgumentParser(prog="python -m kvquant_experiments.sensitivity",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--base", required=True, help="base configuration: a pair spec or a plan file")
     p.add_argument("--text", default="pydoc", help="built-in text (" + ", ".join(TEXTS) +
@@ -224,10 +226,16 @@ def main(argv=None):
     p.add_argument("--group", type=int, default=1,
                    help="consecutive layers per unit (a coarse scan)")
     p.add_argument("--out", default=".", help="folder of the result files")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    add_quiet_argument(p)
+
+
+def outputs(args):
+    return [Output(args.out)]
+
+
+def run(args, progress):
     if args.step == 0:
-        raise SystemExit("sensitivity: --step must not be 0")
+        raise ValueError("--step must not be 0")
     name = os.path.splitext(os.path.basename(args.text))[0] if os.path.isfile(args.text) \
         else args.text
     stem = os.path.join(args.out, result_stem(args.model, name, args.positions,
@@ -238,25 +246,21 @@ def main(argv=None):
         old = load_result(stem + ".json")
         done = {(r["layer"], r["stream"], r["head"]): r for r in old["rows"]}
 
-    def progress(msg):
-        if not args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
     def write(result):
         os.makedirs(args.out, exist_ok=True)
         result.setdefault("environment", environment())
         write_json(stem + ".json", result)
         write_csv(stem + ".csv", result["rows"], CSV_COLUMNS)
 
-    try:
-        result = run_sensitivity(args.model, args.base, args.text, args.positions,
-                                 args.chunk_tokens, args.step, args.heads, done, progress,
-                                 write, group=args.group)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"sensitivity: {exc}")
+    result = run_sensitivity(args.model, args.base, args.text, args.positions,
+                             args.chunk_tokens, args.step, args.heads, done, progress,
+                             write, group=args.group)
     write(result)
     print(f"wrote {stem}.json, {stem}.csv")
     return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":

@@ -179,9 +179,10 @@ def test_polar_fixed_widths_sweep(tmp_path):
     # more bits never hurt: the full budget's best beats the best split 8 bits below it
     assert splits[0][0] <= min(e for e, _, bits in splits if bits <= budget - 6)
     # the sweep's own fit of the engine's split agrees with the codec's fitted codebooks
-    result = polar_widths.main(["--dim", "16", "--bits", "4", "--rows", "3000",
-                                "--out", str(tmp_path)])
-    engine = next(s for s in result["splits"] if s["widths"] == (4, 3, 3, 3))
+    assert polar_widths.main(["--dim", "16", "--bits", "4", "--rows", "3000",
+                              "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "polar-fixed-widths-d16-b4-rows3000.json").read_text())
+    engine = next(s for s in result["splits"] if s["widths"] == [4, 3, 3, 3])
     assert abs(engine["rel_l2"] - result["codecs"]["polar4:alloc=level"]) < 0.03 * engine["rel_l2"]
     assert result["codecs"]["polar4"] < engine["rel_l2"]
     assert (tmp_path / "polar-fixed-widths-d16-b4-rows3000.md").exists()

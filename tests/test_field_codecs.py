@@ -225,7 +225,7 @@ def test_channel_split_is_each_part_through_its_codec():
             kvquant.get_codec(f"chsplit:hi=tq3,lo=tq2,mask={bad}", dim)
 
 
-def test_a_channel_split_plan_sends_the_widest_channels_high(tmp_path):
+def test_a_channel_split_plan_sends_the_widest_channels_high(tmp_path, capsys):
     from kvquant.models.plan import CachePlan
     from kvquant.streams.calibration import StreamStatistics
     from kvquant_experiments.codecs.channel_split import main
@@ -246,9 +246,13 @@ def test_a_channel_split_plan_sends_the_widest_channels_high(tmp_path):
             want = sum(1 << c for c in top)
             assert codec_spec == f"chsplit:hi=tq3,lo=tq2,mask={want:#x}"
     assert abs(plan.bits_per_value(64) - (3.5 + 2.5) / 2) < 1e-9
-    with pytest.raises(SystemExit, match="exists"):
-        main(["plan", "--calibration", str(tmp_path / "cal.npz"), "--out", str(out),
-              "--k", "x{mask}", "--v", "tq2"])
+    before = out.read_text()
+    capsys.readouterr()
+    assert main(["plan", "--calibration", str(tmp_path / "cal.npz"), "--out", str(out),
+                 "--k", "x{mask}", "--v", "tq2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("channel_split: --out ") and "exists" in err and err.count("\n") == 1
+    assert out.read_text() == before      # a plan is never overwritten
 
 
 @pytest.mark.parametrize("width", range(1, 9))

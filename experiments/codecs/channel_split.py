@@ -15,7 +15,6 @@ values fp16). Bytes: both parts' codes and side values (two side values a row wh
 has one: at head_dim 64 with fp16 sides, 0.25 bits per value more than one codec).
 Consumers: each part's own, on its channels of the query (scores add, contexts interleave).
 """
-import argparse
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 
 from kvquant.codecs import Codec, get_codec
 from kvquant.codecs.base import ROW_NONFINITE, SIDE_DTYPES
+from kvquant_experiments.study import NEW_FILE, Output, add_subcommand, study_main
 
 
 class ChannelSplit(Codec):
@@ -182,13 +182,16 @@ def channel_split_plan(statistics, streams, calibration_name=None):
     return plan
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m kvquant_experiments.codecs.channel_split",
-        description="write a cache plan whose K (and V) streams split each layer's and head's "
-                    "channels by calibrated spread (chsplit)")
+# --------------------------------------------------------------------------------------------
+# Command line (kvquant_experiments.study)
+# --------------------------------------------------------------------------------------------
+RESUMES = False         # seconds of work: the same command writes the plan again
+
+
+def add_arguments(p):
     sub = p.add_subparsers(dest="command", required=True)
-    q = sub.add_parser("plan")
+    q = add_subcommand(sub, "plan", "write a cache plan whose K (and V) streams split each "
+                                    "layer's and head's channels by calibrated spread (chsplit)")
     q.add_argument("--calibration", required=True,
                    help=".npz of kvquant_experiments.calibrate measure (on the tune text)")
     q.add_argument("--k", required=True,
@@ -199,10 +202,15 @@ def main(argv=None):
     q.add_argument("--v", required=True, help="V stream spec, with {mask} to split it too")
     q.add_argument("--v-count", type=int, default=None)
     q.add_argument("--out", required=True, help="the plan's .json path (not overwritten)")
-    args = p.parse_args(argv)
+
+
+def outputs(args):
+    return [Output(args.out, NEW_FILE)]
+
+
+def run(args, progress):
+    from kvquant.outputs import atomic_write
     from kvquant.streams.calibration import StreamStatistics
-    if os.path.exists(args.out):
-        sys.exit(f"error: {args.out} exists; give another --out")
     stats = StreamStatistics.load(args.calibration)
     streams = {}
     for name, spec, count in (("k", args.k, args.k_count), ("v", args.v, args.v_count)):
@@ -213,16 +221,16 @@ def main(argv=None):
         streams[name] = (spec, count if count is not None else dim // 2)
     plan = channel_split_plan(stats, streams,
                               os.path.relpath(args.calibration, os.path.dirname(args.out) or "."))
-    plan["channel_split"]["command"] = " ".join(["python -m kvquant_experiments.codecs."
-                                                 "channel_split"] + list(sys.argv[1:] if argv
-                                                                         is None else argv))
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(plan, fh, indent=1)
-        fh.write("\n")
-    os.replace(tmp, args.out)
+    plan["channel_split"]["command"] = " ".join(
+        ["python -m kvquant_experiments.codecs.channel_split"] + list(args.argv))
+    text = json.dumps(plan, indent=1) + "\n"
+    atomic_write(args.out, lambda f: f.write(text))
     print(f"wrote {args.out}")
+    return 0
+
+
+main = study_main(__name__)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,6 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from kvquant.outputs import atomic_write
 from kvquant.specs import CacheSpec, PairSpec, SpecKind, register_builtin_kind
 from kvquant.streams.spec import StreamSpec
 from kvquant.streams.store import stream_bytes
@@ -198,10 +199,11 @@ class CachePlan(CacheSpec):
         return out
 
     def save(self, path):
-        """Write the plan as JSON (its calibration path relative to the file's folder)."""
+        """Write the plan as JSON (its calibration path relative to the file's folder),
+        atomically: a reader never finds half a plan."""
         base = os.path.dirname(os.path.abspath(path))
-        with open(path, "w") as f:
-            f.write(json.dumps(self.as_dict(base), indent=1) + "\n")
+        text = json.dumps(self.as_dict(base), indent=1) + "\n"
+        atomic_write(path, lambda f: f.write(text))
         return path
 
     # -- what it is --------------------------------------------------------------------------

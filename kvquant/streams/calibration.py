@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from kvquant.outputs import atomic_write
 from kvquant.streams.options import channel_scale, finite_mean
 
 __all__ = ["StreamStatistics", "statistics_digest"]
@@ -133,12 +134,13 @@ class StreamStatistics:
     # -- files -------------------------------------------------------------------------------
     def save(self, path):
         """Write a ``.npz``: ``<stream>.offsets`` / ``<stream>.scales`` arrays and a JSON
-        ``meta`` (format, version, digest, what they were measured on)."""
+        ``meta`` (format, version, digest, what they were measured on), atomically: a reader
+        never finds half a file."""
         meta = {"format": FORMAT, "version": VERSION, "digest": self.digest(), **self.meta}
         arrays = {f"{k}.offsets": v for k, v in self.offsets.items()}
         arrays.update({f"{k}.scales": v for k, v in self.scales.items()})
-        with open(path, "wb") as f:
-            np.savez(f, meta=np.array(json.dumps(meta, sort_keys=True)), **arrays)
+        atomic_write(path, lambda f: np.savez(f, meta=np.array(json.dumps(meta, sort_keys=True)),
+                                              **arrays), binary=True)
         return path
 
     @classmethod
