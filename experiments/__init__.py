@@ -12,6 +12,8 @@ plotting code that only reads those files (:mod:`kvquant_experiments.plots`).
 
 Modules
 -------
+study           the studies' one command line (``python -m kvquant_experiments.<study>``):
+                options, --out checked first, one-line errors, Ctrl-C
 common          environment record, seeds from parameters, file names, codec availability
 executor        local process pool or Dask executor; the resumable cell runner
 inputs          rows to quantize: Gaussian, heavy-tailed with outlier channels, real K/V rows
@@ -34,7 +36,8 @@ bench           speed: ``kvquant bench`` and every other speed measurement, one 
 memory          bytes per token and context per RAM budget (kvquant.budget)
 cache_files     cache files of each tier written, reopened, refused (kvquant.kvfile)
 plots           every figure, from result files only
-report          ``kvquant report``: runs the sections, writes REPORT.md + figures + data
+report          ``kvquant report``: runs the parts, writes REPORT.md + figures + data
+report_sections each part's section of REPORT.md, from its results or the committed files
 
 Set ``KVQUANT_SMOKE=1`` to shrink every default grid (CI runs the notebooks that way) and
 ``KVQUANT_RESULTS`` to choose where notebooks write (default ``results/``).
