@@ -308,6 +308,53 @@ def test_a_shifted_tensor_is_refused_not_loaded(tmp_path):
         GGUFDecoder(str(bad))
 
 
+def _first_token_type_patched(src, dst, value):
+    """``src`` with the first entry of tokenizer.ggml.token_type (an int32 array) set."""
+    import struct
+    blob = bytearray(src.read_bytes())
+    key = b"tokenizer.ggml.token_type"
+    at = bytes(blob).index(key) + len(key) + 4 + 4 + 8      # value type, item type, count
+    blob[at:at + 4] = struct.pack("<i", value)
+    dst.write_bytes(bytes(blob))
+    return str(dst)
+
+
+@pytest.mark.parametrize("arch, key, value, match", [
+    ("gemma3", "tokenizer.ggml.unknown_token_id", 10 ** 6,   # was an IndexError
+     r"unknown_token_id is 1000000; the vocabulary's ids are 0\.\.\d+"),
+    ("gemma3", "tokenizer.ggml.bos_token_id", 2 ** 31,        # was met in the first forward
+     r"bos_token_id is 2147483648; the vocabulary's ids are"),
+    ("gemma3", "tokenizer.ggml.eos_token_id", 10 ** 6,        # was loaded silently
+     r"eos_token_id is 1000000; the vocabulary's ids are"),
+    ("gemma3", "token_type", 99, r"token_type\[0\] is 99; token types are 0\.\.6"),
+    ("llama", "token_type", -1, r"token_type\[0\] is -1; token types are 0\.\.6"),
+])
+def test_damaged_tokenizer_fields_are_named_errors_naming_the_file(tmp_path, arch, key, value,
+                                                                    match):
+    src = tmp_path / "ok.gguf"
+    write_random_gguf(src, arch)
+    if key == "token_type":
+        path = _first_token_type_patched(src, tmp_path / "bad.gguf", value)
+    else:
+        path = _patched(src, tmp_path / "bad.gguf", key, "<I", value)
+    with pytest.raises(ValueError, match=match) as exc:
+        model = load_model(path)
+        model.forward(model.encode("the cat"), model.new_cache("f32"), last_only=True)
+    assert str(exc.value).startswith(path)
+
+
+def test_tokenizer_errors_name_the_file(tmp_path):
+    src = tmp_path / "ok.gguf"
+    write_random_gguf(src, "llama")
+    blob = bytearray(src.read_bytes())
+    at = bytes(blob).index(b"12 3")     # the last merge, made no merge of two tokens
+    blob[at:at + 4] = b"1223"
+    bad = tmp_path / "bad-merge.gguf"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=r"bad-merge\.gguf: tokenizer\.ggml\.merges\[6\]"):
+        load_model(str(bad)).encode("the cat")
+
+
 def _vocab_only(path, kind, space_prefix=False, pre="default"):
     from kvquant.models.random_gguf import spm_vocab
     pieces, scores, types = spm_vocab()

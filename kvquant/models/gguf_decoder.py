@@ -239,10 +239,19 @@ class GGUFDecoder:
                                    for n in self._matrix_names])
         self._tokenizer = None
         add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False, required=False)
-        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
-        self.bos_token_id = int(bos) if add_bos and bos is not None else None
-        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id", None, required=False)
-        self.eos_token_id = None if eos is None else int(eos)
+        bos = self._token_id("tokenizer.ggml.bos_token_id")
+        self.bos_token_id = bos if add_bos else None
+        self.eos_token_id = self._token_id("tokenizer.ggml.eos_token_id")
+
+    def _token_id(self, key):
+        """A token id the file names (BOS, EOS), or None: an integer inside the vocabulary, so
+        that a damaged one is refused at load, not met as an index error in the first forward."""
+        value = gguf_field(self._reader, key, None, required=False)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < self.vocab_size):
+            raise ValueError(f"{self.path}: {key} is {value!r}; the vocabulary's ids are "
+                             f"0..{self.vocab_size - 1}")
+        return value
 
     _matrix_names = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                      "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
@@ -300,7 +309,10 @@ class GGUFDecoder:
         """The file's tokenizer (built on first use; refuses kinds not implemented)."""
         if self._tokenizer is None:
             from kvquant.models.tokenizer import tokenizer_from_gguf
-            self._tokenizer = tokenizer_from_gguf(self._reader)
+            try:
+                self._tokenizer = tokenizer_from_gguf(self._reader)
+            except ValueError as exc:   # the fields are the file's: the message names it
+                raise ValueError(f"{self.path}: {exc}") from None
         return self._tokenizer
 
     def encode(self, text):

@@ -45,9 +45,37 @@ REGEX_SPLIT_PRE = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": Q
 SUPPORTED_PRE = DIGIT_SPLIT_PRE + tuple(REGEX_SPLIT_PRE) + ("gpt2",)
 
 
+# llama.cpp's token types (llama_token_type): undefined, normal, unknown, control, user-defined,
+# unused, byte; any other value is a damaged file
+TOKEN_TYPES = range(0, 7)
+
+
 def _field(reader, key, required=True):
     return gguf_field(reader, key, required=required,
                       missing=": it does not carry a BPE tokenizer")
+
+
+def _list_field(reader, key, kind, what):
+    """A list-valued tokenizer key whose items are all of ``kind`` (a type flipped by damage
+    would otherwise reach the tokenizers library as a TypeError or a panic)."""
+    value = _field(reader, key)
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(x, kind) and not isinstance(x, bool) for x in value):
+        raise ValueError(f"{key} is not a list of {what}")
+    return list(value)
+
+
+def _token_types(reader, n_tokens):
+    """``tokenizer.ggml.token_type``: one of llama.cpp's token types per token."""
+    types = _list_field(reader, "tokenizer.ggml.token_type", int, "integers")
+    if len(types) != n_tokens:
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n_tokens} "
+                         "tokens")
+    for i, t in enumerate(types):
+        if t not in TOKEN_TYPES:
+            raise ValueError(f"tokenizer.ggml.token_type[{i}] is {t}; token types are "
+                             f"{TOKEN_TYPES.start}..{TOKEN_TYPES.stop - 1}")
+    return types
 
 
 def tokenizer_from_gguf(reader):
@@ -74,13 +102,13 @@ def tokenizer_from_gguf(reader):
     if pre not in SUPPORTED_PRE:
         raise ValueError(
             f"pre-tokenizer {pre!r} is not supported (known: {', '.join(SUPPORTED_PRE)})")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    tokens = _list_field(reader, "tokenizer.ggml.tokens", str, "strings")
+    types = _token_types(reader, len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("the GGUF vocabulary holds duplicate tokens")
     merges = []
-    for i, m in enumerate(_field(reader, "tokenizer.ggml.merges")):
+    for i, m in enumerate(_list_field(reader, "tokenizer.ggml.merges", str, "strings")):
         # "left right", both tokens of the vocabulary, and their concatenation too (checked
         # here: the tokenizers library raises a bare Exception, or panics, on a bad one)
         pair = tuple(m.split(" ", 1)) if isinstance(m, str) else ()
@@ -133,11 +161,12 @@ def _sentencepiece_bpe(reader):
     if _field(reader, "tokenizer.ggml.add_space_prefix", required=False) is not False:
         raise ValueError("tokenizer.ggml.add_space_prefix is not false: a SentencePiece prefix "
                          "space is not implemented")
-    pieces = list(_field(reader, "tokenizer.ggml.tokens"))
-    scores = [float(x) for x in _field(reader, "tokenizer.ggml.scores")]
-    types = [int(x) for x in _field(reader, "tokenizer.ggml.token_type")]
-    if not len(pieces) == len(scores) == len(types):
+    pieces = _list_field(reader, "tokenizer.ggml.tokens", str, "strings")
+    scores = [float(x) for x in _list_field(reader, "tokenizer.ggml.scores", (int, float),
+                                            "numbers")]
+    if len(scores) != len(pieces):
         raise ValueError("tokenizer.ggml.tokens, scores and token_type differ in length")
+    types = _token_types(reader, len(pieces))
     pieces = [SPACE_PIECE * len(p) if p and not p.strip(" ") else p for p in pieces]
     vocab = {}
     for i, p in enumerate(pieces):
@@ -145,6 +174,10 @@ def _sentencepiece_bpe(reader):
     if len(vocab) != len(pieces):
         raise ValueError("the GGUF vocabulary holds duplicate tokens")
     unk = _field(reader, "tokenizer.ggml.unknown_token_id", required=False)
+    if unk is not None and (isinstance(unk, bool) or not isinstance(unk, int)
+                            or not 0 <= unk < len(pieces)):
+        raise ValueError(f"tokenizer.ggml.unknown_token_id is {unk!r}; the vocabulary's ids are "
+                         f"0..{len(pieces) - 1}")
     model = models.BPE(vocab=vocab, merges=_sentencepiece_merges(pieces, scores, types),
                        byte_fallback=True, fuse_unk=True,
                        unk_token=None if unk is None else pieces[int(unk)])
