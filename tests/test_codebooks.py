@@ -386,6 +386,10 @@ def test_cli_rejects_bad_arguments(argv, tmp_path):
     (["--dist", "cauchy", "--dim", "64"], "--dist 'cauchy' is not one of"),
     (["--dist", "beta", "--dim", "1"], "--dim 1 is out of range"),
     (["--bits", "x"], "--bits takes"),
+    # checked before the range is built (it filled the memory: a MemoryError after 18 s)
+    (["--bits", "1-100000000"], "--bits 100000000 is out of range"),
+    # a width the fit never settles on (it ran for minutes)
+    (["--dist", "beta", "--dim", "1000000000"], "--dim 1000000000 is out of range"),
 ])
 def test_cli_names_the_bad_value_first(argv, message, tmp_path, capsys):
     """A bad value is named even when other arguments are missing (--bits 9 alone is about the
@@ -396,6 +400,35 @@ def test_cli_names_the_bad_value_first(argv, message, tmp_path, capsys):
         args.func(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("failure, message", [
+    (ConvergenceError("Lloyd-Max did not converge"), "Lloyd-Max did not converge"),
+    (OSError(28, "No space left on device"), "No space left on device"),
+])
+def test_cli_a_failed_fit_or_write_is_one_line(failure, message, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise failure
+    monkeypatch.setattr(cbm.store, "regenerate", fail)
+    parser = _cli()
+    args = parser.parse_args(["codebooks", "fit", "--dist", "gaussian", "--bits", "2",
+                              "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        args.func(args)
+    assert isinstance(exc.value.code, str) and message in exc.value.code
+    assert str(tmp_path) in exc.value.code
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    import kvquant.outputs
+    cb = load_codebook("gaussian", None, 2)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(kvquant.outputs.os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        cbm.write_codebook(cb, tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_use_codebooks_lends_levels_to_codecs_built_inside(tmp_path):

@@ -10,7 +10,6 @@ import functools
 import hashlib
 import json
 import numbers
-import os
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,6 +18,8 @@ from types import MappingProxyType
 
 import numpy as np
 import scipy
+
+from kvquant.outputs import atomic_write
 
 from .densities import _check_dim, beta_density, gaussian_density
 from .lloyd_max import DEFAULT_TOL
@@ -263,11 +264,9 @@ def write_codebook(cb, directory):
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{cb.identity}.json"
     text = _format_codebook(cb)
-    # Write-then-rename so that a reader never sees a half-written file.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    # write-then-rename, so that a reader never sees a half-written file, and a failed write
+    # (a full disk) leaves neither a half-written file nor its temp file behind
+    return atomic_write(path, lambda f: f.write(text))
 
 
 def _parse_codebook(text, source):
