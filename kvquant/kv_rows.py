@@ -53,6 +53,8 @@ def load_kv_rows(path):
             arrays = {k: z[k] for k in z.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"cannot read {name!r} as a .npz archive: {exc}") from None
+    except MemoryError:
+        raise ValueError(f"{name!r} holds more rows than this machine's memory") from None
     if "meta" not in arrays:
         raise ValueError(f"{name!r} holds {sorted(arrays)}, not the rows of "
                          "`kvquant dump-kv` (no 'meta')")
@@ -69,9 +71,10 @@ def load_kv_rows(path):
     if meta.get("format") != FORMAT:
         raise ValueError(f"{name!r} is format {meta.get('format')!r}, not {FORMAT!r}")
     for key, x in arrays.items():
-        if x.dtype.kind != "f" or x.ndim != 4:
+        if x.dtype.kind != "f" or x.ndim != 4 or 0 in x.shape:
             raise ValueError(f"{name!r}: stream {key!r} holds {x.dtype} of shape {x.shape}; "
-                             "rows are float arrays (layer, kv_head, position, width)")
+                             "rows are float arrays (layer, kv_head, position, width), none "
+                             "of them empty")
     return arrays, meta
 
 
@@ -79,11 +82,32 @@ _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
                    (2, 0): np.lib.format.read_array_header_2_0}
 
 
+# Deflate's largest ratio (a run of one byte: 258 bytes per 2-bit code, about 1032:1), so a
+# deflated member of n bytes decompresses to at most this many times n
+MAX_DEFLATE_RATIO = 1032
+
+
 def _check_member_sizes(path):
     """Each array's header against its stored size, before numpy allocates what a header
-    claims (a damaged header claiming 2^33 rows would allocate them first)."""
+    claims (a damaged header claiming 2^33 rows would allocate them first). The sizes in the
+    archive's directory are numbers of the file as well: a member's compressed bytes must lie
+    inside the file, and what they can decompress to must hold the array."""
+    archive_size = os.path.getsize(path)
     with zipfile.ZipFile(path) as zf:
         for info in zf.infolist():
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise ValueError(f"member {info.filename!r} is compressed by method "
+                                 f"{info.compress_type}; numpy writes stored or deflated "
+                                 "members only")
+            if info.header_offset + info.compress_size > archive_size:
+                raise ValueError(f"member {info.filename!r} claims {info.compress_size} bytes "
+                                 f"from byte {info.header_offset}, past the end of the "
+                                 f"{archive_size}-byte file")
+            most = info.compress_size * (MAX_DEFLATE_RATIO if info.compress_type
+                                         == zipfile.ZIP_DEFLATED else 1)
+            if info.file_size > most + 64:      # + the smallest entries' fixed overhead
+                raise ValueError(f"member {info.filename!r} claims {info.file_size} bytes, but "
+                                 f"its {info.compress_size} stored bytes hold at most {most}")
             with zf.open(info) as f:
                 version = np.lib.format.read_magic(f)
                 if version not in _HEADER_READERS:

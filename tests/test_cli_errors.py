@@ -193,6 +193,8 @@ def _dump_meta():
      ("'meta' entry is not a JSON object",)),
     (lambda d: _npz(d / "strs.npz", meta=np.array(["a", "b"]), k=np.zeros((1, 1, 4, 8))),
      ("'meta' entry is not a JSON string",)),
+    (lambda d: _npz(d / "nowidth.npz", meta=_dump_meta(), k=np.zeros((1, 1, 4, 0), np.float32)),
+     ("shape (1, 1, 4, 0)", "none of them empty")),     # was numpy's "zero-size array" message
 ])
 def test_distortion_data_files_that_lie_or_block(tmp_path, make, needles):
     res = run("distortion", "--codecs", "kv8", "--data", make(tmp_path))
@@ -211,3 +213,45 @@ def test_an_npz_member_claiming_more_than_it_holds(tmp_path):
         zf.write(tmp_path / "k.npy", "k.npy")
     res = run("distortion", "--codecs", "kv8", "--data", str(path))
     assert_one_line_error(res, "cannot read", "claims shape")
+
+
+def _zip_size_patched(path, member, size):
+    """Set the uncompressed size of ``member`` in the local header and the central directory."""
+    import struct
+    blob = bytearray(path.read_bytes())
+    for signature, size_at, name_len_at, name_at in ((b"PK\x03\x04", 22, 26, 30),
+                                                      (b"PK\x01\x02", 24, 28, 46)):
+        at = blob.find(signature)
+        while at >= 0:
+            n = struct.unpack_from("<H", blob, at + name_len_at)[0]
+            if blob[at + name_at:at + name_at + n] == member.encode():
+                struct.pack_into("<I", blob, at + size_at, size)
+            at = blob.find(signature, at + 4)
+    path.write_bytes(bytes(blob))
+
+
+def test_an_npz_whose_directory_lies_about_a_member_allocates_nothing(tmp_path):
+    """A 1 KB archive whose directory (and the array header inside it) claim a 3.5 GiB member:
+    refused from the sizes, before numpy allocates the array (under a 4 GB address-space
+    limit that allocation was a MemoryError traceback; without one, 3.5 GiB reserved)."""
+    import io
+    import resource
+    import zipfile
+    claim = (1, 1, 56 << 20, 16)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": claim})
+    meta = io.BytesIO()
+    np.save(meta, _dump_meta())
+    path = tmp_path / "lying-directory.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("meta.npy", meta.getvalue())
+        zf.writestr("k.npy", header.getvalue() + b"\0" * 4096)
+    _zip_size_patched(path, "k.npy", 4 * int(np.prod(claim)) + len(header.getvalue()))
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    res = subprocess.run([sys.executable, "-m", "kvquant.cli", "distortion", "--codecs", "kv8",
+                          "--data", str(path)], capture_output=True, text=True,
+                         preexec_fn=limit_memory)
+    assert_one_line_error(res, "lying-directory.npz", "member 'k.npy' claims", "hold at most")
