@@ -325,7 +325,7 @@ class UnitStore:
     def __init__(self, folder, identity=None):
         self.folder = Path(folder)
         self.identity = identity
-        self.loaded = self.saved = 0
+        self.loaded = self.saved = self.unsaved = 0
         self._keys = set()
 
     def bind(self, identity):
@@ -371,10 +371,23 @@ class UnitStore:
         self.saved += 1
 
     def done_callback(self, key):
-        """A ``Future.add_done_callback`` that stores the unit's result when it succeeds."""
+        """A ``Future.add_done_callback`` that stores the unit's result when it succeeds.
+
+        A unit that cannot be written (a full disk, a folder gone) is counted in ``unsaved``
+        and said once on stderr: the run goes on with its result in memory (an exception in a
+        callback would only be logged, as a traceback per unit, by concurrent.futures).
+        """
         def store(future):
-            if not future.cancelled() and future.exception() is None:
+            if future.cancelled() or future.exception() is not None:
+                return
+            try:
                 self.put(key, future.result())
+            except OSError as exc:
+                self.unsaved += 1
+                if self.unsaved == 1:
+                    print(f"kvquant: cannot save finished units in {self.folder} "
+                          f"({exc.strerror or exc}); the run goes on, but an interrupted run "
+                          "will compute them again", file=sys.stderr, flush=True)
         return store
 
 

@@ -106,6 +106,32 @@ def test_run_cells_writes_resumes_and_never_stores_missing(tmp_path):
         assert again[3]["value"] == 9
 
 
+def test_a_unit_that_cannot_be_saved_is_said_once_and_the_run_goes_on(tmp_path, capsys,
+                                                                       monkeypatch):
+    """A full disk under a run's units: one line on stderr, the results still returned (it was
+    a traceback per unit, logged by concurrent.futures, and the count of saved units said
+    nothing of it)."""
+    from kvquant_experiments import executor as executor_module
+    from kvquant_experiments.executor import UnitStore
+
+    def full_disk(path, obj):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(executor_module, "write_json", full_disk)
+    units = UnitStore(tmp_path / "units", identity={"run": 1})
+    futures = []
+    ex = SerialExecutor()
+    for x in range(3):
+        future = ex.submit(_count_cell, {"x": x})
+        future.add_done_callback(units.done_callback(units.key("cell", {"x": x})))
+        futures.append(future)
+    assert [f.result()["value"] for f in futures] == [0, 1, 4]
+    assert (units.saved, units.unsaved) == (0, 3)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        f"kvquant: cannot save finished units in {tmp_path / 'units'} (No space left on "
+        "device); the run goes on, but an interrupted run will compute them again"]
+
+
 SMALL = {"codecs": ["kv8", "tq2", "tq4:compat=colibri"], "dims": [64], "kinds": ["gaussian",
                                                                                 "heavy"],
          "rows": 128, "seed": 1}
