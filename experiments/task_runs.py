@@ -21,7 +21,7 @@ import numpy as np
 
 from kvquant.cli import DefaultsHelpFormatter
 from kvquant_experiments.common import read_json, spec_tag, write_json
-from kvquant.outputs import check_out_dir
+from kvquant.outputs import atomic_write, check_out_dir
 
 __all__ = ["DEFAULT_CODECS", "add_cli", "format_markdown", "read_log", "run_tasks",
            "summarize", "task_meta"]
@@ -440,17 +440,20 @@ def cmd_tasks(args):
     summary["command"] = "kvquant tasks " + " ".join(sys.argv[2:]) if sys.argv[1:2] == [
         "tasks"] else None
     stem = out / f"summary-n{meta['limit']}"
-    write_json(f"{stem}.json", summary)
     text = format_markdown(summary)
-    tmp = Path(f"{stem}.md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, f"{stem}.md")
-    written = [f"{stem}.json", f"{stem}.md"]
     try:
-        from kvquant_experiments.plots import plot_task_accuracy
-        written.append(str(plot_task_accuracy([summary] + beside, f"{stem}.png")))
-    except ImportError:        # matplotlib is the plot extra's
-        pass
+        write_json(f"{stem}.json", summary)
+        atomic_write(f"{stem}.md", lambda f: f.write(text))
+        written = [f"{stem}.json", f"{stem}.md"]
+        try:
+            from kvquant_experiments.plots import plot_task_accuracy
+            written.append(str(plot_task_accuracy([summary] + beside, f"{stem}.png")))
+        except ImportError:        # matplotlib is the plot extra's
+            pass
+    except OSError as exc:         # a full disk: every item is in the logs already
+        raise SystemExit(f"kvquant tasks: writing the summary in {out} failed "
+                         f"({exc.strerror or exc}); the item logs there hold every item "
+                         "scored: free space and rerun the same command to write it")
     if args.json:
         print(json.dumps(summary, indent=1, default=float))
     else:

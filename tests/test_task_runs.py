@@ -134,6 +134,33 @@ def test_out_that_is_a_file_is_refused(setup, tmp_path, capsys):
     assert target.read_text() == "keep me"
 
 
+def test_a_full_disk_at_the_summary_is_one_line_and_keeps_the_logs(setup, tmp_path, capsys,
+                                                                    monkeypatch):
+    """The summary's files fail to write (a full disk): one line naming the folder, exit 2,
+    the item logs kept and no temp file left (the .md went through a fixed .md.tmp name,
+    left behind, and the failure was a traceback after the run)."""
+    from kvquant_experiments import task_runs
+    model, task = setup
+    out = tmp_path / "run"
+
+    def full_disk(path, write, binary=False):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(task_runs, "atomic_write", full_disk)
+    status, _, err = _run(capsys, "--model", model, "--task", task, "--limit", "2",
+                          "--codecs", "f32", "--out", str(out))
+    assert status == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvquant tasks: writing the summary in {out} failed (No space left on device); the "
+        "item logs there hold every item scored: free space and rerun the same command to "
+        "write it")
+    assert len(_items(_lines(out / "f32.jsonl")[1:])) == 2
+    assert not list(out.glob("*.tmp"))
+    monkeypatch.undo()
+    status, text, err = _run(capsys, "--model", model, "--task", task, "--limit", "2",
+                             "--codecs", "f32", "--out", str(out))
+    assert status == 0 and (out / "summary-n2.md").is_file()
+
+
 def test_a_group_limit_applies_to_each_member(setup, tmp_path, capsys, monkeypatch):
     # lm-eval's --limit on a group (MMLU) takes the first N documents of every subtask; the
     # run must score exactly those, not N x members documents of each
