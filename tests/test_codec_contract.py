@@ -10,6 +10,7 @@ import kvquant
 from kvquant.codecs import registry
 from kvquant.testing import check_codec
 
+from _notebook_codec import NOTEBOOK_CELL
 from _toy_codec import SignCodec, factory as toy_factory
 
 # Every family, bit width and option that changes what the kernels do. This one contract test
@@ -149,30 +150,8 @@ def test_installed_codecs_come_from_the_entry_point_group(monkeypatch):
         kvquant.get_codec("absent", 32)
 
 
-# A codec as a notebook cell defines it: its class lives in __main__, which worker processes
-# cannot import; executors carry it to them by value.
-NOTEBOOK_CELL = '''
-import numpy as np
-import kvquant
-
-class HalfSign(kvquant.Codec):
-    family = "half-sign"
-    def __init__(self, dim, nonfinite="raise"):
-        super().__init__(dim, nonfinite)
-        self.spec, self.code_bytes, self.n_side = "halfsign", (dim + 7) // 8, 1
-    def _encode(self, X, n_threads):
-        status = (~np.isfinite(X).all(axis=1)).astype(np.uint8)
-        X = np.where(np.isfinite(X), X, 0)
-        scale = (0.5 * np.abs(X).max(axis=1)).astype(np.float32)[:, None]
-        return np.packbits(X >= 0, axis=1, bitorder="little"), scale, status
-    def _decode(self, codes, side, n_threads):
-        bits = np.unpackbits(codes, axis=1, count=self.dim, bitorder="little")
-        return ((2.0 * bits - 1.0) * side).astype(np.float32)
-
-kvquant.register_codec("halfsign", lambda dim, **options: HalfSign(dim, **options))
-'''
-
-
+# A codec as a notebook cell defines it (tests/_notebook_codec.py): its class lives in
+# __main__, which worker processes cannot import; executors carry it to them by value.
 def test_a_codec_from_a_notebook_cell_runs_in_worker_processes_and_on_dask(tmp_path):
     from kvquant_experiments.executor import open_executor
     from kvquant_experiments.flip_runs import run_flips
