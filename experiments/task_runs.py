@@ -40,9 +40,12 @@ TIMING_KIND = "timing"  # a log line after a block: its seconds, tokens run and 
 def _model(model_name, backend, gguf_file):
     if backend == "hf":
         from kvquant.hf import load_hf_model
+        # the file's tokenizer first: its damaged fields are named errors here, before
+        # transformers' own GGUF tokenizer conversion meets them as an IndexError
+        encode = _gguf_encoder(os.path.join(model_name, gguf_file)) if gguf_file else None
         model = load_hf_model(model_name, gguf_file=gguf_file)
-        if gguf_file:
-            model.encode = _gguf_encoder(os.path.join(model_name, gguf_file))
+        if encode is not None:
+            model.encode = encode
         # A llama GGUF's keys are stored with RoPE pairs adjacent (its converter permutes them;
         # llama.cpp and kvquant's numpy model keep that order): the cache takes them in that
         # order, so that a rotated codec sees the same rows on both backends.
@@ -62,10 +65,17 @@ def _gguf_encoder(path):
     from kvquant.models.gguf_file import GGUFFile
     from kvquant.models.tokenizer import tokenizer_from_gguf
     reader = GGUFFile(path)
-    tokenizer = tokenizer_from_gguf(reader)
+    try:
+        tokenizer = tokenizer_from_gguf(reader)
+    except ValueError as exc:       # the fields are the file's: the message names it
+        raise ValueError(f"{path}: {exc}") from None
     add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", False, required=False)
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
-    first = [int(bos)] if add_bos and bos is not None else []
+    if add_bos and bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or
+                                        not 0 <= bos < tokenizer.get_vocab_size()):
+        raise ValueError(f"{path}: tokenizer.ggml.bos_token_id is {bos!r}; the vocabulary's "
+                         f"ids are 0..{tokenizer.get_vocab_size() - 1}")
+    first = [bos] if add_bos and bos is not None else []
 
     def encode(text):
         return np.array(first + tokenizer.encode(text).ids, dtype=np.int64)

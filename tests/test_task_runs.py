@@ -161,6 +161,45 @@ def test_a_full_disk_at_the_summary_is_one_line_and_keeps_the_logs(setup, tmp_pa
     assert status == 0 and (out / "summary-n2.md").is_file()
 
 
+def _token_type_count_claiming(src, dst, count):
+    """``src`` with the length of tokenizer.ggml.token_type set to ``count``."""
+    import struct
+    blob = bytearray(src.read_bytes())
+    key = b"tokenizer.ggml.token_type"
+    at = blob.index(key) + len(key) + 4 + 4          # value type, item type: the length
+    blob[at:at + 8] = struct.pack("<Q", count)
+    dst.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("arch, damage, message", [
+    # the gguf package's reader under transformers: a struct.error traceback
+    ("llama", lambda src, dst: _token_type_count_claiming(src, dst, 1 << 40),
+     "an array of 1099511627776 items"),
+    # transformers' GGUF tokenizer conversion: an IndexError traceback
+    ("gemma3", lambda src, dst: dst.write_bytes(src.read_bytes().replace(
+        b"tokenizer.ggml.unknown_token_id\x04\x00\x00\x00\x03\x00\x00\x00",
+        b"tokenizer.ggml.unknown_token_id\x04\x00\x00\x00\x40\x42\x0f\x00")),
+     "tokenizer.ggml.unknown_token_id is 1000000"),
+])
+def test_a_damaged_gguf_file_on_the_hf_backend_is_one_line(setup, tmp_path, capsys, arch,
+                                                           damage, message):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    _, task = setup
+    src = tmp_path / "ok.gguf"
+    write_random_gguf(src, arch)
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    damage(src, folder / "bad.gguf")
+    assert (folder / "bad.gguf").read_bytes() != src.read_bytes()
+    status, _, err = _run(capsys, "--backend", "hf", "--model", str(folder), "--gguf-file",
+                          "bad.gguf", "--task", task, "--limit", "2", "--codecs", "f32",
+                          "--out", str(tmp_path / "run"))
+    assert status == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"kvquant tasks: {folder / 'bad.gguf'}: ") and message in line
+
+
 def test_a_group_limit_applies_to_each_member(setup, tmp_path, capsys, monkeypatch):
     # lm-eval's --limit on a group (MMLU) takes the first N documents of every subtask; the
     # run must score exactly those, not N x members documents of each

@@ -66,6 +66,12 @@ class HFModel:
         its weights as ``dtype``, with the ``"kvquant"`` attention; ``kwargs`` go to
         ``AutoModelForCausalLM.from_pretrained``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        if gguf_file is not None:
+            # kvquant's own reader first: a damaged file is a GGUFFileError naming the file and
+            # its field, where the gguf package's reader under transformers fails with a
+            # struct.error or its own wording, or reads a count past the file's end
+            from kvquant.models.gguf_file import GGUFFile
+            GGUFFile(os.path.join(path, gguf_file))
         extra = {} if gguf_file is None else {"gguf_file": gguf_file}
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **extra, **kwargs)
