@@ -271,6 +271,21 @@ def test_refuses_a_cache_built_for_fewer_layers():
         model(_prompt(model), past_key_values=KVQuantCache(config, "tq4"), use_cache=True)
 
 
+def test_hfmodel_passes_the_cache_by_the_models_own_keyword():
+    """transformers 5.x deprecates past_key_values (forward: removed in 5.40); HFModel passes
+    the cache by the keyword the model takes, so its runs raise no FutureWarning (the fixture
+    above silences them for the other tests)."""
+    model = _model("llama")
+    adapter = HFModel(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = adapter.new_cache("tq4")
+        adapter.forward(_prompt(model)[0].numpy(), cache)
+        adapter.forward(np.array([1]), cache, last_only=True)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], \
+        [str(w.message) for w in caught]
+
+
 def test_refuses_batches_padding_and_custom_masks():
     model = _model("llama")
     ids = _prompt(model)
