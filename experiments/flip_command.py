@@ -2,7 +2,6 @@
 work, the store of finished units beside the results that lets the same command resume)."""
 import os
 import sys
-import time
 
 from kvquant.cli import DefaultsHelpFormatter
 from kvquant import flips
@@ -11,18 +10,12 @@ from kvquant_experiments.executor import UnitStore
 from kvquant_experiments.flip_files import result_stem, write_results
 from kvquant_experiments.flip_runs import DEFAULT_CHUNK_TOKENS, DEFAULT_POSITIONS, run_flips
 from kvquant_experiments.flip_tables import format_markdown
+from kvquant_experiments.study import progress_printer
 
 __all__ = ["UNITS_FOLDER", "add_cli", "main"]
 
 # the command keeps its finished units here, in the results' folder, until the run ends
 UNITS_FOLDER = ".flips-units"
-
-
-def _progress(quiet):
-    def progress(msg):
-        if not quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-    return progress
 
 
 def _hf_model(args):
@@ -66,7 +59,8 @@ def cmd_flips(args):
             args.out if args.out is not None else ".", UNITS_FOLDER))
         result = run_flips(args.model, codecs=codecs, positions=args.positions,
                            chunk_tokens=args.chunk_tokens, n_prompts=args.prompts,
-                           workers=args.workers, progress=_progress(args.quiet), text=args.text,
+                           workers=args.workers, progress=progress_printer(args.quiet),
+                           text=args.text,
                            scheduler=args.scheduler, score=args.score, model=model,
                            units=units)
     except (ValueError, ImportError, OSError) as exc:
