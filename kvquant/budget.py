@@ -82,6 +82,9 @@ DEFAULT_CODECS = ("f32", "kv8", "kv8-g32", "tq8", "tq6", "tq4", "tq3", "tq2",
                   "polar6", "polar5", "polar4", "polar3", "polar2", "q8_0", "q4_0")
 DEFAULT_CONTEXTS = (32768, 131072, 262144)
 
+# the largest size parse_bytes returns, exclusive: a signed 64-bit byte count
+MAX_BYTES = 2**63
+
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -111,7 +114,13 @@ def parse_bytes(text, name="a size"):
             unit = "b"
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{name}: a size must be a finite number >= 0, got {text!r}")
-    return int(value * _UNITS[unit])
+    size = value * _UNITS[unit]
+    # 1e300GB is a finite number of GB but no finite count of bytes (int() would overflow), and
+    # a size past 2^63 bytes fits no file offset or machine
+    if not size < MAX_BYTES:
+        raise ValueError(f"{name}: {text!r} is not below 2^63 bytes (about 9.2e18 B, 8 EiB); "
+                         "give a real size such as 64GB")
+    return int(size)
 
 
 def parse_tokens(text):

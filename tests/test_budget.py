@@ -75,6 +75,10 @@ def test_parse_errors():
         budget.parse_bytes("64", "--ram")
     with pytest.raises(ValueError, match="size"):
         budget.parse_bytes("-5GB")
+    for huge in ("1e300GB", 1e300, 2**63, "9.3e18B"):
+        with pytest.raises(ValueError, match=r"--ram: .* is not below 2\^63 bytes"):
+            budget.parse_bytes(huge, "--ram")
+    assert budget.parse_bytes("9e18B") == 9 * 10**18
     with pytest.raises(ValueError, match="token count"):
         budget.parse_tokens("12x")
     assert budget.parse_tokens("256k") == 262144
@@ -158,6 +162,9 @@ def test_no_quiet_zero_context(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--ram", "64"], "--ram '64' has no unit"),
     (["--ram", "lots"], "cannot read 'lots' as a size"),
+    # a finite number of GB that is no finite count of bytes (was an OverflowError traceback)
+    (["--ram", "1e300GB"], "--ram: '1e300GB' is not below 2^63 bytes"),
+    (["--reserve", "1e19B"], "--reserve: '1e19B' is not below 2^63 bytes"),
     (["--reserve", "20"], "--reserve '20' has no unit"),
     (["--ram", "64GB", "--reserve", "80GB"], "reserve (80 GB) is larger than the RAM (64 GB)"),
     (["--slots", "0"], "--slots must be a positive integer, got 0"),
