@@ -106,6 +106,13 @@ def test_flips_bad_counts_and_names(tmp_path, args, needle):
     (["bench", "--cold", "--cache-mib", "inf"], ("--cache-mib takes a positive size",)),
     (["bench", "--contexts", "100000000k"], ("GiB of float32",)),
     (["bench", "--codecs", ","], ("names no codec",)),
+    # each list names its own option and rule (both said "a context must be at least 1 token")
+    (["bench", "--dims", "0"], ("--dims: a row width must be at least 1",)),
+    (["bench", "--threads", "0"], ("--threads: a thread count must be at least 1",)),
+    (["bench", "--threads", "two"], ("--threads: cannot read 'two' as a thread count",)),
+    # a million threads ran for minutes
+    (["bench", "--threads", "1000000"], ("--threads: a thread count must be at most",
+                                         "4 per CPU")),
 ])
 def test_numbers_out_of_range_and_empty_lists_are_refused_at_once(args, needles):
     assert_one_line_error(run(*args), *needles)

@@ -1,5 +1,6 @@
 """Where commands write: a bad --out is refused before any work (the work would be lost at its
 end), and result files are replaced atomically (a failure mid-write leaves the old file)."""
+import errno
 import os
 
 import pytest
@@ -73,6 +74,22 @@ def test_bench_checks_out_before_timing(monkeypatch, capsys, a_file):
     monkeypatch.setattr(attention_step, "run", _no_work)
     _refused(capsys, ["bench", "--codecs", "kv8", "--dims", "64", "--contexts", "64",
                       "--out", str(a_file)], "kvquant bench", "not a folder")
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_bench_on_a_full_disk_is_one_line_after_the_timing(monkeypatch, capsys, tmp_path):
+    """The write after the timing fails (a full disk): one line naming the folder and saying
+    the timing is lost, exit 2 (was a traceback)."""
+    from kvquant_experiments.bench import attention_step
+    monkeypatch.setattr(attention_step, "run", lambda *a, **k: {"rows": [], "simd": "scalar"})
+    monkeypatch.setattr(attention_step, "atomic_write", _disk_full)
+    _refused(capsys, ["bench", "--codecs", "kv8", "--dims", "64", "--contexts", "64",
+                      "--threads", "1", "--json", "--out", str(tmp_path)],
+             "kvquant bench: cannot write the results in " + str(tmp_path),
+             "No space left on device", "the timing is lost", "--out")
 
 
 def test_codebooks_fit_checks_out_before_fitting(monkeypatch, capsys, a_file):

@@ -559,9 +559,42 @@ def _ints(text):
     return [parse_tokens(x) for x in text.split(",") if x.strip()]
 
 
+def max_threads():
+    """The most threads ``--threads`` takes: four per CPU (a count far past the CPUs times
+    nothing but the scheduler, and a million threads ran for minutes)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def _counts(text, option, what, example, most=None):
+    """The comma-separated whole numbers of ``option`` (``"512,64"``; ``4k`` is 4096), each at
+    least 1 and at most ``most``; the error names ``option``, ``what`` one number counts and
+    an ``example`` of the option's value."""
+    import re
+    out = []
+    for piece in (x.strip() for x in text.split(",")):
+        if not piece:
+            continue
+        m = re.fullmatch(r"(\d+)\s*([kK]?)", piece)
+        if not m:
+            raise ValueError(f"{option}: cannot read {piece!r} as a {what}; give whole "
+                             f"numbers such as {option} {example}")
+        n = int(m.group(1)) * (1024 if m.group(2) else 1)
+        if n < 1:
+            raise ValueError(f"{option}: a {what} must be at least 1, got {piece!r}")
+        if most is not None and n > most:
+            raise ValueError(f"{option}: a {what} must be at most {most} (4 per CPU of this "
+                             f"machine's {os.cpu_count() or 1}), got {piece!r}")
+        out.append(n)
+    if not out:
+        raise ValueError(f"{option} {text!r} names no {what}")
+    return out
+
+
 def cmd_bench(args):
     try:
-        dims, contexts, threads = _ints(args.dims), _ints(args.contexts), _ints(args.threads)
+        dims = _counts(args.dims, "--dims", "row width", "512,64")
+        threads = _counts(args.threads, "--threads", "thread count", "1,2", max_threads())
+        contexts = _ints(args.contexts)
         try:
             queries = [int(x) for x in args.queries.split(",") if x.strip()]
         except ValueError:
@@ -618,11 +651,16 @@ def cmd_bench(args):
     except ValueError as exc:
         raise SystemExit(f"kvquant bench: {exc}")
     if args.out:
-        paths = write_results(result, args.out, result_stem(dims, contexts, threads,
-                                                            args.repeats, result["simd"],
-                                                            args.clock, queries,
-                                                            args.schedule, args.cold,
-                                                            args.softmax))
+        try:
+            paths = write_results(result, args.out, result_stem(dims, contexts, threads,
+                                                                args.repeats, result["simd"],
+                                                                args.clock, queries,
+                                                                args.schedule, args.cold,
+                                                                args.softmax))
+        except OSError as exc:      # a full disk after the timing: a bench keeps no units
+            raise SystemExit(f"kvquant bench: cannot write the results in {args.out} "
+                             f"({exc.strerror or exc}); the timing is lost: free space there "
+                             "or give another --out, then run the same command again") from None
         if not args.json:
             print("wrote " + ", ".join(paths))
     print(dumps_strict(result) if args.json else format_markdown(result))
