@@ -70,7 +70,13 @@ def cmd_flips(args):
             f"{units.saved + units.loaded} finished unit(s) are saved in {units.folder}: rerun "
             "the same command to resume" if units else "nothing was saved (--no-write)") from None
     out = args.out if args.out is not None else result_stem(result)
-    paths = () if args.no_write else write_results(result, out)
+    try:
+        paths = () if args.no_write else write_results(result, out)
+    except OSError as exc:      # a full disk after the run: its finished units stay for a rerun
+        raise SystemExit(
+            f"kvquant flips: cannot write the results in {out} ({exc.strerror or exc}); "
+            f"the {units.saved + units.loaded} finished unit(s) are kept in {units.folder}: "
+            "free space, then run the same command to resume") from None
     if units is not None:       # the results hold everything the units did
         units.discard()
     if args.json:

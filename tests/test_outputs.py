@@ -80,6 +80,28 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def test_flips_on_a_full_disk_keeps_its_units_and_the_same_command_resumes(
+        monkeypatch, capsys, tmp_path):
+    """The results cannot be written after the run (a full disk): one line naming the folder
+    and the units kept in it, exit 2 (was a traceback); the same command then resumes."""
+    from kvquant_experiments import flip_command
+    out = tmp_path / "D"
+    argv = ["flips", "--model", "tiny-mla", "--codecs", "kv8", "--workers", "1", "--quiet",
+            "--json", "--out", str(out)]
+    real = flip_command.write_results
+    monkeypatch.setattr(flip_command, "write_results", _disk_full)
+    _refused(capsys, argv, f"kvquant flips: cannot write the results in {out}",
+             "No space left on device", f"finished unit(s) are kept in {out / '.flips-units'}",
+             "run the same command to resume")
+    units = sorted(os.listdir(out / ".flips-units"))
+    assert units
+    monkeypatch.setattr(flip_command, "write_results", real)
+    argv.remove("--quiet")
+    assert cli.main(argv) == 0
+    assert f"{len(units)} finished unit(s) reused" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["flips-tiny-mla-p1.csv", "flips-tiny-mla-p1.json"]
+
+
 def test_bench_on_a_full_disk_is_one_line_after_the_timing(monkeypatch, capsys, tmp_path):
     """The write after the timing fails (a full disk): one line naming the folder and saying
     the timing is lost, exit 2 (was a traceback)."""
