@@ -276,3 +276,8 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
             progress(f"resumed: {units.loaded} finished unit(s) reused from {units.folder}")
     add_storage(rows, meta)
     return {"meta": meta, "rows": rows}
+
+
+if __name__ == "__main__":
+    sys.exit("kvquant_experiments.flip_runs is the engine of kvquant flips, not a command: run "
+             "kvquant flips (kvquant flips --help)")

@@ -313,3 +313,10 @@ def goals_table(results, current=None):
     lines += [f"({i}) " + "; ".join(f"`{run_command(r)}`" for r in groups[k])
               + ("" if i == len(keys) else "  ") for i, k in enumerate(keys, 1)]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit("kvquant_experiments.frontier_picks is read by the frontier's command line, not a "
+             "command: run python -m kvquant_experiments.frontier with --choose-from, --choices, "
+             "--evidence or --goals (its --help)")

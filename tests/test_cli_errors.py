@@ -165,10 +165,17 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in err and err.strip().splitlines() == ["kvquant: interrupted"]
 
 
-def test_python_m_on_a_report_section_says_what_to_run():
-    res = subprocess.run([sys.executable, "-m", "kvquant_experiments.distortion", "--help"],
+@pytest.mark.parametrize("module, command", [
+    ("distortion", "kvquant report"),
+    # modules that other commands run: each printed nothing and exited 0
+    ("flip_runs", "kvquant flips"),
+    ("frontier_picks", "python -m kvquant_experiments.frontier"),
+])
+def test_python_m_on_a_report_section_says_what_to_run(module, command):
+    res = subprocess.run([sys.executable, "-m", f"kvquant_experiments.{module}", "--help"],
                          capture_output=True, text=True)
-    assert res.returncode != 0 and "kvquant report" in res.stderr
+    assert res.returncode != 0 and command in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def _lying_npy(path, shape):
