@@ -16,6 +16,7 @@ Run it once with ``--spec f32`` for the baseline: its numbers are the model's ow
 rounding), and the difference is what the codec costs on the task.
 """
 import argparse
+import inspect
 import json
 
 import torch
@@ -29,16 +30,22 @@ def kvquant_lm(model, tokenizer, spec, key_channels="model"):
     :class:`KVQuantCache` of ``spec``."""
     from lm_eval.models.huggingface import HFLM
 
+    # the keyword the model takes: transformers 5.x renamed past_key_values to cache (5.25 and
+    # later warn on the old one)
+    cache_kw = ("cache" if "cache" in inspect.signature(type(model).forward).parameters
+                else "past_key_values")
+
     class KVQuantHFLM(HFLM):
         def _new_cache(self):
             return KVQuantCache(self.model.config, spec, key_channels=key_channels)
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             with torch.no_grad():
-                return self.model(inps, past_key_values=self._new_cache(), use_cache=True).logits
+                return self.model(inps, use_cache=True,
+                                  **{cache_kw: self._new_cache()}).logits
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
-            generation_kwargs.setdefault("past_key_values", self._new_cache())
+            generation_kwargs.setdefault(cache_kw, self._new_cache())
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     return KVQuantHFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")

@@ -4,6 +4,7 @@ own DynamicCache runs and against plain torch attention over the decoded codes.
 Small random-weight models of each supported class (seconds); the real model (SmolLM2 from its
 GGUF) in the slow test. Skipped when the ``hf`` extra (torch, transformers) is not installed."""
 import importlib.util
+import inspect
 import math
 import subprocess
 import sys
@@ -284,6 +285,30 @@ def test_hfmodel_passes_the_cache_by_the_models_own_keyword():
         adapter.forward(np.array([1]), cache, last_only=True)
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], \
         [str(w.message) for w in caught]
+
+
+def test_the_keyword_the_docs_and_the_refusal_name_runs_without_a_warning():
+    """kvquant.hf's docstring, KVQuantCache's example and the attention's refusal of another
+    cache tell users how to pass the cache: that keyword runs generate() and the forward with
+    no FutureWarning (they said past_key_values=, which transformers 5.25 and later deprecate)."""
+    import re
+    model = _model("llama")
+    if "cache" not in inspect.signature(type(model).forward).parameters:
+        pytest.skip("a transformers from before the rename of past_key_values to cache")
+    ids = _prompt(model)
+    with torch.no_grad(), pytest.raises(ValueError, match="KVQuantCache") as refusal:
+        model(ids, use_cache=False)
+    texts = {"kvquant.hf": kvquant.hf.__doc__, "KVQuantCache": KVQuantCache.__doc__,
+             "the refusal": str(refusal.value)}
+    for where, text in texts.items():
+        keyword = re.search(r"(\w+)=(?:KVQuantCache\(|cache\))", text).group(1)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            model(ids, use_cache=True, **{keyword: KVQuantCache(model.config, "tq4")})
+            model.generate(ids, max_new_tokens=2, do_sample=False,
+                           **{keyword: KVQuantCache(model.config, "tq4")})
+        assert not [w for w in caught if issubclass(w.category, FutureWarning)], \
+            (where, keyword, [str(w.message) for w in caught])
 
 
 def test_refuses_batches_padding_and_custom_masks():

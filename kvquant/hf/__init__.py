@@ -7,7 +7,12 @@ the attention implementation ``"kvquant"`` with transformers. Then::
     from kvquant.hf import KVQuantCache
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvquant")
-    out = model.generate(ids, past_key_values=KVQuantCache(model.config, "polar5/polar4@center"))
+    out = model.generate(ids, cache=KVQuantCache(model.config, "polar5/polar4@center"))
+
+The cache goes to ``generate()`` or the model's forward as ``cache=``: transformers 5.x renamed
+``past_key_values`` to it (5.25 and later warn on the old keyword, and 5.40 removes it from the
+models' forward). On a 5.x release from before the rename, whose models take no ``cache``,
+pass ``past_key_values=``. :class:`HFModel` passes the cache by the model's own keyword.
 
 * :class:`KVQuantCache` (:mod:`kvquant.hf.cache`): a transformers ``Cache`` whose layers keep K
   and V in kvquant stream stores (one :class:`kvquant.cache.QuantizedKVCache` per layer, the KV

@@ -30,8 +30,11 @@ from kvquant.hf.cache import ATTN_IMPLEMENTATION, layer_of
 
 MASK_BLOCK = 512      # query rows of a mask evaluated at once (a block is MASK_BLOCK x kv bools)
 PREFILL_BLOCK = 64    # queries per consumer call in a banded prefill
-_USE = ("pass past_key_values=KVQuantCache(model.config, spec) to generate() or the model's "
-        "forward (with use_cache=True)")
+# the keyword transformers 5.x renamed past_key_values to (5.25 and later warn on the old one;
+# releases from before the rename take only past_key_values)
+_USE = ("pass cache=KVQuantCache(model.config, spec) to generate() or the model's forward (with "
+        "use_cache=True; past_key_values= on transformers releases whose models take no cache "
+        "keyword)")
 
 
 @dataclass(frozen=True, eq=False)

@@ -255,7 +255,8 @@ class KVQuantCache(Cache):
     --------
     >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvquant")
     >>> cache = KVQuantCache(model.config, "polar5/polar4@center")
-    >>> out = model.generate(ids, max_new_tokens=20, past_key_values=cache)
+    >>> out = model.generate(ids, max_new_tokens=20, cache=cache)
+    >>> # (past_key_values=cache on a transformers 5.x from before the rename to cache)
     >>> cache.nbytes, cache.bytes_per_token
     """
 
