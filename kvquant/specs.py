@@ -4,7 +4,9 @@ Everything that takes a cache configuration (a model's ``new_cache``, ``KVQuantC
 ``flips``/``tasks``/frontier commands, the experiments) takes a CacheSpec or a string, and makes
 the string a CacheSpec with :func:`parse_cache_spec` before anything else. Above this module no
 code reads spec text: it asks the object (``text``, ``label``, ``family``, ``bits_per_value``,
-``new_kv_cache``). The grammar of every kind is documented in ``docs/specs.md``.
+``is_reference``, ``new_kv_cache``; a stream's :class:`~kvquant.streams.spec.StreamSpec` makes
+the specs derived from it: ``with_bits``, ``with_codec_options``, ``with_options``,
+``with_row_scales``). The grammar of every kind is documented in ``docs/specs.md``.
 
 The kinds, each parsed by its own module and registered here:
 
@@ -46,7 +48,8 @@ _STREAM_FLAGS = ("center", "normalize")
 
 class CacheSpec:
     """A cache configuration, parsed. Subclasses set ``kind`` and implement ``text``,
-    ``bits_per_value`` and ``new_kv_cache``; ``label`` and ``family`` have defaults."""
+    ``bits_per_value`` and ``new_kv_cache``; ``label``, ``family`` and ``is_reference`` have
+    defaults."""
 
     kind = None
 
@@ -67,6 +70,12 @@ class CacheSpec:
     def family(self):
         """The group the report's figures draw it in."""
         return self.kind
+
+    @property
+    def is_reference(self):
+        """True when this cache is the float32 reference every other spec is measured against
+        (``f32``, however spelled: ``f32/f32``, ``F32``); a kind says so itself, else False."""
+        return False
 
     def describe(self, streams=("K", "V")):
         """The spec in words for a legend (``streams``: the two streams' names)."""
@@ -137,6 +146,12 @@ class PairSpec(CacheSpec):
     def streams(self):
         """(first stream's StreamSpec, second's)."""
         return self.k, self.v
+
+    @property
+    def is_reference(self):
+        """True when both streams are the float32 reference (:attr:`StreamSpec.is_reference`:
+        ``f32`` with no codec or stream options)."""
+        return self.k.is_reference and self.v.is_reference
 
     @property
     def family(self):
@@ -259,6 +274,11 @@ class StreamListSpec:
     def __str__(self):
         return self.text
 
+    @property
+    def is_reference(self):
+        """True when every stream is the float32 reference (:attr:`StreamSpec.is_reference`)."""
+        return all(s.is_reference for s in self.streams)
+
     def for_streams(self, names, model="the model"):
         """One StreamSpec per stream named in ``names``: the one spec for all of them, or the
         list's specs in order (ValueError when their count is another; ``model`` names the model
@@ -366,7 +386,7 @@ def parse_cache_spec(spec):
     return PairSpec.parse(text)
 
 
-def split_spec_text(text):
+def split_spec_text(text, separator=","):
     """Split a comma-separated list of specs whose options may hold commas too.
 
     A piece that starts with an option (``key=value``, or a stream flag ``center`` /
@@ -374,7 +394,13 @@ def split_spec_text(text):
     ``/`` part has ``:`` codec options or ``@`` stream options):
     ``"kv8,tq3:codebook=gaussian,side=unbiased,tq4"`` -> ``["kv8", "tq3:codebook=gaussian,side=unbiased", "tq4"]``;
     ``"polar5@center,sinks=1/polar4@sinks=1,q8_0"`` -> ``["polar5@center,sinks=1/polar4@sinks=1", "q8_0"]``.
+
+    ``separator=";"``: a list whose specs are separated by ``;``, which no spec holds, each
+    piece a whole spec (``"tq4;polar4:alloc=level,side_dtype=f16"``); empty pieces are
+    skipped.
     """
+    if separator != ",":
+        return [p.strip() for p in text.split(separator) if p.strip()]
     specs = []
     for piece in (p.strip() for p in text.split(",")):
         if not piece:

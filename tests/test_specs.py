@@ -211,10 +211,72 @@ def test_row_scales_are_asked_of_the_codec_family():
     assert row_scaled_spec("kv8-g32") == "kv8"
     assert row_scaled_spec("kv8-g32:nonfinite=inert") == "kv8:nonfinite=inert"
     assert row_scaled_spec("tq4:seed=7") == "tq4:seed=7" and row_scaled_spec("kv8") == "kv8"
+    # the group as a codec option is a grouped codec too (the MLA model's R, a budget's R)
+    assert row_scaled_spec("kv8:group=32") == "kv8"
+    assert row_scaled_spec("kv8:nonfinite=inert,group=16") == "kv8:nonfinite=inert"
     s = StreamSpec.parse("kv8-g32@center,sinks=1")
     assert str(s.with_row_scales()) == "kv8@center,sinks=1"
+    assert str(StreamSpec.parse("kv8:group=8@sinks=1").with_row_scales()) == "kv8@sinks=1"
     t = StreamSpec.parse("tq4@sinks=1")
     assert t.with_row_scales() is t
+
+
+@pytest.mark.parametrize("text, reference", [
+    ("f32", True), (" f32/f32 ", True), ("F32", True), ("f32/F32", True),
+    ("f32/tq4", False), ("tq4", False), ("f32@center", False), ("f32@sinks=1", False),
+    ("f32:nonfinite=inert", False), ("ggml:f16", False),
+])
+def test_the_f32_reference_is_asked_of_the_spec_whatever_its_spelling(text, reference):
+    spec = parse_cache_spec(text)
+    assert spec.is_reference is reference
+    if isinstance(spec, PairSpec):
+        assert StreamListSpec.of(spec).is_reference is reference
+
+
+def test_a_plan_is_not_the_reference_even_of_f32_streams():
+    assert not CachePlan.uniform("f32", 2, 3).is_reference
+
+
+def test_a_codec_whose_name_carries_its_bits_changes_them_through_the_spec():
+    from kvquant.codecs import bit_ladder, spec_with_bits
+    s = StreamSpec.parse("polar4:side_dtype=f16@center,sinks=1")
+    assert (s.bits, s.bit_widths) == (4, range(2, 7))
+    assert str(s.with_bits(3)) == "polar3:side_dtype=f16@center,sinks=1"
+    assert StreamSpec.parse("tq3:seed=0x7").with_bits(8).codec_spec == "tq8:seed=0x7"
+    assert (StreamSpec.parse("tq4").bits, StreamSpec.parse("tq4").bit_widths) == (4, range(1, 9))
+    for other in ("kv8", "kv8-g32", "q4_0+rot", "f32"):
+        assert StreamSpec.parse(other).bits is None and bit_ladder(other) is None
+        with pytest.raises(ValueError, match="carries no bit width"):
+            StreamSpec.parse(other).with_bits(4)
+    for bits in (1, 7, True, 3.0):
+        with pytest.raises(ValueError, match="polar takes 2..6 bits"):
+            s.with_bits(bits)
+    assert spec_with_bits("TQ4", 2) == "tq2"
+
+
+def test_codec_and_stream_options_are_added_through_the_spec():
+    s = StreamSpec.parse("ds:inner=tq2,k=1@center,sinks=1")
+    f16 = s.with_codec_options(side_dtype="f16")
+    assert str(f16) == "ds:inner=tq2,k=1,side_dtype=f16@center,sinks=1"
+    assert f16.with_codec_options(side_dtype="f16") == f16          # given already: kept once
+    assert str(StreamSpec.parse("tq3:seed=0x7").with_codec_options(seed=7)) == "tq3:seed=0x7"
+    with pytest.raises(ValueError, match="gives side_dtype='f16' already"):
+        f16.with_codec_options(side_dtype="f32")
+    with pytest.raises(ValueError, match="non-empty text without ','"):
+        s.with_codec_options(inner="tq2,k=2")
+    assert str(s.with_options(recent=16)) == "ds:inner=tq2,k=1@center,sinks=1,recent=16"
+    assert s.with_options(center=False).options.center is False
+    with pytest.raises(ValueError, match="unknown stream option.*bogus"):
+        s.with_options(bogus=1)
+    with pytest.raises(ValueError, match="sinks must be an integer"):
+        s.with_options(sinks=-1)
+
+
+def test_a_list_of_specs_separated_by_semicolons_keeps_each_whole():
+    from kvquant.specs import split_spec_text
+    assert split_spec_text("tq4; polar4:alloc=level,side_dtype=f16;;kv8@center,sinks=1",
+                           separator=";") == ["tq4", "polar4:alloc=level,side_dtype=f16",
+                                              "kv8@center,sinks=1"]
 
 
 @pytest.mark.parametrize("spec, dim, error, match", [

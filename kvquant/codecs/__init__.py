@@ -8,6 +8,8 @@ Each family module exposes ``parse(base, dim, options)`` returning a codec or No
 from elsewhere come in through :mod:`kvquant.codecs.registry` (``register_codec`` or the
 ``kvquant.codecs`` entry-point group) and are looked up after the built-in families.
 """
+import numbers
+
 from kvquant.codecs import fp8, ggml, identity, lloyd, polar
 from kvquant.codecs import registry
 from kvquant.codecs.base import (WIDTH_RULE, Codec, CodecWidthError, EncodedRows,
@@ -21,9 +23,11 @@ BUILTIN_FORMS = ("f32", "kv8", "kv8-g<N>", "tq<b> (b = 1..8)", "polar<b> (b = 2.
                  *(f"{k} (+rot)" for k in ggml.KINDS))
 
 __all__ = ["BUILTIN_FORMS", "WIDTH_RULE", "Codec", "CodecWidthError", "EncodedRows",
-           "UnknownCodecError", "available_codecs", "codec_for_width", "describe_codec",
-           "get_codec", "is_simulated_codec", "parse_spec", "register_codec", "row_scaled_spec",
-           "unregister_codec"]
+           "UnknownCodecError", "available_codecs", "bit_ladder", "codec_for_width",
+           "describe_codec", "get_codec", "is_simulated_codec", "parse_spec", "register_codec",
+           "row_scaled_spec", "spec_with_bits", "spec_with_options", "unregister_codec"]
+# the families whose names carry their bit width (tq<b>, polar<b>): each family's bit_ladder
+_BIT_LADDERS = (lloyd.bit_ladder, polar.bit_ladder)
 
 
 def available_codecs():
@@ -132,17 +136,85 @@ def codec_for_width(spec, dim):
         raise CodecWidthError(str(exc)) from None
 
 
+def _option_items(spec):
+    """The codec options of ``spec`` as written: ``(key, "key=value")`` in order (a spec
+    :func:`parse_spec` took)."""
+    items = (item.strip() for item in spec.strip().partition(":")[2].split(","))
+    return [(item.partition("=")[0], item) for item in items if item]
+
+
+def _spec_text(base, items):
+    return base + (":" + ",".join(text for _, text in items) if items else "")
+
+
 def row_scaled_spec(spec):
-    """``spec`` with one scale per row in place of scale groups (``"kv8-g32"`` -> ``"kv8"``,
-    codec options kept), ``spec`` itself when its codec keeps no scale groups: the codec of rows
-    whose producer scales each row whole (the engine groups the MLA model's latent L, not its
-    rope row R)."""
-    base, _ = parse_spec(spec)
-    row_base = fp8.row_scaled_base(base)
-    if row_base is None:
+    """``spec`` with one scale per row in place of scale groups (``"kv8-g32"`` and
+    ``"kv8:group=32"`` -> ``"kv8"``, other codec options kept as written), ``spec`` itself when
+    its codec keeps no scale groups: the codec of rows whose producer scales each row whole (the
+    engine groups the MLA model's latent L, not its rope row R)."""
+    base, options = parse_spec(spec)
+    row = fp8.row_scaled(base, options)
+    if row is None:
         return spec
-    opt_text = spec.strip().partition(":")[2]
-    return row_base + (":" + opt_text if opt_text else "")
+    row_base, kept = row
+    return _spec_text(row_base, [i for i in _option_items(spec) if i[0] in kept])
+
+
+def bit_ladder(spec):
+    """``(bits, widths)`` of a codec spec whose name carries its bit width (``tq<b>``, widths
+    1..8; ``polar<b>``, 2..6): ``"polar4:side_dtype=f16"`` -> ``(4, range(2, 7))``; None for a
+    codec whose name carries none (kv8, the llama.cpp types, f32, a registered codec)."""
+    base, _ = parse_spec(spec)
+    for ladder in _BIT_LADDERS:
+        found = ladder(base)
+        if found is not None:
+            return found[1], found[2]
+    return None
+
+
+def spec_with_bits(spec, bits):
+    """``spec`` with its codec's bit width ``bits``, its options kept as written
+    (``"polar4:side_dtype=f16"``, 3 -> ``"polar3:side_dtype=f16"``).
+
+    Raises
+    ------
+    ValueError
+        The codec's name carries no bit width (:func:`bit_ladder`), or its family takes no
+        codec of ``bits`` bits.
+    """
+    base, _ = parse_spec(spec)
+    for ladder in _BIT_LADDERS:
+        found = ladder(base)
+        if found is None:
+            continue
+        name, _, widths = found
+        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) \
+                or bits not in widths:
+            raise ValueError(f"{spec!r}: {name} takes {widths[0]}..{widths[-1]} bits, not "
+                             f"{bits!r}")
+        return _spec_text(f"{name}{int(bits)}", _option_items(spec))
+    raise ValueError(f"{spec!r}: the codec's name carries no bit width to change (tq<b>, "
+                     "polar<b>)")
+
+
+def spec_with_options(spec, **options):
+    """``spec`` with the codec options ``options`` added after its own, which stay as written
+    (``"tq3:side=unbiased"``, side_dtype="f16" -> ``"tq3:side=unbiased,side_dtype=f16"``). An
+    option the spec gives already with the same value is not repeated; with another value it
+    is a ValueError, as is a key or value that the spec grammar cannot hold."""
+    given = parse_spec(spec)[1]
+    items = _option_items(spec)
+    for key, value in options.items():
+        text = str(value)
+        if any(not t or t.strip() != t or any(c in t for c in ",:@/=") for t in (key, text)):
+            raise ValueError(f"codec option {key}={value!r}: a key and a value are non-empty "
+                             "text without ',', ':', '@', '/', '=' or surrounding spaces")
+        if key in given:
+            if parse_spec(f"x:{key}={text}")[1][key] != given[key]:
+                raise ValueError(f"{spec!r} gives {key}={given[key]!r} already, not {text!r}")
+            continue
+        items.append((key, f"{key}={text}"))
+    return _spec_text(spec.strip().partition(":")[0], items)
 
 
 def describe_codec(spec):

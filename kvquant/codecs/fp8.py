@@ -89,7 +89,10 @@ def parse(base, dim, options):
     return None
 
 
-def row_scaled_base(base):
-    """``"kv8"`` for a grouped base ``kv8-g<N>`` (one scale per row in place of one per N
-    elements), None for any other base."""
-    return "kv8" if _GROUPED.fullmatch(base) else None
+def row_scaled(base, options):
+    """``("kv8", options kept)`` for a codec that groups its scales, ``kv8-g<N>`` or ``kv8`` with
+    ``group=N`` (one scale per row in place of one per N elements; every option but ``group``
+    kept), None for any other codec."""
+    if _GROUPED.fullmatch(base) or (base == "kv8" and options.get("group") is not None):
+        return "kv8", {k: v for k, v in options.items() if k != "group"}
+    return None

@@ -197,8 +197,18 @@ class LloydCodec(Codec):
                               n_threads)
 
 
+_BASE = re.compile(r"tq(\d+)")   # tq<b>: the bit width is the number after the name
+
+
 def parse(base, dim, options):
-    m = re.fullmatch(r"tq(\d+)", base)
+    m = _BASE.fullmatch(base)
     if not m:
         return None
     return LloydCodec(dim, int(m.group(1)), **options)
+
+
+def bit_ladder(base):
+    """``("tq", b, widths)`` for a base ``tq<b>``: the name its bit width follows, the width
+    and the widths the family takes (tq ``MIN_BITS..MAX_BITS``); None for any other base."""
+    m = _BASE.fullmatch(base)
+    return ("tq", int(m.group(1)), range(MIN_BITS, MAX_BITS + 1)) if m else None

@@ -524,11 +524,21 @@ class PolarCodec(Codec):
         _consumers.context_polar(codes, side, *self._kernel_tables(), W, out, n_threads)
 
 
+_BASE = re.compile(r"polar(\d+)")   # polar<b>: the bit width is the number after the name
+
+
 def parse(base, dim, options):
-    m = re.fullmatch(r"polar(\d+)", base)
+    m = _BASE.fullmatch(base)
     if not m:
         return None
     return PolarCodec(dim, int(m.group(1)), **options)
+
+
+def bit_ladder(base):
+    """``("polar", b, widths)`` for a base ``polar<b>``: the name its bit width follows, the width
+    and the widths the family takes (polar ``MIN_BITS..MAX_BITS``); None for any other base."""
+    m = _BASE.fullmatch(base)
+    return ("polar", int(m.group(1)), range(MIN_BITS, MAX_BITS + 1)) if m else None
 
 
 def _main(argv=None):

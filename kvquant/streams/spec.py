@@ -6,9 +6,10 @@ Code that takes a spec string makes a :class:`StreamSpec` of it at its door and 
 on: nothing parses the string a second time, and the codec a check built for a width is the
 codec the stream then uses.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
-from kvquant.codecs import get_codec, parse_spec, row_scaled_spec
+from kvquant.codecs import (bit_ladder, get_codec, parse_spec, row_scaled_spec, spec_with_bits,
+                            spec_with_options)
 from kvquant.streams.options import StreamOptions, parse_stream_spec
 
 
@@ -91,9 +92,57 @@ class StreamSpec:
             self._codecs[key] = get_codec(self.codec_spec, dim, **codec_options)
         return self._codecs[key]
 
+    @property
+    def is_reference(self):
+        """True when this stream stores its rows as the float32 reference does: the codec
+        ``f32`` (``F32`` too) with no codec options and no stream options. ``f32@center`` is
+        not the reference (its rows are rounded after centering): it is measured as any other
+        spec."""
+        base = self.codec_spec.strip().partition(":")[0]
+        return (self.plain and base.lower() == "f32"
+                and parse_spec(self.codec_spec) == ("f32", {}))
+
+    @property
+    def bits(self):
+        """The bit width the codec's name carries (``tq4`` -> 4, ``polar5:side_dtype=f16`` ->
+        5: :func:`kvquant.codecs.bit_ladder`); None when it carries none (kv8, q8_0, f32, a
+        registered codec)."""
+        ladder = bit_ladder(self.codec_spec)
+        return None if ladder is None else ladder[0]
+
+    @property
+    def bit_widths(self):
+        """The bit widths the codec's family takes (``range(1, 9)`` for tq, ``range(2, 7)`` for
+        polar), None when its name carries no bit width."""
+        ladder = bit_ladder(self.codec_spec)
+        return None if ladder is None else ladder[1]
+
+    def with_bits(self, bits):
+        """This spec with its codec at ``bits`` bits, codec and stream options kept
+        (``polar4:side_dtype=f16@center``, 3 -> ``polar3:side_dtype=f16@center``); ValueError
+        when the codec's name carries no bit width or its family takes no ``bits``."""
+        return StreamSpec(spec_with_bits(self.codec_spec, bits), self.options)
+
+    def with_codec_options(self, **options):
+        """This spec with codec options added (``tq3@center``, side_dtype="f16" ->
+        ``tq3:side_dtype=f16@center``; :func:`kvquant.codecs.spec_with_options`: the spec's own
+        options stay as written, one given again with another value is a ValueError)."""
+        return StreamSpec(spec_with_options(self.codec_spec, **options), self.options)
+
+    def with_options(self, **options):
+        """This spec with stream options changed (``tq4@sinks=1``, recent=16 ->
+        ``tq4@sinks=1,recent=16``); the fields of :class:`StreamOptions`, checked as it
+        checks them."""
+        unknown = sorted(set(options) - {f.name for f in fields(StreamOptions)})
+        if unknown:
+            raise ValueError(f"unknown stream option(s) {', '.join(unknown)}; the options are "
+                             + ", ".join(f.name for f in fields(StreamOptions)))
+        return StreamSpec(self.codec_spec, replace(self.options, **options))
+
     def with_row_scales(self):
         """This spec with one scale per row where its codec groups scales (``kv8-g32@sinks=1``
-        -> ``kv8@sinks=1``: :func:`kvquant.codecs.row_scaled_spec`), itself otherwise."""
+        -> ``kv8@sinks=1``, ``kv8:group=32`` -> ``kv8``:
+        :func:`kvquant.codecs.row_scaled_spec`), itself otherwise."""
         codec_spec = row_scaled_spec(self.codec_spec)
         return self if codec_spec == self.codec_spec else StreamSpec(codec_spec, self.options)
 
