@@ -97,6 +97,14 @@ def test_cache_streams_and_pair_specs(model):
     assert isinstance(cache, QuantizedKVCache)
     # As the engine's KV8 mode: grouped scales on L, one scale per row on R.
     assert {n: cache.codec(0, n).spec for n in ("L", "R")} == {"L": "kv8-g8", "R": "kv8"}
+    # the group as a codec option is the same grouped codec: R keeps its row scale, other
+    # options kept on both streams
+    cache = model.new_cache("kv8:group=8,nonfinite=inert@sinks=1")
+    assert {n: cache.codec(0, n).spec for n in ("L", "R")} == {"L": "kv8-g8", "R": "kv8"}
+    assert cache.codec(0, "R").nonfinite == "inert"
+    toks = list(ORACLE_PROMPT)
+    np.testing.assert_array_equal(model.forward(toks, model.new_cache("kv8:group=8")),
+                                  model.forward(toks, model.new_cache("kv8-g8")))
     cache = model.new_cache("tq4/kv8")
     assert (cache.codec(0, "L").spec, cache.codec(0, "R").spec) == ("tq4", "kv8")
     assert [str(s) for s in parse_cache_spec("tq3").streams] == ["tq3", "tq3"]

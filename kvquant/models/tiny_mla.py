@@ -32,7 +32,6 @@ import numpy as np
 from kvquant.cache import QuantizedKVCache
 from kvquant.models import causal_mask, masked_softmax, rms_norm, silu
 from kvquant.specs import PairSpec, parse_cache_spec
-from kvquant.streams.spec import StreamSpec
 
 __all__ = ["ORACLE_PROMPT", "ORACLE_NEW_TOKENS", "TinyMLA", "TinyMLAConfig", "new_mla_cache",
            "weight_shapes"]
@@ -137,7 +136,8 @@ def new_mla_cache(cfg, pair_spec="f32"):
 
     ``pair_spec`` is ``"tq4"`` for both streams or ``"kv8/tq4"`` for L / R (a pair spec,
     :class:`~kvquant.specs.PairSpec`, or its string). As in the engine's KV8 mode, a lone grouped
-    ``kv8-g<N>`` applies to L while R keeps one scale per row (``kv8``).
+    ``kv8-g<N>`` (or ``kv8:group=N``) applies to L while R keeps one scale per row (``kv8``, the
+    spec's other options kept: :meth:`~kvquant.streams.spec.StreamSpec.with_row_scales`).
     """
     spec = parse_cache_spec(pair_spec)
     if not isinstance(spec, PairSpec):
@@ -145,9 +145,8 @@ def new_mla_cache(cfg, pair_spec="f32"):
                          f"specs), not a {spec.kind} spec")
     dims = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     l_spec, r_spec = spec.streams
-    l_codec = l_spec.codec(dims[0])
-    if l_spec == r_spec and l_codec.family == "kv8" and l_codec.spec != "kv8":
-        r_spec = StreamSpec("kv8", l_spec.options)   # the engine's R keeps a row scale
+    if l_spec == r_spec:
+        r_spec = l_spec.with_row_scales()   # the engine's R keeps a row scale
     l_spec, r_spec = PairSpec(l_spec, r_spec).checked(dims, ("L (latent)", "R (rope)"))
     streams = {"L": (l_spec, dims[0]), "R": (r_spec, dims[1])}
     return QuantizedKVCache(cfg.n_layers, streams, capacity=64)
