@@ -94,8 +94,14 @@ def run_chunks(executor, source, specs, chunks, groups_per_chunk=1, progress=Non
     workers); returns the stats in chunk order, each with every spec in the order of ``specs``.
     With ``units``, finished tasks are stored and a rerun reuses them.
     """
-    groups = _groups([s for s in specs if s != "f32"], groups_per_chunk) or [[]]
-    groups = [["f32"] + g for g in groups]
+    from kvquant.specs import parse_cache_spec
+    # every group runs the f32 reference; a listed spec that is the reference (however
+    # spelled) is the reference's row, so it goes with every group and is not run as a spec
+    is_reference = [parse_cache_spec(s).is_reference for s in specs]
+    references = [s for s, ref in zip(specs, is_reference) if ref] or ["f32"]
+    groups = _groups([s for s, ref in zip(specs, is_reference) if not ref],
+                     groups_per_chunk) or [[]]
+    groups = [references + g for g in groups]
     futures = {}
     for ci, (_, ids) in enumerate(chunks):
         for group in groups:
@@ -150,7 +156,9 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
         ``"tiny-mla"`` (the engine's protocol only: random weights, no text), ``"smollm2"``, or
         any name or GGUF path :func:`kvquant.models.load_model` takes.
     codecs : list of str, optional
-        Pair specs; default :data:`DEFAULT_CODECS` of the model. ``f32`` is always included.
+        Pair specs; default :data:`DEFAULT_CODECS` of the model. The f32 reference is always
+        included, its row named ``f32`` (first, unless the list gives it, as ``f32`` or another
+        spelling such as ``F32``; twice is an error).
     positions : int, optional
         Real-text positions; default :data:`DEFAULT_POSITIONS`; 0 skips them.
     chunk_tokens : int
@@ -192,9 +200,11 @@ def run_flips(model_name, codecs=None, positions=None, chunk_tokens=DEFAULT_CHUN
                                   or value < low):
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     kind = _kind(model_name)
-    # parsed once here; rows are named by each spec's canonical text
-    codecs = [s.text for s in parse_cache_specs(list(codecs or DEFAULT_CODECS[kind]))]
-    if "f32" not in codecs:
+    # parsed once here; rows are named by each spec's canonical text, the f32 reference's row
+    # "f32" however the list spells it (tables, frontiers and plots find it by that name)
+    parsed = parse_cache_specs(list(codecs or DEFAULT_CODECS[kind]))
+    codecs = ["f32" if s.is_reference else s.text for s in parsed]
+    if not any(s.is_reference for s in parsed):
         codecs.insert(0, "f32")
     if len(set(codecs)) != len(codecs):
         raise ValueError(f"a codec is listed twice in {codecs}")

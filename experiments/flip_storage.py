@@ -22,11 +22,11 @@ def add_storage(rows, meta):
     ``bytes_per_token`` was the marginal one, are read as such."""
     from kvquant.specs import parse_cache_spec
     context = storage_context(meta)
-    for r in rows:
+    specs = [parse_cache_spec(r["codec"]) for r in rows]
+    for r, spec in zip(rows, specs):
         if "marginal_bytes_per_token" not in r:
             r["marginal_bytes_per_token"] = r["bytes_per_token"]
         r["fixed_bytes"] = int(r.get("fixed_bytes", 0))
-        spec = parse_cache_spec(r["codec"])
         if hasattr(spec, "fixed_bytes"):
             # a cache whose fixed rows depend on the length (a simulation's float32 residual):
             # counted at this context
@@ -35,7 +35,8 @@ def add_storage(rows, meta):
                 m["n_layers"], m["n_kv_heads"], m["head_dim"], context)))
         r["context_tokens"] = context
         r["bytes_per_token"] = r["marginal_bytes_per_token"] + r["fixed_bytes"] / context
-    f32 = next(r for r in rows if r["codec"] == "f32")
+    # the f32 reference's row (its spec asked: "f32", or another spelling of it)
+    f32 = next(r for r, spec in zip(rows, specs) if spec.is_reference)
     values_per_token = f32["marginal_bytes_per_token"] / 4.0
     for r in rows:
         r["compression"] = f32["bytes_per_token"] / r["bytes_per_token"]

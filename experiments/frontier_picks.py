@@ -153,9 +153,11 @@ def pick_evidence(choices, results=(), summaries=()):
 
 def choice_configs(choices, extra=(), baselines=None):
     """The configurations a run of the picks measures: the baselines (default
-    :data:`HELD_OUT_BASELINES`; f32 always first), then each pick once, then ``extra``."""
+    :data:`HELD_OUT_BASELINES`; f32 always first, a baseline that is the f32 reference however
+    spelled not again), then each pick once, then ``extra``."""
+    from kvquant.specs import parse_cache_spec
     configs = ["f32"] + [b for b in (HELD_OUT_BASELINES if baselines is None else baselines)
-                         if b != "f32"]
+                         if not parse_cache_spec(b).is_reference]
     for pick in choices.values():
         if pick["pair"] not in configs:
             configs.append(pick["pair"])

@@ -42,6 +42,7 @@ import numpy as np
 
 from kvquant.metrics import chunk_bootstrap, llama_statistics, wilson_interval
 from kvquant.models import cache_streams, decoded_streams
+from kvquant.specs import parse_cache_spec
 
 __all__ = [
     "METRIC_BLOCK_BYTES",
@@ -273,7 +274,9 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
     Parameters
     ----------
     model : a kvquant model (``new_cache``, ``forward_hidden``, ``logits``, ``vocab_size``)
-    pair_specs : list of str
+    pair_specs : list of str or CacheSpec
+        A spec that is the f32 reference (:attr:`kvquant.specs.CacheSpec.is_reference`: ``f32``,
+        ``f32/f32``...) is not run again: its rows are the reference's.
     ids : ndarray of int, shape (n + 1,)
     block_rows : int, optional
         Rows per block (default :func:`metric_block_rows` of the vocabulary).
@@ -294,12 +297,14 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
     if B < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     t0 = time.perf_counter()
-    hidden = {"f32": model.forward_hidden(inputs, model.new_cache("f32"))}
+    reference = model.forward_hidden(inputs, model.new_cache("f32"))
     reference_s = time.perf_counter() - t0
-    specs = {}
+    # a spec that is the f32 reference however spelled ("f32/f32") is not run again
+    is_reference = {spec: parse_cache_spec(spec).is_reference for spec in pair_specs}
+    hidden, specs = {}, {}
     for spec in pair_specs:
         t0 = time.perf_counter()
-        if spec != "f32":
+        if not is_reference[spec]:
             hidden[spec] = model.forward_hidden(inputs, model.new_cache(spec))
         specs[spec] = {"same": 0, "same_at": np.empty(n, dtype=bool), "kld": np.empty(n),
                        "nll": 0.0, "nll_at": np.empty(n), "seconds": time.perf_counter() - t0}
@@ -308,7 +313,7 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
     for b0 in range(0, n, B):
         b = slice(b0, min(b0 + B, n))
         rows, tgt = np.arange(b.stop - b.start), targets[b]
-        ref = model.logits(hidden["f32"][b])
+        ref = model.logits(reference[b])
         ref_top = ref.argmax(axis=1)
         lp_ref = log_softmax64(ref)
         del ref
@@ -319,7 +324,7 @@ def chunk_stats(model, pair_specs, ids, block_rows=None):
         nll_f32 += nll_ref
         for spec, st in specs.items():
             t0 = time.perf_counter()
-            if spec == "f32":   # the reference itself: KL 0, same top everywhere
+            if is_reference[spec]:   # the reference itself: KL 0, same top everywhere
                 st["same_at"][b] = True
                 st["kld"][b] = 0.0
                 st["nll"] += nll_ref

@@ -98,6 +98,33 @@ def test_row_block_metrics_are_the_old_numbers_on_the_tiny_mla(tiny):
                         old_chunk_stats(tiny, specs, ids))
 
 
+def test_the_f32_reference_is_asked_of_the_spec_however_spelled(tiny, monkeypatch):
+    ids = np.random.default_rng(6).integers(0, 256, 101)
+    built = []
+    real = tiny.new_cache
+    monkeypatch.setattr(tiny, "new_cache", lambda spec: built.append(str(spec)) or real(spec))
+    specs = ["f32", "f32/f32", "F32", "f32@sinks=1", "tq2"]
+    st = flips.chunk_stats(tiny, specs, ids)
+    # the reference runs once; f32 with a stream option is a spec of its own
+    assert built == ["f32", "f32@sinks=1", "tq2"]
+    for spelling in ("f32", "f32/f32", "F32"):
+        row = st["specs"][spelling]
+        assert row["same"] == 100 and not row["kld"].any() and row["nll"] == st["nll_f32"]
+    with open_executor("serial") as ex:   # groups of a run share the listed reference
+        stats = flip_runs.run_chunks(ex, tiny, specs[1:], [(0, ids)], groups_per_chunk=2)
+    assert list(stats[0]["specs"]) == specs[1:]
+    assert not stats[0]["specs"]["F32"]["kld"].any()
+
+
+def test_a_run_whose_list_spells_the_reference_otherwise_names_its_row_f32(tiny):
+    result = flip_runs.run_flips("tiny-mla", codecs=["kv8", "F32"], model=tiny)
+    rows = {r["codec"]: r for r in result["rows"]}
+    assert list(rows) == ["kv8", "f32"] and rows["f32"]["compression"] == 1.0
+    assert rows["f32"]["tf"]["k"] == rows["f32"]["tf"]["n"]
+    with pytest.raises(ValueError, match="listed twice"):
+        flip_runs.run_flips("tiny-mla", codecs=["f32/f32", "F32"], model=tiny)
+
+
 def test_chunks_start_with_the_models_bos_as_llama_perplexity_does():
     tokens = np.arange(100, 1100)
     plain = flips.text_chunks(tokens, 300, 100)

@@ -55,6 +55,8 @@ def test_a_run_of_the_picks_measures_the_baselines_and_each_pick_once(tune_run):
                            "ggml:q8_0/q8_0", "ggml:q4_0/q4_0"]
     assert configs[9:13] == [c["pair"] for c in choices.values()]
     assert configs[13:] == ["polar5/polar4"]
+    # a baseline that spells the f32 reference otherwise is the reference, listed once
+    assert frontier_picks.choice_configs({}, baselines=["F32", "f32/f32", "kv8"]) == ["f32", "kv8"]
 
 
 def test_choose_from_writes_where_asked_and_bad_files_are_refused(tmp_path, capsys):
