@@ -39,7 +39,7 @@ def unit_curves(scans, span=1, ratio=RATIO):
     over the widths ``b_u - span .. b_u + span`` the family takes (``0`` at the base).
 
     ``scans``: sensitivity results of the same base (step -1 and, optionally, +1)."""
-    from kvquant_experiments.sensitivity import BIT_LADDERS, _BITS, spec_bits
+    from kvquant.streams.spec import StreamSpec
     bases = {(s["meta"]["base"], s["meta"].get("group", 1)) for s in scans}
     if len(bases) != 1:
         raise ValueError(f"the scans have different bases or layer groups: {sorted(bases)}")
@@ -48,8 +48,12 @@ def unit_curves(scans, span=1, ratio=RATIO):
         step = int(scan["meta"]["step"])
         for r in scan["rows"]:
             unit = (r["layer"], r["stream"], r["head"])
-            b = spec_bits(r["spec"]) - step
-            measured.setdefault(unit, {"base": b, "family": _BITS.match(r["spec"]).group(1)})
+            spec = StreamSpec.parse(r["spec"])
+            if spec.bits is None:
+                raise ValueError(f"{r['spec']!r}: only polar<b> and tq<b> specs have a bit "
+                                 "width to allocate")
+            b = spec.bits - step
+            measured.setdefault(unit, {"base": b, "widths": spec.bit_widths})
             measured[unit][b + step] = r["delta_kld"]
     curves = {}
     for unit, m in measured.items():
@@ -63,7 +67,7 @@ def unit_curves(scans, span=1, ratio=RATIO):
             share = max(-up, 0.0) / (1.0 - 1.0 / ratio)
         curve = {}
         for b in range(b0 - span, b0 + span + 1):
-            if b not in BIT_LADDERS[m["family"]]:
+            if b not in m["widths"]:
                 continue
             curve[b] = m.get(b, share * (ratio ** (b0 - b) - 1.0)) if b != b0 else 0.0
         curves[unit] = curve

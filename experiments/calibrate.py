@@ -36,7 +36,7 @@ from kvquant.outputs import atomic_write
 from .common import environment, write_csv, write_json
 from .study import FILE, FOLDER, Output, add_quiet_argument, add_subcommand, study_main
 
-__all__ = ["CALIBRATION_PAIRS", "compare_calibration", "measure_statistics"]
+__all__ = ["CALIBRATION_PAIRS", "compare_calibration", "measure_statistics", "pair_specs"]
 
 _H = ":side_dtype=f16"
 # the frontier's picks at <= 3.5 and <= 4.5 bits (without a recent window): first-append
@@ -46,6 +46,34 @@ CALIBRATION_PAIRS = [
     f"polar5{_H}@center,normalize,sinks=1/polar4{_H}@center,sinks=1",
 ]
 MODES = ("prefill", "decode-only")
+
+
+def pair_specs(text):
+    """The :class:`~kvquant.specs.PairSpec` of each item of ``--pairs``: pair specs separated by
+    ``;`` (their options hold commas). A spec that is no pair, or whose codec does not exist, is
+    a ValueError naming it."""
+    from kvquant.codecs import describe_codec
+    from kvquant.specs import PairSpec, parse_cache_spec, split_spec_text
+    pairs = []
+    for item in split_spec_text(text, separator=";"):
+        pair = parse_cache_spec(item)
+        if not isinstance(pair, PairSpec):
+            raise ValueError(f"{pair.text!r} is a {pair.kind} spec; calibrated statistics apply "
+                             "to a pair spec's streams")
+        for stream in pair.streams:
+            describe_codec(stream.codec_spec)      # an unknown codec is named here
+        pairs.append(pair)
+    if not pairs:
+        raise ValueError(f"no pair spec in {text!r}")
+    return pairs
+
+
+def _pairs_argument(text):
+    import argparse
+    try:
+        return pair_specs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def calibrated(pair_spec):
@@ -108,9 +136,12 @@ def _kld(model, spec, ids, ref, mode):
 
 def compare_calibration(model, calibration, text="code", positions=1024, chunk_tokens=512,
                         pairs=CALIBRATION_PAIRS, progress=None, model_name=None):
-    """Mean KLD (against the f32 cache) of each pair with first-append and calibrated
-    statistics, in both modes; rows with the paired difference per position."""
+    """Mean KLD (against the f32 cache) of each pair (a pair spec or its text) with
+    first-append and calibrated statistics, in both modes; rows with the paired difference per
+    position."""
     from kvquant.models.plan import CachePlan
+    from kvquant.specs import parse_cache_spec
+    pairs = [parse_cache_spec(p) for p in pairs]
     say = progress or (lambda msg: None)
     resolved, chunks = _chunks(model, text, positions, chunk_tokens)
     L, H = model.n_layers, model.n_kv_heads
@@ -130,8 +161,8 @@ def compare_calibration(model, calibration, text="code", positions=1024, chunk_t
                     f"({time.perf_counter() - t0:.0f} s)")
             diff = klds["calibrated"] - klds["first-append"]
             for stats, kld in klds.items():
-                rows.append({"pair": pair, "mode": mode, "statistics": stats,
-                             "spec": pair if stats == "first-append" else calibrated(pair),
+                rows.append({"pair": pair.text, "mode": mode, "statistics": stats,
+                             "spec": pair.text if stats == "first-append" else calibrated(pair),
                              "kld_mean": float(kld.mean()),
                              "kld_mean_se": float(kld.std(ddof=1) / np.sqrt(kld.size)),
                              "calibrated_minus_first": float(diff.mean()),
@@ -192,8 +223,9 @@ def add_arguments(p):
     m.add_argument("--text", default="pydoc", help="the calibration text")
     c.add_argument("--text", default="code", help="a held-out text")
     c.add_argument("--calibration", required=True, help="the .npz `measure` wrote")
-    c.add_argument("--pairs", default=None, help="';'-separated pair specs (default: the "
-                                                 "frontier's 3.5- and 4.5-bit picks)")
+    c.add_argument("--pairs", default=None, type=_pairs_argument,
+                   help="';'-separated pair specs (default: the frontier's 3.5- and 4.5-bit "
+                        "picks)")
 
 
 def outputs(args):
@@ -210,7 +242,7 @@ def run(args, progress):
         stats.save(args.out)
         print(f"wrote {args.out} ({stats.digest()})")
         return 0
-    pairs = args.pairs.split(";") if args.pairs else CALIBRATION_PAIRS
+    pairs = args.pairs or CALIBRATION_PAIRS
     result = compare_calibration(model, args.calibration, args.text, args.positions,
                                  args.chunk_tokens, pairs, progress, args.model)
     result["environment"] = environment()

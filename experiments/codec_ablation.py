@@ -14,6 +14,8 @@ A comparison whose rows are missing from the runs is listed as missing, never gu
 """
 import sys
 
+from kvquant.streams.spec import StreamSpec
+
 from .frontier import read_result
 from .frontier_picks import merge_tune_runs
 from .study import study_main
@@ -24,17 +26,18 @@ K_PLAIN = "@center,normalize,sinks=1"
 V_PLAIN = "@center,sinks=1"
 
 
-def _f16(codec):
-    return codec + (",side_dtype=f16" if ":" in codec else ":side_dtype=f16")
+def _f16(stream_spec):
+    """The stream spec with fp16 side values (the codec option ``side_dtype=f16``)."""
+    return str(StreamSpec.parse(stream_spec).with_codec_options(side_dtype="f16"))
 
 
 def pair(k, v, window=True):
     """The frontier's pair text of K codec ``k`` and V codec ``v`` with fp16 side values and
     the picks' stream options (``window``: recent windows of 12 K and 4 V rows)."""
-    if k.endswith(".json"):
+    if k.endswith(".json"):   # a plan file's name (the file is not read here, at import)
         return k
     kw, vw = (K_WINDOW, V_WINDOW) if window else (K_PLAIN, V_PLAIN)
-    return f"{_f16(k)}{kw}/{_f16(v)}{vw}"
+    return f"{_f16(k + kw)}/{_f16(v + vw)}"
 
 
 def plan(name):

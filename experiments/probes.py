@@ -61,7 +61,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -69,7 +69,8 @@ from kvquant.cache import QuantizedKVCache, RowStream
 from kvquant.codecs import Codec, get_codec, is_simulated_codec
 from kvquant.outputs import atomic_write
 from kvquant.specs import CacheSpec, SpecKind
-from kvquant.streams.options import format_stream_spec, parse_stream_spec
+from kvquant.streams.options import parse_stream_spec
+from kvquant.streams.spec import StreamSpec
 
 from .codecs.simulated import QJL_SEED, SimulatedCodec
 from .common import environment, write_csv, write_json
@@ -207,21 +208,21 @@ def _make_stream(codec_spec, options, dim, capacity):
 
 
 def with_recent(stream_spec, window):
-    """``stream_spec`` with the stream option ``recent=window`` added (unchanged for 0)."""
-    if not window:
-        return stream_spec
-    codec_spec, options = parse_stream_spec(stream_spec)
-    return format_stream_spec(codec_spec, **{**options, "recent": int(window)})
+    """The :class:`~kvquant.streams.spec.StreamSpec` of ``stream_spec`` (a string or one) with
+    the stream option ``recent=window`` (unchanged for 0)."""
+    spec = StreamSpec.of(stream_spec)
+    return spec.with_options(recent=int(window)) if window else spec
 
 
 def stream_entry(stream_spec, dim):
-    """What a QuantizedKVCache takes for one stream: the spec itself for a codec objects may be
-    shared for, else (the outlier split) a stream factory building it per layer and head."""
-    codec_spec, options = parse_stream_spec(stream_spec)
-    if not _SPLIT_SPEC.fullmatch(codec_spec):
-        return stream_spec
-    make_codec(codec_spec, dim)          # a bad spec fails here, not in a worker
-    return functools.partial(_make_stream, codec_spec, options, dim)
+    """What a QuantizedKVCache takes for one stream: the StreamSpec itself for a codec objects
+    may be shared for, else (the outlier split) a stream factory building it per layer and
+    head."""
+    spec = StreamSpec.of(stream_spec)
+    if not _SPLIT_SPEC.fullmatch(spec.codec_spec):
+        return spec
+    make_codec(spec.codec_spec, dim)          # a bad spec fails here, not in a worker
+    return functools.partial(_make_stream, spec.codec_spec, spec.options.as_dict(), dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,13 +231,19 @@ def stream_entry(stream_spec, dim):
 @dataclass(frozen=True)
 class Probe:
     """One row of the table: K and V stream specs (real or simulated codecs, with stream
-    options), a recent window, the idea it measures and the row it is compared with."""
+    options; their text, parsed once into :attr:`streams`), a recent window, the idea it
+    measures and the row it is compared with."""
 
     idea: str
     k: str
     v: str
     window: int = 0
     counterpart: str = ""
+    # (K StreamSpec, V StreamSpec): what the module reads; k and v are the text rows record
+    streams: tuple = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "streams", (StreamSpec.parse(self.k), StreamSpec.parse(self.v)))
 
     @property
     def name(self):
@@ -245,7 +252,12 @@ class Probe:
 
     @property
     def simulated(self):
-        return any(is_simulated(parse_stream_spec(s)[0]) for s in (self.k, self.v))
+        return any(is_simulated(s.codec_spec) for s in self.streams)
+
+    @property
+    def is_reference(self):
+        """True for the f32 cache itself (both streams f32, no options, no window)."""
+        return not self.window and all(s.is_reference for s in self.streams)
 
 
 _H = ":side_dtype=f16"
@@ -311,8 +323,8 @@ def new_probe_cache(cfg, probe, capacity=256):
     """The cache of one probe for a K/V model's shape ``cfg`` (``n_layers``, ``n_kv_heads``,
     ``head_dim``: a :class:`kvquant.specs.KVLayout` or a Llama config)."""
     d = cfg.head_dim
-    streams = {"k": (stream_entry(with_recent(probe.k, probe.window), d), d),
-               "v": (stream_entry(with_recent(probe.v, probe.window), d), d)}
+    streams = {name: (stream_entry(with_recent(spec, probe.window), d), d)
+               for name, spec in zip(("k", "v"), probe.streams)}
     return QuantizedKVCache(cfg.n_layers, streams, n_kv_heads=cfg.n_kv_heads, capacity=capacity)
 
 
@@ -325,14 +337,13 @@ def probe_bits(probe, head_dim=64, tokens=None):
     bytes each further token adds in a long context (the codecs' bytes per row).
     """
     nbytes = 0.0
-    for spec in (probe.k, probe.v):
-        codec_spec, options = parse_stream_spec(spec)
-        codec = make_codec(codec_spec, head_dim)
+    for spec in probe.streams:
+        codec = make_codec(spec.codec_spec, head_dim)
         if tokens is None:
             nbytes += codec.bytes_per_row
             continue
         coded = max(tokens - probe.window, 0)
-        stream = RowStream(codec, **options)
+        stream = RowStream(codec, **spec.options.as_dict())
         fixed = getattr(codec, "fixed_bytes", 0) if coded > stream.sinks else 0
         nbytes += (stream.bytes_for(coded) + fixed
                    + 4 * head_dim * min(probe.window, tokens)) / tokens
@@ -393,6 +404,10 @@ class ProbeSpec(CacheSpec):
     def family(self):
         return "simulation" if self.probe.simulated else "probe"
 
+    @property
+    def is_reference(self):
+        return self.probe.is_reference
+
     def bits_per_value(self, head_dim, tokens=None):
         return probe_bits(self.probe, head_dim, tokens)
 
@@ -406,7 +421,7 @@ SPEC_KIND = SpecKind("probe", lambda text: text.startswith(PROBE_PREFIX), ProbeS
 
 def probe_spec(probe):
     """The cache spec text of a probe as models take it (the f32 reference stays ``f32``)."""
-    return "f32" if probe.name == "f32" else PROBE_PREFIX + probe.name
+    return "f32" if probe.is_reference else PROBE_PREFIX + probe.name
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,8 +450,9 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
     from kvquant_experiments.texts import text_tokens
     t0 = time.perf_counter()
     probes = list(probes or PROBES)
-    if probes[0].name != "f32":
-        probes = [p for p in PROBES if p.name == "f32"] + [p for p in probes if p.name != "f32"]
+    if not probes[0].is_reference:
+        probes = ([p for p in PROBES if p.is_reference]
+                  + [p for p in probes if not p.is_reference])
     for p in probes:
         if p.name not in PROBES_BY_NAME:
             raise ValueError(f"unknown probe {p.name!r}")
@@ -489,7 +505,7 @@ def run_probes(probes=None, positions=DEFAULTS["positions"],
         "text": {**resolved.describe(), "text_tokens": int(tokens.size),
                  "positions": positions, "chunk_tokens": chunk_tokens,
                  "chunk_starts": [int(s) for s, _ in chunks]},
-        "ideas": sorted({p.idea for p in probes if p.name != "f32"} or {"reference"}),
+        "ideas": sorted({p.idea for p in probes if not p.is_reference} or {"reference"}),
         "protocol": "text metrics only (the engine's greedy protocol is not run)",
         "bits_per_value": ("(K + V bytes) * 8 / (2 * head_dim * C) at the context C = "
                            "chunk_tokens: side values, stream-option vectors and sinks, "
@@ -629,7 +645,7 @@ def run(args, progress):
         if unknown:
             raise ValueError(f"--ideas: unknown ideas {sorted(unknown)}; known: "
                              f"{', '.join(IDEA_TITLES)}")
-        probes = [x for x in PROBES if x.idea in ideas or x.name == "f32"]
+        probes = [x for x in PROBES if x.idea in ideas or x.is_reference]
     if args.list:
         for x in probes:
             print(f"{probe_bits(x, tokens=args.chunk_tokens):6.3f} {probe_bits(x):6.3f}  "

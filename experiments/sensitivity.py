@@ -22,7 +22,6 @@ tag>.{json,csv}``.
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 
@@ -33,31 +32,32 @@ from .study import Output, add_quiet_argument, study_main
 
 __all__ = ["CSV_COLUMNS", "result_stem", "run_sensitivity", "shift_bits", "units_of"]
 
-# codec families whose bit width is a number after the name, and the widths they take
-BIT_LADDERS = {"polar": range(2, 7), "tq": range(1, 9)}
-_BITS = re.compile(r"^(polar|tq)(\d+)(?=$|[:@])")
+def _laddered(stream_spec):
+    """The :class:`~kvquant.streams.spec.StreamSpec` of ``stream_spec``, whose codec's name must
+    carry a bit width (:attr:`~kvquant.streams.spec.StreamSpec.bits`)."""
+    from kvquant.streams.spec import StreamSpec
+    spec = StreamSpec.of(stream_spec)
+    if spec.bits is None:
+        raise ValueError(f"{str(spec)!r}: only polar<b> and tq<b> specs have a bit width to "
+                         "shift")
+    return spec
 
 
 def shift_bits(stream_spec, step):
-    """``stream_spec`` with its codec's bit width moved by ``step`` (``"polar4@center"``, -1 ->
-    ``"polar3@center"``); None when the width leaves the family's range (polar 2..6, tq 1..8).
-    A codec without a bit ladder (kv8, q8_0, f32) raises ValueError."""
-    m = _BITS.match(stream_spec.strip())
-    if not m:
-        raise ValueError(f"{stream_spec!r}: only polar<b> and tq<b> specs have a bit width to "
-                         "shift")
-    family, bits = m.group(1), int(m.group(2)) + int(step)
-    if bits not in BIT_LADDERS[family]:
+    """``stream_spec`` (a string or StreamSpec) with its codec's bit width moved by ``step``
+    (``"polar4@center"``, -1 -> ``"polar3@center"``), as text; None when the width leaves the
+    family's range (polar 2..6, tq 1..8). A codec without a bit ladder (kv8, q8_0, f32) raises
+    ValueError."""
+    spec = _laddered(stream_spec)
+    bits = spec.bits + int(step)
+    if bits not in spec.bit_widths:
         return None
-    return f"{family}{bits}" + stream_spec.strip()[m.end():]
+    return str(spec.with_bits(bits))
 
 
 def spec_bits(stream_spec):
     """The bit width of a polar<b> / tq<b> stream spec."""
-    m = _BITS.match(stream_spec.strip())
-    if not m:
-        raise ValueError(f"{stream_spec!r}: not a polar<b> or tq<b> spec")
-    return int(m.group(2))
+    return _laddered(stream_spec).bits
 
 
 def units_of(n_layers, n_kv_heads, heads=False, group=1):

@@ -302,6 +302,23 @@ def test_calibration_statistics_are_the_f32_rows_moments(tiny_llama, prose, tmp_
     assert "| decode-only |" in calibrate.format_markdown(result)
 
 
+def test_calibrate_pairs_are_pair_specs_made_at_the_door(tmp_path, capsys):
+    from kvquant.specs import PairSpec
+    from kvquant_experiments import calibrate
+    pairs = calibrate.pair_specs("polar4:side_dtype=f16@center,normalize,sinks=1/polar3; tq4")
+    assert all(isinstance(p, PairSpec) for p in pairs)
+    assert [p.text for p in pairs] == ["polar4:side_dtype=f16@center,normalize,sinks=1/polar3",
+                                       "tq4"]
+    for bad, words in (("tq4;nope", "unknown codec spec 'nope'"),
+                       ("tq4;ggml:q8_0", "is a ggml spec"), (" ; ", "no pair spec"),
+                       ("tq4@bogus", "unknown stream option 'bogus'")):
+        assert calibrate.main(["compare", "--calibration", "c.npz", "--out",
+                               str(tmp_path / "out"), "--pairs", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "argument --pairs: " in err and words in err
+    assert not any(tmp_path.iterdir())      # refused before anything was made
+
+
 def test_a_head_scan_moves_one_kv_head(tiny_llama, prose):
     result = sensitivity.run_sensitivity(tiny_llama.path, "tq3", prose, positions=32,
                                          chunk_tokens=32, step=1, heads=True, model=tiny_llama)

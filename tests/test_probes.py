@@ -398,6 +398,18 @@ def test_probe_specs_build_their_caches_in_any_model(tmp_path):
     assert st["probe:tq2h+qjl/tq3"]["kld"].mean() > 0
 
 
+def test_a_probe_carries_its_stream_specs_and_knows_the_f32_reference():
+    from kvquant.specs import parse_cache_spec
+    probe = probes.parse_probe("tq3@sinks=1/fp8-e5m2 recent=8")
+    assert [str(s) for s in probe.streams] == ["tq3@sinks=1", "fp8-e5m2"]
+    assert str(probes.with_recent(probe.streams[0], 8)) == "tq3@sinks=1,recent=8"
+    assert probes.with_recent("tq3@sinks=1", 0) == probe.streams[0]
+    assert parse_cache_spec("probe:f32").is_reference
+    assert probes.probe_spec(probes.PROBES_BY_NAME["f32"]) == "f32"
+    assert not parse_cache_spec("probe:f32 recent=4").is_reference
+    assert not parse_cache_spec("probe:tq4").is_reference
+
+
 def test_probe_specs_parse_once_and_name_what_is_wrong():
     from kvquant.specs import parse_cache_spec
     spec = parse_cache_spec("probe:fp8-e5m2")
