@@ -33,6 +33,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from kvquant import get_codec, reference
+from kvquant.specs import split_spec_text
 from kvquant_experiments.bench.timing import block_times
 from kvquant_experiments.common import environment, write_csv, write_json
 
@@ -202,8 +203,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     dims = [int(x) for x in args.dims.split(",") if x.strip()]
-    sep = ";" if ";" in args.codecs else ","
-    codecs = [c.strip() for c in args.codecs.split(sep) if c.strip()]
+    # ';' between specs (docs/speed.md's commands), or ',' with options kept with their spec
+    codecs = split_spec_text(args.codecs, ";" if ";" in args.codecs else ",")
     rng = np.random.default_rng(args.seed)
     rows = []
     for d in dims:

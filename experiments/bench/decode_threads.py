@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from kvquant.models import gguf_decoder, load_model
+from kvquant.specs import split_spec_text
 from kvquant_experiments.bench.timing import block_times, mirrored, warm_up
 
 SETTINGS = {"attention 1 thread, BLAS as it is": (1, None, "blas"),
@@ -59,7 +60,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.vocab_size, args.tokens)
     caches = {}
-    for spec in args.codecs.split(","):
+    for spec in split_spec_text(args.codecs):   # options stay with their spec
         caches[spec] = model.new_cache(spec)
         t0 = time.perf_counter()
         if args.random_rows:

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvquant import get_codec
 from kvquant._kernels import consumers
+from kvquant.specs import split_spec_text
 
 ALL_PATHS = {"portable": ["portable"], "avx2": ["avx2", "portable"],
              "avx512": ["avx512", "avx2", "portable"],
@@ -31,12 +32,13 @@ ALL_PATHS = {"portable": ["portable"], "avx2": ["avx2", "portable"],
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dims", default="128,512")
-    ap.add_argument("--codecs", default="tq4;tq5;tq8", help="';'-separated specs")
+    ap.add_argument("--codecs", default="tq4;tq5;tq8",
+                    help="';'-separated specs (or ','-separated: options stay with their spec)")
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--paths", default="all", help="'all' (every path this CPU runs) or 'auto'")
     args = ap.parse_args(argv)
-    specs = [s.strip() for s in args.codecs.split(";") if s.strip()]
+    specs = split_spec_text(args.codecs, ";" if ";" in args.codecs else ",")
     if "tq4" not in specs:
         specs.insert(0, "tq4")
     paths = ALL_PATHS[consumers.cpu_simd()] if args.paths == "all" else ["auto"]

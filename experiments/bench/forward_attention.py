@@ -398,11 +398,12 @@ def main(argv=None):
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from kvquant.budget import parse_tokens
+    from kvquant.specs import split_spec_text
     remedies = [r.strip() for r in args.remedies.split(",") if r.strip()]
     unknown = [r for r in remedies if r not in REMEDIES]
     if unknown or not remedies:
         p.error(f"unknown remedy {unknown}: choose from {', '.join(REMEDIES)}")
-    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    codecs = split_spec_text(args.codecs)   # options stay with their spec
     tokens = parse_tokens(args.tokens)
     if args.worker:
         print(json.dumps(run_remedy(args.file, remedies[0], codecs, tokens, args.steps,

@@ -59,6 +59,7 @@ def main(argv=None):
 
     from kvquant import get_codec
     from kvquant._kernels import consumers
+    from kvquant.specs import split_spec_text
     from kvquant_experiments.bench.attention_step import (copies_for, copies_of,
                                                           last_level_cache_bytes)
 
@@ -84,7 +85,7 @@ def main(argv=None):
         X = rng.standard_normal((T, d), dtype=np.float32)
         Xs = copies(X, X.nbytes)
         encoded = []
-        for spec in args.codecs.split(","):
+        for spec in split_spec_text(args.codecs):   # options stay with their spec
             codec = get_codec(spec, d)
             enc = codec.encode(X)
             encoded.append((spec, codec, copies(enc, enc.codes.nbytes + enc.side.nbytes)))

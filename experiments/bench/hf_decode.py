@@ -26,6 +26,7 @@ import torch
 import kvquant.hf  # noqa: F401  (registers the 'kvquant' attention)
 from kvquant_experiments.texts import pydoc_text
 from kvquant.hf import KVQuantCache
+from kvquant.specs import split_spec_text
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -85,7 +86,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     warnings.simplefilter("ignore", FutureWarning)
     contexts = [int(c) for c in args.contexts.split(",")]
-    specs = [s for s in args.specs.split(",") if s]
+    specs = split_spec_text(args.specs)   # options stay with their spec
     model, tok = load("sdpa")
     text = np.asarray(tok(pydoc_text(), add_special_tokens=False)["input_ids"], np.int64)
     rows = []

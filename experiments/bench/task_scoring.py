@@ -55,6 +55,7 @@ def main(argv=None):
 
     from kvquant.models import load_model
     from kvquant.models.packaged import smollm2_path
+    from kvquant.specs import split_spec_text
     from kvquant.tasks import ItemScorer, build_items
     from kvquant_experiments.bench.timing import mirrored
 
@@ -88,7 +89,7 @@ def main(argv=None):
         return run
 
     methods = {"lm-eval HF f32": lm_eval_run}
-    for spec in args.codecs.split(","):
+    for spec in split_spec_text(args.codecs):   # options stay with their spec
         methods[f"kvquant {spec}"] = kvquant_run(spec)
     for fn in methods.values():
         fn(warm)
