@@ -29,7 +29,7 @@ import sys
 
 from .study import Output, study_main
 
-__all__ = ["allocate", "unit_curves", "write_plans"]
+__all__ = ["allocate", "read_scan", "unit_curves", "write_plans"]
 
 RATIO = 4.0   # error ratio per bit of the KLD model
 
@@ -143,13 +143,52 @@ def allocate(base_plan, curves, budget, head_dim, tokens, group=1):
     return plan, sum(curves[u][w] for u, w in widths.items()), exact
 
 
+def read_scan(path):
+    """A sensitivity result (:mod:`kvquant_experiments.sensitivity`) with every field the
+    allocation uses of its type.
+
+    Raises
+    ------
+    ValueError
+        Naming the file (and the field): not a regular file, not JSON, or not a sensitivity
+        result of this version.
+    """
+    from kvquant_experiments.result_files import (
+        FLAG, NUMBER, OBJECT, TEXT, WHOLE, Fields, read_json_file)
+    scan = read_json_file(path)
+    fields = Fields(path, "a sensitivity result")
+    if not (isinstance(scan, dict) and isinstance(scan.get("meta"), dict)
+            and isinstance(scan.get("rows"), list)):
+        raise ValueError(f"{path} is not a sensitivity result (a JSON object with \"meta\" and "
+                         "\"rows\")")
+    meta = scan["meta"]
+    fields.each(meta, "meta", ("base", "model_name"), TEXT)
+    fields.get(meta, "meta", "base_kld_mean", NUMBER)
+    fields.get(meta, "meta", "step", WHOLE)
+    fields.get(meta, "meta", "group", WHOLE, required=False, least=1)
+    fields.get(meta, "meta", "heads", FLAG)
+    fields.each(fields.get(meta, "meta", "model", OBJECT), "meta.model",
+                ("head_dim", "n_layers", "n_kv_heads"), WHOLE, least=1)
+    text = fields.get(meta, "meta", "text", OBJECT)
+    fields.get(text, "meta.text", "name", TEXT)
+    fields.get(text, "meta.text", "chunk_tokens", WHOLE, least=1)
+    for i, row in enumerate(scan["rows"]):
+        if not isinstance(row, dict):
+            raise fields.error(f"rows[{i}] is {row!r}, not an object")
+        fields.get(row, f"rows[{i}]", "layer", WHOLE)
+        fields.get(row, f"rows[{i}]", "head", WHOLE, null=True)
+        fields.each(row, f"rows[{i}]", ("stream", "spec"), TEXT)
+        fields.get(row, f"rows[{i}]", "delta_kld", NUMBER)
+    return scan
+
+
 def write_plans(scan_paths, budgets, out, span=1, ratio=RATIO, tokens=None):
-    """Allocate every budget from the scans; write one plan file per budget; return paths."""
+    """Allocate every budget from the scans (each read by :func:`read_scan`); write one plan
+    file per budget; return paths."""
     from kvquant.models.plan import CachePlan
     from kvquant.specs import parse_cache_spec
     from kvquant_experiments.models import model_tag
-    from kvquant_experiments.sensitivity import load_result
-    scans = [load_result(p) for p in scan_paths]
+    scans = [read_scan(p) for p in scan_paths]
     meta = scans[0]["meta"]
     d = meta["model"]["head_dim"]
     L, H = meta["model"]["n_layers"], meta["model"]["n_kv_heads"]

@@ -46,7 +46,7 @@ Writes ``frontier-<model>-<text>-N<positions>-c<chunk>-p<prompts>.{json,csv,md,p
 ``--out`` (default: a folder of that name under the current directory). ``--figure PATH`` writes
 the figure there instead (the README's: ``--figure data/figures/frontier_smollm2.png``).
 """
-import json
+import math
 import os
 import sys
 import time
@@ -54,6 +54,7 @@ import time
 from kvquant.ggml_attention import GGML_FAMILY
 from kvquant.outputs import atomic_write
 from .common import environment, safe_stem, write_csv, write_json
+from .result_files import LIST, NUMBER, OBJECT, TEXT, WHOLE, Fields, is_kind, read_json_file
 from .study import FILE, Output, add_executor_arguments, add_quiet_argument, study_main
 
 __all__ = [
@@ -367,24 +368,106 @@ def format_markdown(result):
 # Result files
 # --------------------------------------------------------------------------------------------
 def read_result(path, what="a frontier result"):
-    """A frontier (or flips) result JSON: a dict with ``meta`` and a list of ``rows``
-    (ValueError naming the file otherwise)."""
-    result = _read_json_file(path)
+    """A frontier result JSON: an object with ``meta`` and a list of ``rows``, every field the
+    frontier's readers use of them of its type (:func:`check_result`).
+
+    Raises
+    ------
+    ValueError
+        Naming the file (and the field): not a regular file (a FIFO is refused before it is
+        read), not JSON, or not a frontier result of this version.
+    """
+    result = read_json_file(path)
     if not (isinstance(result, dict) and isinstance(result.get("meta"), dict)
             and isinstance(result.get("rows"), list)
             and all(isinstance(r, dict) for r in result["rows"])):
         raise ValueError(f"{path} is not {what} (a JSON object with \"meta\" and \"rows\")")
+    check_result(result, Fields(path, what))
     return result
 
 
-def _read_json_file(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+# What the readers use of a result (frontier_rows, format_markdown, result_stem, the picks):
+# read as numbers, texts, counts, so a file of another shape is named here, not met as a
+# traceback (or a string KLD written into the picks) later.
+_ROW_NUMBERS = ("bytes_per_token", "kld_mean", "kld_p99", "kld_max", "ppl_ratio", "ppl_f32",
+                "tf_kld_mean")
+_ROW_OPTIONAL_NUMBERS = ("bits_per_value", "marginal_bytes_per_token", "fixed_bytes",
+                         "kld_mean_se", "ppl_ratio_se", "ppl", "mean_ln_ppl_ratio",
+                         "mean_ln_ppl_ratio_se", "cor_ln_ppl", "kld_median", "kld_p99_9",
+                         "kld_p95", "kld_p90", "dp_mean", "dp_mean_se", "dp_rms", "dp_rms_se")
+
+
+def check_result(result, fields):
+    """Check the fields of ``result`` (an object with ``meta`` and a list of row objects) that
+    the frontier's readers use, by :class:`kvquant_experiments.result_files.Fields`
+    ``fields`` (whose errors name the file)."""
+    from kvquant.specs import parse_cache_spec
+    meta = result["meta"]
+    text = fields.get(meta, "meta", "text", OBJECT)
+    fields.get(text, "meta.text", "source", TEXT)
+    fields.each(text, "meta.text", ("name", "score"), TEXT, required=False)
+    fields.each(text, "meta.text", ("positions", "chunk_tokens"), WHOLE, least=1)
+    fields.get(text, "meta.text", "chunk_starts", LIST, required=False, null=True)
+    fields.each(fields.get(meta, "meta", "protocol", OBJECT), "meta.protocol",
+                ("prompts", "new_tokens"), WHOLE)
+    model = fields.get(meta, "meta", "model", OBJECT)
+    fields.get(model, "meta.model", "model", TEXT)
+    fields.each(model, "meta.model", ("head_dim", "n_layers", "n_kv_heads"), WHOLE, least=1)
+    fields.get(meta, "meta", "model_name", TEXT, required=False)
+    frontier = fields.get(meta, "meta", "frontier", OBJECT, required=False) or {}
+    choices = fields.get(frontier, "meta.frontier", "choices", OBJECT, required=False,
+                         null=True)
+    if choices:
+        check_choices(choices, fields, "meta.frontier.choices")
+    if not result["rows"]:
+        raise fields.error("rows is empty (a result has a row per configuration, f32 first)")
+    reference = False
+    for i, row in enumerate(result["rows"]):
+        name = f"rows[{i}]"
+        codec = fields.get(row, name, "codec", TEXT)
+        try:
+            reference |= parse_cache_spec(codec).is_reference
+        except ValueError as exc:
+            raise fields.error(f"{name}.codec {codec!r}: {exc}") from None
+        fields.each(row, name, _ROW_NUMBERS, NUMBER)
+        fields.each(row, name, _ROW_OPTIONAL_NUMBERS, NUMBER, required=False, null=True)
+        fields.each(fields.get(row, name, "same_top", OBJECT), f"{name}.same_top",
+                    ("p", "lo", "hi"), NUMBER)
+        for key in ("tf", "greedy"):
+            fields.each(fields.get(row, name, key, OBJECT), f"{name}.{key}", ("k", "n"), WHOLE)
+        boot = fields.get(row, name, "bootstrap", OBJECT, required=False, null=True) or {}
+        for key in ("kld_mean", "ppl_ratio"):
+            pair = fields.get(boot, f"{name}.bootstrap", key, LIST, required=False, null=True)
+            if pair is not None and not (len(pair) == 2 and all(is_kind(v, NUMBER)
+                                                                for v in pair)):
+                raise fields.error(f"{name}.bootstrap.{key} is {pair!r}, not two numbers "
+                                   "(an interval)")
+    if not reference:       # every size and bit count is measured against its row
+        raise fields.error("no row is the f32 reference (a row with codec f32)")
+
+
+def check_choices(choices, fields, name):
+    """Check a choices object (budget -> pick, :func:`kvquant_experiments.frontier_picks.choose`)
+    by ``fields``; ``name``: where it is in the file (``""``: the whole file)."""
+    for budget, pick in choices.items():
+        try:
+            bits = float(budget)
+        except ValueError:
+            bits = math.nan
+        if not math.isfinite(bits):
+            raise fields.error(f"key {budget!r}{' of ' + name if name else ''} is not a budget "
+                               "in bits")
+        where = f'{name}["{budget}"]'
+        if not isinstance(pick, dict):
+            raise fields.error(f"{where} is {pick!r}, not a pick (an object)")
+        missing = {"pair", "bits", "tune_text"} - set(pick)
+        if missing:
+            raise fields.error(f"{where} lacks {sorted(missing)}")
+        fields.each(pick, where, ("pair", "tune_text"), TEXT)
+        fields.get(pick, where, "bits", NUMBER)
+        fields.each(pick, where, ("model", "from"), TEXT, required=False)
+        fields.get(pick, where, "tune_kld_mean", NUMBER, required=False)
+        fields.each(pick, where, ("held_out", "tasks"), LIST, required=False)
 
 
 
@@ -496,7 +579,33 @@ def outputs(args):
     return [Output(args.out if args.out is not None else ".")] + figure
 
 
+# the modes that read files (and write one at their end), measuring nothing: nothing of theirs
+# is kept to resume from
+READ_ONLY_MODES = ("--choose-from", "--goals", "--evidence", "--plot-only", "--list")
+
+
+def read_only_mode(args):
+    """The option of a mode that measures nothing (:data:`READ_ONLY_MODES`), or None for a run
+    that measures (and keeps its finished units)."""
+    for option in READ_ONLY_MODES:
+        if getattr(args, option[2:].replace("-", "_")):
+            return option
+    return None
+
+
 def run(args, progress):
+    mode = read_only_mode(args)
+    try:
+        return _run(args, progress)
+    except KeyboardInterrupt as exc:
+        if mode is None:        # a measuring run: it says what it kept
+            raise
+        # the same kind (Ctrl-C or SIGTERM), not the study's "rerun to resume"
+        raise type(exc)(f"{mode} measures nothing and keeps nothing to resume: the same "
+                        "command starts over") from None
+
+
+def _run(args, progress):
     # the picks read this module's results; imported here, not at the top, to keep one direction
     from .frontier_picks import (choice_configs, choose, goals_table, load_choices,
                                  merge_tune_runs, pick_evidence)
@@ -525,7 +634,7 @@ def run(args, progress):
             raise ValueError("--evidence adds to a choices file: give it with --choices")
 
         def evidence_of_files():
-            docs = [(path, _read_json_file(path)) for path in args.evidence]
+            docs = [(path, read_json_file(path)) for path in args.evidence]
             is_summary = [isinstance(d, dict) and "primary_metric" in d for _, d in docs]
             return pick_evidence(
                 load_choices(args.choices),

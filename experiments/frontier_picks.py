@@ -10,8 +10,9 @@ import copy
 
 from kvquant.ggml_attention import GGML_FAMILY
 
-from .frontier import (BUDGET_HIGH, CHOICE_BUDGETS, MODEL, _model_tag, _pair, _read_json_file,
+from .frontier import (BUDGET_HIGH, CHOICE_BUDGETS, MODEL, _model_tag, _pair, check_choices,
                        frontier_rows, result_stem)
+from .result_files import Fields, read_json_file
 
 __all__ = ["AS_RUN_FACTOR", "AS_RUN_Q8_0", "CHOICE_BUDGETS", "HELD_OUT_BASELINES",
            "HELD_OUT_GOALS", "TUNE_TEXT", "choice_configs", "choose", "goal_cells",
@@ -94,20 +95,14 @@ def merge_tune_runs(results, names=None):
 
 
 def load_choices(path):
-    """Read a choices file (:func:`choose`), checking its layout; returns the dict."""
-    choices = _read_json_file(path)
+    """Read a choices file (:func:`choose`), checking its layout and the type of each field
+    used (:func:`kvquant_experiments.frontier.check_choices`); returns the dict. ValueError
+    naming the file (and the field) otherwise."""
+    choices = read_json_file(path)
     if not isinstance(choices, dict) or not choices:
-        raise ValueError(f"{path}: a choices file maps budgets to picks, got {type(choices)}")
-    for budget, pick in choices.items():
-        try:
-            float(budget)
-        except ValueError:
-            raise ValueError(f"{path}: key {budget!r} is not a budget in bits") from None
-        if not isinstance(pick, dict):
-            raise ValueError(f"{path}: budget {budget} is {pick!r}, not a pick (an object)")
-        missing = {"pair", "bits", "tune_text"} - set(pick)
-        if missing:
-            raise ValueError(f"{path}: budget {budget} lacks {sorted(missing)}")
+        raise ValueError(f"{path}: a choices file maps budgets to picks, got "
+                         f"{type(choices).__name__}")
+    check_choices(choices, Fields(path, "a choices file"), "")
     return choices
 
 

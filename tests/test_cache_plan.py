@@ -254,6 +254,27 @@ def test_allocation_plans_are_written_and_load(tmp_path):
         allocate.write_plans([str(scan)], [1.0], str(tmp_path / "plans"))
 
 
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "is not valid JSON"),
+    ("[1]", "is not a sensitivity result (a JSON object"),
+    # each was a KeyError or TypeError traceback
+    ('{"meta": {}, "rows": []}', "is not a sensitivity result of this version: meta.base is "
+                                 "missing"),
+    (json.dumps({**_scan({}), "meta": {**_scan({})["meta"], "text": "t"}}),
+     "meta.text is 't', not an object"),
+    (json.dumps({**_scan({}), "rows": [{"layer": 0, "stream": "k", "head": None,
+                                        "spec": "polar3", "delta_kld": "0.1"}]}),
+     "rows[0].delta_kld is '0.1', not a number"),
+])
+def test_allocate_names_a_bad_scan_file(tmp_path, capsys, content, words):
+    scan = tmp_path / "scan.json"
+    scan.write_text(content)
+    argv = ["--scan", str(scan), "--budget", "3.5", "--out", str(tmp_path / "plans")]
+    assert allocate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"allocate: {scan}") and err.count("\n") == 1 and words in err, err
+
+
 def test_a_coarse_scan_moves_a_group_of_layers_together():
     assert sensitivity.units_of(5, 2, group=2) == [
         (0, "k", None), (0, "v", None), (2, "k", None), (2, "v", None), (4, "k", None),

@@ -211,3 +211,115 @@ def test_the_ablation_finds_every_comparison_in_the_committed_tune_runs():
         assert e["kld"] > 0 and e["base_kld"] > 0 and e["config"] != e["base_config"]
         # a technique costs bits or is free; it never makes the cache smaller
         assert e["bits"] >= e["base_bits"] - 1e-9 or e["technique"].startswith("stacked")
+
+
+def _result_file(tmp_path, change, name="bad.json"):
+    """The tune run with ``change`` applied, written to ``tmp_path / name``."""
+    result = json.loads(TUNE_RUN.read_text())
+    change(result)
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return path
+
+
+@pytest.mark.parametrize("change, field", [
+    # meta.text not an object: an AttributeError traceback (--choose-from, --plot-only)
+    (lambda r: r["meta"].__setitem__("text", "pydoc"), "meta.text is 'pydoc', not an object"),
+    # a string KLD: "Unknown format code 'e'", or written into the picks by --choose-from
+    (lambda r: r["rows"][3].__setitem__("kld_mean", "0.01"),
+     "rows[3].kld_mean is '0.01', not a number"),
+    (lambda r: r["rows"][2]["same_top"].__setitem__("p", None),
+     "rows[2].same_top.p is None, not a number"),
+    (lambda r: r["meta"]["text"].__setitem__("chunk_tokens", 512.5),
+     "meta.text.chunk_tokens is 512.5, not a whole number"),
+    (lambda r: r["meta"]["text"].__setitem__("chunk_tokens", 0),
+     "meta.text.chunk_tokens is 0, not a whole number >= 1"),
+    (lambda r: r["rows"][1].__setitem__("codec", 8), "rows[1].codec is 8, not a text"),
+    (lambda r: r["rows"].pop(0), "no row is the f32 reference"),
+])
+def test_frontier_readers_check_the_fields_they_use(tmp_path, capsys, change, field):
+    from kvquant_experiments import codec_ablation
+    bad = _result_file(tmp_path, change)
+    picks = tmp_path / "c.json"
+    for argv in (["--choose-from", str(bad), "--choices-out", str(picks)],
+                 ["--plot-only", str(bad), "--out", str(tmp_path / "o")], ["--goals", str(bad)]):
+        assert frontier.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("frontier: ") and err.count("\n") == 1, (argv, err)
+        assert f"{bad} is not a frontier result of this version: {field}" in err, (argv, err)
+    assert not picks.exists()
+    # the ablation reads the runs with the frontier's reader
+    assert codec_ablation.main([str(TUNE_RUN), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("codec_ablation: ") and err.count("\n") == 1 and field in err, err
+
+
+def _returns_within(seconds, call):
+    """``call()``'s value, or a failure when it has not returned after ``seconds`` (a read
+    that waits for a FIFO's writer; the thread is left blocked, as a daemon)."""
+    import threading
+    box = []
+    thread = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"still running after {seconds} s"
+    return box[0]
+
+
+def test_frontier_readers_refuse_a_fifo_before_reading_it(tmp_path, capsys):
+    """A FIFO given for a result or a choices file hung every reader; it is refused by name."""
+    import os
+    fifo = tmp_path / "run.json"
+    os.mkfifo(fifo)
+    choices = tmp_path / "choices.json"
+    choices.write_text((RESULTS / "frontier-choices.json").read_text())
+    for argv in (["--choose-from", str(fifo), "--choices-out", str(tmp_path / "c.json")],
+                 ["--goals", str(fifo)], ["--plot-only", str(fifo)],
+                 ["--choices", str(fifo), "--list"],
+                 ["--choices", str(choices), "--evidence", str(fifo)]):
+        assert _returns_within(30, lambda: frontier.main(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert err == f"frontier: {fifo} is a FIFO, not a JSON file: give a regular file\n", err
+
+
+@pytest.mark.parametrize("pick, field", [
+    ({"pair": 7, "bits": 4.4, "tune_text": "pydoc"}, '["4.5"].pair is 7, not a text'),
+    ({"pair": "tq4/tq4", "bits": "4.4", "tune_text": "pydoc"},
+     '["4.5"].bits is \'4.4\', not a number'),
+    ({"pair": "tq4/tq4", "bits": 4.4, "tune_text": ["pydoc"]},
+     '["4.5"].tune_text is [\'pydoc\'], not a text'),
+])
+def test_a_choices_file_with_a_field_of_another_type_is_named(tmp_path, capsys, pick, field):
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps({"4.5": pick}))
+    assert frontier.main(["--choices", str(path), "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"frontier: {path} is not a choices file of this version: {field}\n", err
+    path.write_text(json.dumps({"nan": pick}))
+    with pytest.raises(ValueError, match="key 'nan' is not a budget"):
+        frontier_picks.load_choices(path)
+
+
+def test_what_the_frontier_writes_its_readers_take(tmp_path, capsys):
+    """The checks take every field as a run writes it (a run of the picks too), and the
+    committed results."""
+    pytest.importorskip("gguf")
+    from test_llama_gguf import write_tiny_llama
+    from kvquant.models.gguf_decoder import GGUFDecoder
+    from kvquant_experiments import texts
+    write_tiny_llama(tmp_path / "tiny-llama.gguf")
+    tiny_llama = GGUFDecoder(str(tmp_path / "tiny-llama.gguf"))
+    text = tmp_path / "notes.txt"
+    text.write_text(texts.pydoc_text()[:400], encoding="utf-8")
+    result = frontier.run_frontier(["tq4", "polar4@center,sinks=1/polar3"], positions=64,
+                                   chunk_tokens=32, prompts=1, model=tiny_llama.path,
+                                   loaded=tiny_llama, text=str(text))
+    result["meta"]["frontier"]["choices"] = {"4.5": {
+        "pair": "tq4", "bits": 4.5, "tune_text": "pydoc", "model": "smollm2",
+        "tune_kld_mean": 0.01, "from": "a run"}}
+    path = frontier.write_frontier(result, tmp_path / "run")[0]
+    assert frontier.read_result(path)["rows"] == json.loads(open(path).read())["rows"]
+    assert frontier.main(["--goals", path]) == 0 and "<= 4.5" in capsys.readouterr().out
+    for committed in [TUNE_RUN, *TUNE_MORE, *RESULTS.glob("frontier-choices-*.json")]:
+        frontier.read_result(committed)
+    frontier_picks.load_choices(RESULTS / "frontier-choices.json")

@@ -203,6 +203,27 @@ def test_frontier_says_how_many_finished_units_an_interrupted_run_kept(tmp_path,
     assert len(list((tmp_path / frontier.UNITS_FOLDER).iterdir())) == 1
 
 
+@pytest.mark.parametrize("argv", [["--goals", "RUN"], ["--choose-from", "RUN"],
+                                  ["--plot-only", "RUN"], ["--list"]])
+def test_an_interrupted_frontier_mode_that_measures_nothing_does_not_say_resume(
+        argv, tmp_path, capsys, monkeypatch):
+    """The frontier's modes that only read results (or list): Ctrl-C says the same command
+    starts over (it said "rerun the same command to resume": there is nothing to resume)."""
+    import kvquant.models
+    from kvquant_experiments import frontier, frontier_picks
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(frontier, "read_result", interrupted)
+    monkeypatch.setattr(kvquant.models, "load_model", interrupted)     # --list
+    monkeypatch.setattr(frontier_picks, "load_choices", interrupted)
+    monkeypatch.chdir(tmp_path)
+    assert frontier.main([a.replace("RUN", "run.json") for a in argv]) == 130
+    line = _one_line(capsys.readouterr().err, "frontier: interrupted; ")
+    assert line.endswith(f"{argv[0]} measures nothing and keeps nothing to resume: the same "
+                         "command starts over"), line
+
+
 @pytest.mark.parametrize("error, status", [(ValueError("bad input"), 2),
                                            (OSError("disk gone"), 2)])
 @pytest.mark.parametrize("name", STUDIES)
