@@ -703,9 +703,15 @@ def _run(args, progress):
     if choices:
         result["meta"]["frontier"]["choices"] = choices
     out = args.out or result_stem(result)
-    paths = write_frontier(result, out)
-    paths.append(_plot(result, args.figure or os.path.join(
-        out, result_stem(result) + ".png")))
+    try:
+        paths = write_frontier(result, out)
+        paths.append(_plot(result, args.figure or os.path.join(
+            out, result_stem(result) + ".png")))
+    except OSError as exc:      # a full disk after the run: its finished units stay for a rerun
+        raise ValueError(f"cannot write the results in {out} ({exc.strerror or exc}); the "
+                         f"{units.saved + units.loaded} finished unit(s) are kept in "
+                         f"{units.folder}: free space, then run the same command to "
+                         "resume") from None
     units.discard()             # the results hold everything the units did
     print(format_markdown(result))
     for path in paths:

@@ -203,6 +203,31 @@ def test_frontier_says_how_many_finished_units_an_interrupted_run_kept(tmp_path,
     assert len(list((tmp_path / frontier.UNITS_FOLDER).iterdir())) == 1
 
 
+def test_frontier_results_that_cannot_be_written_keep_the_units(tmp_path, capsys,
+                                                               monkeypatch):
+    """A full disk after the run: one line naming the folder and the units it kept (was the
+    bare OSError, which did not say that the same command resumes)."""
+    import errno
+    from kvquant_experiments import frontier
+
+    def measured(*args, units=None, **kwargs):
+        units.bind({"run": "test"})
+        units.put(units.key("chunk", {"i": 0}), {"kld": 1.0})
+        return {"meta": {"text": {"positions": 1}}}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(frontier, "run_frontier", measured)
+    monkeypatch.setattr(frontier, "result_stem", lambda result: "stem")
+    monkeypatch.setattr(frontier, "write_frontier", disk_full)
+    assert frontier.main(["--out", str(tmp_path), "--configs", "kv8"]) == 2
+    line = _one_line(capsys.readouterr().err, "frontier: cannot write the results in ")
+    assert "No space left on device" in line
+    assert f"1 finished unit(s) are kept in {tmp_path / frontier.UNITS_FOLDER}" in line
+    assert line.endswith("run the same command to resume")
+    assert len(list((tmp_path / frontier.UNITS_FOLDER).iterdir())) == 1
+
+
 @pytest.mark.parametrize("argv", [["--goals", "RUN"], ["--choose-from", "RUN"],
                                   ["--plot-only", "RUN"], ["--list"]])
 def test_an_interrupted_frontier_mode_that_measures_nothing_does_not_say_resume(
