@@ -136,7 +136,9 @@ def _text_tag(cell):
 def table_cells(model_name, codecs, n_groups, positions=None, chunk_tokens=None, prompts=None,
                 text="pydoc"):
     """Cells of a flip table: the codecs (f32 first) cut into ``n_groups`` groups."""
-    codecs = [c for c in codecs if c != "f32"]
+    from kvquant.specs import parse_cache_spec
+    # the reference, however spelled, runs once in every group as "f32"
+    codecs = [c for c in codecs if not parse_cache_spec(c).is_reference]
     n_groups = max(1, min(int(n_groups), len(codecs)))
     groups = [["f32"] + codecs[i::n_groups] for i in range(n_groups)]
     cells = []

@@ -523,3 +523,12 @@ def test_an_interrupted_flips_run_resumes_to_the_same_numbers(tmp_path):
     [a], [b] = whole.glob("flips-*.json"), cut.glob("flips-*.json")
     assert _numbers(a) == _numbers(b)
     assert not units.exists()
+
+
+def test_report_flip_cells_run_the_reference_once_however_spelled():
+    """The report's flip table puts f32 first in every group and nowhere else: another
+    spelling of the reference (f32/f32, F32) must not become a second f32 row."""
+    from kvquant_experiments.flip_report import table_cells
+    cells = table_cells("tiny-mla", ["f32/f32", "kv8", "F32", "tq4", "f32@center"], 2)
+    groups = [c["codecs"] for c in cells]
+    assert groups == [["f32", "kv8", "f32@center"], ["f32", "tq4"]]
