@@ -36,6 +36,8 @@ bench           speed: ``kvquant bench`` and every other speed measurement, one 
 memory          bytes per token and context per RAM budget (kvquant.budget)
 cache_files     cache files of each tier written, reopened, refused (kvquant.kvfile)
 plots           every figure, from result files only
+stream_fixtures the recipes of the committed stream fixtures (data/streams/), shared by the test
+                that rewrites them and tools/make_stream_fixtures.py
 report          ``kvquant report``: runs the parts, writes REPORT.md + figures + data
 report_sections each part's section of REPORT.md, from its results or the committed files
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-import _stream_fixtures as fx
+import kvquant_experiments.stream_fixtures as fx
 from kvquant.kvfile import CacheFile
 
 ALL_FILES = list(fx.FILE_RECIPES) + list(fx.UPGRADE_RECIPES)

@@ -1,21 +1,17 @@
 """Write the stream fixtures in data/streams/ (cache files of every tier, a cache's outputs).
 
-The recipes live in tests/_stream_fixtures.py; tests/test_stream_fixtures.py writes them again
-and compares with these files, so that a change of the stream or file code that changes a byte
+The recipes live in experiments/stream_fixtures.py (kvquant_experiments.stream_fixtures);
+tests/test_stream_fixtures.py writes them again and compares with these files, so that a change of the stream or file code that changes a byte
 or a number fails. Run from the repository root after a deliberate format change only:
 
     python tools/make_stream_fixtures.py [--out data/streams]
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import _stream_fixtures as fx  # noqa: E402
+import kvquant_experiments.stream_fixtures as fx
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 """Recipes of the committed stream fixtures (data/streams/): cache files of every tier and the
 outputs of a quantized cache, written from seeded rows through appends and truncations.
 
-``tools/make_stream_fixtures.py`` wrote data/streams/ with these recipes;
+``tools/make_stream_fixtures.py`` wrote data/streams/ (of the source tree) with these recipes;
 tests/test_stream_fixtures.py writes them again and compares: a file's bytes exactly, a cache's
 outputs bit for bit. The
 fixtures pin the stream state machine (sinks, center/normalize, recent window, truncation) of
