@@ -93,7 +93,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
     ``unavailable`` (lines "not available") and ``reused`` / ``computed`` cell counts.
     """
     from kvquant_experiments import distortion, flip_report, inner_products
-    from kvquant_experiments.bench import report_cells as speed
+    from kvquant_experiments.bench import report_cells
     from kvquant_experiments.executor import open_executor
     require_plotting()
     t_start = time.perf_counter()
@@ -194,7 +194,7 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
 
     log("speed (serial, this process)")
     t0 = time.perf_counter()
-    spd = guarded("speed", speed.run_speed, data, resume=resume, progress=progress, smoke=smoke)
+    spd = guarded("speed", report_cells.run_speed, data, resume=resume, progress=progress, smoke=smoke)
     timings["speed (serial, this process)"] = time.perf_counter() - t0
 
     log("figures and tables")

@@ -277,17 +277,17 @@ def speed_section(res, out, figures):
         from kvquant_experiments.bench.attention_step import POLAR_NOTE
         sec.para(POLAR_NOTE)
         try:
-            from kvquant_experiments.bench import attention_targets as bench_attention
+            from kvquant_experiments.bench import attention_targets
         except ImportError as exc:
             sec.not_available("the attention benchmark's targets", f"{exc}")
         else:
-            if callable(getattr(bench_attention, "verdict", None)):
+            if callable(getattr(attention_targets, "verdict", None)):
                 sec.para("Targets of the attention benchmark "
                          "(`python -m kvquant_experiments.bench.attention_targets`; "
                          "its own grid goes to T = 131072), checked on this grid at "
                          f"{max(grid['threads'])} thread(s):")
-                sec.add(bench_attention.verdict({"threads": grid["threads"],
-                                                 "rows": res["step"]}), "")
+                sec.add(attention_targets.verdict({"threads": grid["threads"],
+                                                   "rows": res["step"]}), "")
             else:
                 sec.not_available("the attention benchmark's targets",
                                   "kvquant_experiments.bench.attention_targets has no "
