@@ -53,7 +53,7 @@ CACHE_THREADS = 1
 # threads, where it was measured, and "blas" elsewhere (without OpenMP the pool would be one
 # thread; on more cores it was not measured). On 2 cores
 # (kvquant_experiments.bench.decode_threads, settings alternating in one process;
-# data/results/decode_threads_*_pool_zen4.txt) the pool gave the shortest steps of a
+# data/results/decode-threads-*-pool.txt) the pool gave the shortest steps of a
 # SmolLM2-shaped decoder at 8192, 16384 and 32768 cached tokens and of SmolLM2 at 4096 (0.68-0.96
 # of one attention thread's a round), and about the same for Gemma 3 270M at 8000 (50.0 against
 # 47.0-49.3 ms: its 671 MB output matrix is most of a step either way). The products' bits
@@ -63,8 +63,8 @@ CACHE_THREADS = 1
 # held to 1 for the whole step, the second once the cached K/V elements the step reads reach
 # LONG_CONTEXT_RATIO times the weight elements it multiplies (measured with the SmolLM2-shaped
 # decoder, float32 weights, kv8/tq4/q4_0+rot caches: the first setting shorter at ratios 0.70
-# and 1.40, even at 2.10, the second shorter at 2.81; data/results/bench_forward_T*_zen4_crossover.*
-# and decode_threads_smollm2-shape_T16384-24576-32768_r8_zen4.txt); only where OpenMP allows
+# and 1.40, even at 2.10, the second shorter at 2.81; data/results/forward-attention-T*-crossover.*
+# and decode-threads-smollm2-shape-T16384-24576-32768-crossover.txt); only where OpenMP allows
 # exactly 2 threads (more cores were not measured: "auto" then keeps the first setting).
 # A number instead of "auto" fixes the attention threads (and, with "blas", DECODE_BLAS_THREADS
 # the BLAS threads; None: BLAS left as it is). Batches of several sequences (decode_step) and
