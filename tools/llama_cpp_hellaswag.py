@@ -171,6 +171,43 @@ def compare(items, llama_right, records, split_ok):
     return out
 
 
+def cache_effects(items, result, logs_dir, spec_tag):
+    """Each cache's paired accuracy difference to f32 measured inside each engine: llama.cpp's
+    runs against its f32 run, kvquant's twin logs against its f32 log (llama.cpp's rule)."""
+    from kvquant.tasks.stats import mcnemar_exact, paired_bootstrap
+    rows = result["caches"]
+    if "f32" not in rows:
+        return {}
+    kv_ref = read_task_log(Path(logs_dir) / "f32.jsonl")
+
+    def paired(ref, other):
+        b = sum(r and not o for r, o in zip(ref, other))
+        c = sum(o and not r for r, o in zip(ref, other))
+        low, high = paired_bootstrap(ref, other)
+        return {"diff": (sum(other) - sum(ref)) / len(ref), "low": low, "high": high,
+                "only_f32": b, "only_cache": c, "mcnemar_p": mcnemar_exact(b, c)}
+
+    def kv_right(records):
+        return [int(mean_token_prediction(records[it.doc_id]) == records[it.doc_id]["gold"])
+                for it in items]
+
+    effects = {}
+    for cache, row in rows.items():
+        if cache == "f32":
+            continue
+        effects[cache] = {"llama_cpp": paired(rows["f32"]["llama_cpp_right"],
+                                              row["llama_cpp_right"])}
+        if "kvquant_spec" in row:
+            twin = read_task_log(Path(logs_dir) / f"{spec_tag(row['kvquant_spec'])}.jsonl")
+            effects[cache]["kvquant"] = paired(kv_right(kv_ref), kv_right(twin))
+    return effects
+
+
+def _diff(e):
+    return (f"{100 * e['diff']:+.1f} [{100 * e['low']:+.1f}, {100 * e['high']:+.1f}], "
+            f"p {e['mcnemar_p']:.2g}")
+
+
 def _pct(a):
     return f"{100 * a['acc']:.1f} [{100 * a['low']:.1f}, {100 * a['high']:.1f}]"
 
@@ -191,6 +228,9 @@ def main(argv=None):
     # llama-perplexity's own defaults for --hellaswag: 4 sequences (one item) per decode
     p.add_argument("--parallel", type=int, default=4, help="llama-perplexity -np")
     p.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c per sequence")
+    p.add_argument("--reuse-llama-runs", action="store_true",
+                   help="take llama.cpp's per-item results from this --out's earlier JSON "
+                        "instead of running the caches again")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -206,10 +246,8 @@ def main(argv=None):
         raise SystemExit(f"unknown cache type(s) {unknown}; choose from {list(LLAMA_CACHES)}")
 
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from threadpoolctl import threadpool_limits
     from kvquant.models import load_model
-    from kvquant.specs import split_spec_text
-    from kvquant.tasks import ItemScorer, build_items
+    from kvquant.tasks import build_items
     from kvquant_experiments.common import spec_tag
 
     model = load_model(args.model)
@@ -228,9 +266,26 @@ def main(argv=None):
               "command": "python tools/llama_cpp_hellaswag.py " + " ".join(sys.argv[1:]),
               "gguf": os.path.basename(gguf), "cpu": _cpu(), "threads": args.threads,
               "same_split_items": sum(split_ok.values()), "caches": {}, "throughput": {}}
+    stem = out / f"llama-cpp-hellaswag-{Path(args.model).stem}-n{n}"
+    earlier = {}
+    if args.reuse_llama_runs:
+        if not Path(f"{stem}.json").is_file():
+            raise SystemExit(f"--reuse-llama-runs: no {stem}.json to reuse")
+        old = json.loads(Path(f"{stem}.json").read_text())
+        if old.get("doc_ids") != result["doc_ids"]:
+            raise SystemExit(f"--reuse-llama-runs: {stem}.json holds other items")
+        earlier = old["caches"]
+        result["llama_cpp_runs_by"] = old.get("llama_cpp_runs_by", old["command"])
     for cache in caches:
-        right, wall, before, cmd = run_llama(binary, gguf, task_file, n, cache, args.threads,
-                                           args.parallel, args.ctx)
+        if cache in earlier:
+            row = earlier[cache]
+            per_doc = dict(zip(result["doc_ids"], row["llama_cpp_right"]))
+            right = [per_doc[items[order[pos]].doc_id] for pos in range(n)]
+            wall, before = row["wall_s"], row["load_s"]
+            cmd = ["llama-perplexity", *row["llama_cpp_command"].split()]
+        else:
+            right, wall, before, cmd = run_llama(binary, gguf, task_file, n, cache,
+                                                 args.threads, args.parallel, args.ctx)
         per_doc = {items[order[pos]].doc_id: r for pos, r in enumerate(right)}
         # the control: the same steps read in file order, as if llama.cpp did not shuffle
         unshuffled = {items[pos].doc_id: r for pos, r in enumerate(right)}
@@ -252,7 +307,31 @@ def main(argv=None):
                  f"{100 * row['agreement_in_file_order']:.1f}%)" if "compare" in row else ""),
               flush=True)
 
-    # throughput: the same first items, llama.cpp's f32 command against kvquant's scorer
+    result["effects"] = cache_effects(items, result, args.kvquant_logs, spec_tag)
+    for cache, e in result["effects"].items():
+        print(f"{cache} vs f32: llama.cpp {_diff(e['llama_cpp'])}"
+              + (f"; kvquant {_diff(e['kvquant'])}" if "kvquant" in e else ""), flush=True)
+    if args.rounds > 0:
+        result["throughput"] = throughput(args, binary, gguf, model, items, out)
+    elif earlier:
+        result["throughput"] = old.get("throughput", {})
+    tmp = Path(f"{stem}.json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, f"{stem}.json")
+    table = markdown(result)
+    Path(f"{stem}.md").write_text(table + "\n")
+    print(table)
+    print(f"wrote {stem}.json and .md")
+    return 0
+
+
+def throughput(args, binary, gguf, model, items, out):
+    """llama.cpp's f32 command against kvquant's scorer on the first ``--timed-items`` items,
+    each method warmed, the blocks alternating over ``--rounds``."""
+    from threadpoolctl import threadpool_limits
+    from kvquant.specs import split_spec_text
+    from kvquant.tasks import ItemScorer
+
     timed = items[:args.timed_items]
     warm = items[:args.warm_items]
     timed_file, warm_file = out / f"timed-n{len(timed)}.txt", out / "warm.txt"
@@ -299,14 +378,8 @@ def main(argv=None):
             row[name]["ratio_to_llama_cpp_f32"] = row[name]["items_per_s"] / whole
             row[name]["ratio_to_llama_cpp_f32_scoring"] = row[name]["items_per_s"] / scoring
         rounds.append(row)
-    result["throughput"] = {"items": len(timed), "warm_items": len(warm), "rounds": rounds}
-
-    stem = out / f"llama-cpp-hellaswag-{Path(args.model).stem}-n{n}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    Path(f"{stem}.md").write_text(markdown(result, methods) + "\n")
-    print(markdown(result, methods))
-    print(f"wrote {stem}.json and .md")
-    return 0
+    return {"items": len(timed), "warm_items": len(warm), "methods": list(methods),
+            "rounds": rounds}
 
 
 def _acc_of(per_doc):
@@ -314,7 +387,7 @@ def _acc_of(per_doc):
     return accuracy([per_doc[d] for d in sorted(per_doc)])
 
 
-def markdown(result, methods):
+def markdown(result):
     lines = [result["what"] + f" ({result['gguf']}; {result['same_split_items']} items where "
              "the query's tokens are exactly the endings' shared prefix); "
              f"{result['threads']} threads; {result['cpu']}", "",
@@ -330,7 +403,20 @@ def markdown(result, methods):
                      f"{_pct(a['kvquant'])} | {100 * a['agreement']:.1f}% | "
                      f"{a['paired']['only_llama_cpp']} / {a['paired']['only_kvquant']} | "
                      f"{a['mcnemar_p']:.2f} | {100 * s['agreement']:.1f}% of {s['n']} |")
+    if result["effects"]:
+        lines += ["", "Each cache against f32 inside each engine (paired difference in points "
+                  "[bootstrap 95%], exact McNemar p), llama.cpp's rule:", "",
+                  "| cache | llama.cpp: vs its f32 | kvquant: vs its f32 |", "|---|---|---|"]
+        for cache, e in result["effects"].items():
+            lines.append(f"| {cache} | {_diff(e['llama_cpp'])} | "
+                         + (_diff(e["kvquant"]) if "kvquant" in e else "-") + " |")
+    if not result["throughput"]:
+        lines += ["", f"`{result['command']}`"]
+        if "llama_cpp_runs_by" in result:
+            lines.append(f"(llama.cpp's runs: `{result['llama_cpp_runs_by']}`)")
+        return "\n".join(lines)
     rounds = result["throughput"]["rounds"]
+    methods = result["throughput"].get("methods") or list(rounds[0])
     lines += ["", f"Items/s on the first {result['throughput']['items']} items, each method "
               "warmed, blocks alternating:", "",
               "| method | items/s per round | x llama.cpp f32 whole command | x its scoring "
@@ -341,6 +427,8 @@ def markdown(result, methods):
             for key, fmt in (("items_per_s", ".2f"), ("ratio_to_llama_cpp_f32", ".2f"),
                              ("ratio_to_llama_cpp_f32_scoring", ".2f"))) + " |")
     lines += ["", f"`{result['command']}`"]
+    if "llama_cpp_runs_by" in result:
+        lines.append(f"(llama.cpp's runs: `{result['llama_cpp_runs_by']}`)")
     return "\n".join(lines)
 
 
