@@ -43,6 +43,7 @@ from pathlib import Path
 
 # llama.cpp cache type -> kvquant spec whose task log it is compared with (None: no twin)
 LLAMA_CACHES = {"f32": "f32", "q8_0": "ggml:q8_0/q8_0", "q4_0": "ggml:q4_0/q4_0", "f16": None}
+WHOLE, SCORING = "llama.cpp f32 (whole command)", "llama.cpp f32 (scoring only)"
 RUNNING_ACC = re.compile(r"^(\d+)\t([0-9.]+)%\t\[")
 # llama.cpp's log stamps each line min.ss.mmm.uuu after start (common/log.cpp)
 SCORING_STARTS = re.compile(r"^(\d+)\.(\d\d)\.(\d{3})\.(\d{3}) I hellaswag_score : calculating",
@@ -313,6 +314,7 @@ def main(argv=None):
               + (f"; kvquant {_diff(e['kvquant'])}" if "kvquant" in e else ""), flush=True)
     if args.rounds > 0:
         result["throughput"] = throughput(args, binary, gguf, model, items, out)
+        result["throughput"]["command"] = result["command"]
     elif earlier:
         result["throughput"] = old.get("throughput", {})
     tmp = Path(f"{stem}.json.tmp")
@@ -338,11 +340,14 @@ def throughput(args, binary, gguf, model, items, out):
     write_task_file(timed, timed_file)
     write_task_file(warm, warm_file)
 
-    def llama_method(file, k, scoring_only=False):
+    # each method returns {row name: seconds}; llama.cpp's one run gives two rows: the whole
+    # command, and from its log's stamped start of scoring to the end (model load and
+    # tokenization left out)
+    def llama_method(file, k):
         def run():
             _, wall, before, _ = run_llama(binary, gguf, file, k, "f32", args.threads,
                                            args.parallel, args.ctx)
-            return wall - before if scoring_only else wall
+            return {WHOLE: wall, SCORING: wall - before}
         return run
 
     def kvquant_method(spec, its):
@@ -350,36 +355,30 @@ def throughput(args, binary, gguf, model, items, out):
             t0 = time.perf_counter()
             with threadpool_limits(args.threads):
                 ItemScorer(model, spec).score_many(its)
-            return time.perf_counter() - t0
+            return {f"kvquant {spec}": time.perf_counter() - t0}
         return run
 
-    # llama.cpp's f32 timed twice: the whole command, and from its log's stamped start of
-    # scoring to the end (model load and tokenization left out)
-    methods = {"llama.cpp f32 (whole command)": (llama_method(timed_file, len(timed)),
-                                                  llama_method(warm_file, len(warm))),
-               "llama.cpp f32 (scoring only)": (llama_method(timed_file, len(timed), True),
-                                                 lambda: None)}
+    methods = {"llama.cpp": (llama_method(timed_file, len(timed)),
+                             llama_method(warm_file, len(warm)))}
     for spec in split_spec_text(args.codecs):
-        methods[f"kvquant {spec}"] = (kvquant_method(spec, timed), kvquant_method(spec, warm))
+        methods[spec] = (kvquant_method(spec, timed), kvquant_method(spec, warm))
     for _, warm_run in methods.values():
         warm_run()  # llama.cpp's runs warm its page cache, kvquant's its process
     rounds = []
     for r in range(args.rounds):
-        names = list(methods) if r % 2 == 0 else list(reversed(methods))
         row = {}
-        for name in names:
-            s = methods[name][0]()
-            row[name] = {"seconds": s, "items_per_s": len(timed) / s}
-            print(f"round {r + 1}: {name:<30} {len(timed) / s:6.2f} items/s ({s:.1f} s)",
-                  flush=True)
-        whole = row["llama.cpp f32 (whole command)"]["items_per_s"]
-        scoring = row["llama.cpp f32 (scoring only)"]["items_per_s"]
+        for method in (list(methods) if r % 2 == 0 else list(reversed(methods))):
+            for name, sec in methods[method][0]().items():
+                row[name] = {"seconds": sec, "items_per_s": len(timed) / sec}
+                print(f"round {r + 1}: {name:<30} {len(timed) / sec:6.2f} items/s "
+                      f"({sec:.1f} s)", flush=True)
         for name in row:
-            row[name]["ratio_to_llama_cpp_f32"] = row[name]["items_per_s"] / whole
-            row[name]["ratio_to_llama_cpp_f32_scoring"] = row[name]["items_per_s"] / scoring
+            row[name]["ratio_to_llama_cpp_f32"] = (row[name]["items_per_s"]
+                                                   / row[WHOLE]["items_per_s"])
+            row[name]["ratio_to_llama_cpp_f32_scoring"] = (row[name]["items_per_s"]
+                                                           / row[SCORING]["items_per_s"])
         rounds.append(row)
-    return {"items": len(timed), "warm_items": len(warm), "methods": list(methods),
-            "rounds": rounds}
+    return {"items": len(timed), "warm_items": len(warm), "rounds": rounds}
 
 
 def _acc_of(per_doc):
@@ -416,7 +415,7 @@ def markdown(result):
             lines.append(f"(llama.cpp's runs: `{result['llama_cpp_runs_by']}`)")
         return "\n".join(lines)
     rounds = result["throughput"]["rounds"]
-    methods = result["throughput"].get("methods") or list(rounds[0])
+    methods = list(rounds[0])   # the first round runs the methods in their given order
     lines += ["", f"Items/s on the first {result['throughput']['items']} items, each method "
               "warmed, blocks alternating:", "",
               "| method | items/s per round | x llama.cpp f32 whole command | x its scoring "
@@ -426,6 +425,8 @@ def markdown(result):
             ", ".join(f"{r[name][key]:{fmt}}" for r in rounds)
             for key, fmt in (("items_per_s", ".2f"), ("ratio_to_llama_cpp_f32", ".2f"),
                              ("ratio_to_llama_cpp_f32_scoring", ".2f"))) + " |")
+    if result["throughput"].get("command", result["command"]) != result["command"]:
+        lines += ["", f"(timed by `{result['throughput']['command']}`)"]
     lines += ["", f"`{result['command']}`"]
     if "llama_cpp_runs_by" in result:
         lines.append(f"(llama.cpp's runs: `{result['llama_cpp_runs_by']}`)")
