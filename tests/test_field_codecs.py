@@ -141,6 +141,17 @@ def test_half_bits_fill_the_gaps_between_whole_ones():
     assert codec.bytes_per_row == 64 * 5 // 2 // 8 + 4 and codec.spec == "vq2.5"
 
 
+@pytest.mark.parametrize("bits", [1.5, 3])
+def test_the_stored_pair_codebooks_are_what_the_fit_gives(bits):
+    """The codebooks vq reads from its package data equal a fresh fit (k-means on the fixed
+    Gaussian sample), so the stored file can neither drift from the code nor be stale."""
+    from kvquant_experiments.codecs.vector import BITS, _stored_codebooks, fit_pair_codebook
+    from kvquant_experiments.codecs.vector import pair_codebook
+    assert sorted(map(float, _stored_codebooks()["codebooks"])) == sorted(BITS)
+    np.testing.assert_allclose(pair_codebook(bits), fit_pair_codebook(bits), rtol=0, atol=1e-12)
+    assert not pair_codebook(bits).flags.writeable
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_the_pair_codebook_beats_scalar_lloyd_max_and_respects_the_bound(bits):
     from kvquant_experiments.codecs.vector import pair_codebook

@@ -20,7 +20,9 @@ query; the context accumulates each centroid's weight per pair, multiplies by th
 and unrotates once.
 """
 import functools
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 from scipy.cluster.vq import kmeans2
@@ -36,14 +38,53 @@ from ._layers import pack_codes, unpack_codes
 FIT_SAMPLES = 2 ** 18   # Gaussian pairs the codebook is fitted on
 FIT_SEED = 0x5EED
 FIT_ITERATIONS = 40
+# bits per value the codec takes: 2^(2 b) centroids a pair, so halves are whole code widths
+BITS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
 SIDE_KINDS = ("norm", "unbiased", "match")
+
+
+# the fitted codebooks, stored: a fit takes ~2 s a bit width, and every process that builds
+# a vq codec (each worker of a report, a task run or the frontier) would repeat it.
+# Rewritten by write_stored_codebooks(); tests/test_field_codecs.py refits and compares.
+STORED = Path(__file__).with_name("vq_pair_codebooks.json")
 
 
 @functools.lru_cache(maxsize=None)
 def pair_codebook(bits):
     """The 2-D codebook of ``bits`` per value (1..4 in steps of 1/2): float64 (2^(2 bits), 2),
-    read-only. Deterministic: Gaussian pairs from a fixed seed, k-means started from the
-    product of scalar Gaussian Lloyd-Max levels (ceil(bits) x floor(bits) bits at half steps)."""
+    read-only, as :func:`fit_pair_codebook` fits it (stored in :data:`STORED`)."""
+    stored = _stored_codebooks()
+    key = f"{float(bits):g}"
+    if key not in stored["codebooks"]:
+        raise ValueError(f"no stored vq codebook for {bits!r} bits per value; they cover "
+                         f"{', '.join(stored['codebooks'])}")
+    centroids = np.array(stored["codebooks"][key], dtype=np.float64)
+    centroids.flags.writeable = False
+    return centroids
+
+
+@functools.lru_cache(maxsize=1)
+def _stored_codebooks():
+    stored = json.loads(STORED.read_text())
+    fit = {"samples": FIT_SAMPLES, "seed": FIT_SEED, "iterations": FIT_ITERATIONS}
+    if stored.get("fit") != fit:
+        raise RuntimeError(f"{STORED} was fitted with {stored.get('fit')}, not {fit}: rewrite "
+                           "it with kvquant_experiments.codecs.vector.write_stored_codebooks()")
+    return stored
+
+
+def write_stored_codebooks(path=STORED):
+    """Fit every bit width's codebook and write them to ``path`` (JSON: floats written in
+    Python's shortest round-trip form, so they read back bit for bit)."""
+    fit = {"samples": FIT_SAMPLES, "seed": FIT_SEED, "iterations": FIT_ITERATIONS}
+    books = {f"{b:g}": fit_pair_codebook(b).tolist() for b in BITS}
+    Path(path).write_text(json.dumps({"fit": fit, "codebooks": books}) + "\n")
+
+
+def fit_pair_codebook(bits):
+    """Fit the 2-D codebook of ``bits`` per value. Deterministic: Gaussian pairs from a fixed
+    seed, k-means started from the product of scalar Gaussian Lloyd-Max levels
+    (ceil(bits) x floor(bits) bits at half steps)."""
     width = int(round(2 * bits))
     first, second = (load_codebook("gaussian", 64, b).levels for b in ((width + 1) // 2,
                                                                         width // 2))
@@ -52,12 +93,7 @@ def pair_codebook(bits):
     n = FIT_SAMPLES
     sample = np.random.default_rng(FIT_SEED).standard_normal((n, 2))
     centroids, _ = kmeans2(sample, grid, iter=FIT_ITERATIONS, minit="matrix", missing="raise")
-    centroids.flags.writeable = False
     return centroids
-
-
-# bits per value the codec takes: 2^(2 b) centroids a pair, so halves are whole code widths
-BITS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
 
 
 class PairCodebook(Codec):
