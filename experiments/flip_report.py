@@ -63,7 +63,9 @@ REPORT_CODECS = {
 }
 TINY_EXTRAS = ["polar3", "polar4", "polar6", "polar6:compat=colibri", "q8_0/kv8", "q4_0/kv8",
                "q4_0+rot/kv8"]
-REAL_DEFAULTS = {"positions": 2048, "chunk_tokens": 512, "prompts": 4}
+# 1,024 positions keep the report within 4 minutes on 2 cores (the text's KLD at 2,048 took
+# two thirds of it); kvquant flips and the frontier measure the published figures at full size
+REAL_DEFAULTS = {"positions": 1024, "chunk_tokens": 512, "prompts": 4}
 SMOKE_REAL = {"positions": 64, "chunk_tokens": 64, "prompts": 1}
 SMOKE_TINY = ["f32", "kv8", "tq2", "tq4", "polar4"]
 SMOKE_REAL_CODECS = ["f32", "kv8", "tq4"]
@@ -194,20 +196,45 @@ def position_cell(cell):
             "source": source, "n_positions": len(tokens), "flipped": flipped, "kld": kld}
 
 
-def position_cells(model_name, codecs, smoke=None, text="pydoc"):
+def position_cells(model_name, codecs, smoke=None, text="pydoc", n_groups=1):
+    """Cells of the position strip: the codecs cut into ``n_groups`` groups (each cell runs
+    its own f32 reference; :func:`merge_positions` joins them)."""
     smoke = is_smoke() if smoke is None else smoke
-    cell = {"sweep": "flip_positions", "model": model_name, "codecs": list(codecs)}
-    if model_name != "tiny-mla":
-        cell.update(window=SMOKE_WINDOW if smoke else POSITION_WINDOW[model_name], start=0,
-                    **_text_params(text))
-    return [cell]
+    codecs = list(codecs)
+    n_groups = max(1, min(int(n_groups), len(codecs)))
+    cells = []
+    for gi in range(n_groups):
+        cell = {"sweep": "flip_positions", "model": model_name, "codecs": codecs[gi::n_groups]}
+        if n_groups > 1:
+            cell["group"] = f"{gi + 1}of{n_groups}"
+        if model_name != "tiny-mla":
+            cell.update(window=SMOKE_WINDOW if smoke else POSITION_WINDOW[model_name], start=0,
+                        **_text_params(text))
+        cells.append(cell)
+    return cells
 
 
 def position_stem(cell):
     stem = f"positions_{cell['model']}_n{len(cell['codecs'])}"
+    if "group" in cell:
+        stem += f"_{cell['group']}"
     if "window" in cell:
         stem += f"_w{cell['window']}_s{cell['start']}"
     return stem + _text_tag(cell)
+
+
+def merge_positions(results, order):
+    """One position strip from the cells' results, codecs in ``order``."""
+    first = results[0]
+    for res in results[1:]:
+        if (res["source"], res["n_positions"]) != (first["source"], first["n_positions"]):
+            raise ValueError("position cells of one strip ran on different tokens: "
+                             f"{first['source']} and {res['source']}")
+    rows = {c: (f, k) for res in results for c, f, k in zip(res["codecs"], res["flipped"],
+                                                             res["kld"])}
+    codecs = [c for c in order if c in rows]
+    return {**first, "codecs": codecs, "flipped": [rows[c][0] for c in codecs],
+            "kld": [rows[c][1] for c in codecs]}
 
 
 def pareto_points(table):
@@ -275,8 +302,12 @@ def submit_model(model_name, results_dir, executor=None, smoke=None, codecs=None
     flips_dir = Path(results_dir) / "flips"
     tables = submit_cells(table_cell, table_cells(model_name, ok, n_groups, **sizes), flips_dir,
                           table_stem, executor, resume, progress, desc=f"{model_name} flip table")
+    # the real model's strip in as many cells as tables: the cells then share the workers
+    # evenly (one strip cell after one table cell held the report's wall time)
+    position_groups = n_groups if model_name != "tiny-mla" else 1
     positions = submit_cells(position_cell, position_cells(model_name, ok, smoke,
-                                                           sizes.get("text", "pydoc")), flips_dir,
+                                                           sizes.get("text", "pydoc"),
+                                                           position_groups), flips_dir,
                              position_stem, executor, resume, progress,
                              desc=f"{model_name} flip positions")
     return {"model": model_name, "codecs": ok, "unavailable": missing, "tables": tables,
@@ -293,12 +324,13 @@ def finish(handle):
     ``positions_json``, ``reused`` (cells taken from stored files).
     """
     results = handle["tables"].wait()
-    positions = handle["positions"].wait()[0]
-    for res in results + [positions]:
+    position_results = handle["positions"].wait()
+    for res in results + position_results:
         if res.get("failed"):
             raise RuntimeError(f"{handle['model']}: a flip cell {res['reason']}\n"
                                f"{res.get('traceback', '')}")
     table = merge_tables(results, handle["codecs"])
+    positions = merge_positions(position_results, handle["codecs"])
     table_json, table_csv = write_table(table, handle["dir"], handle["unavailable"])
     pos_json = save_positions(positions, handle["dir"] / f"positions_{handle['model']}.json")
     return {"model": handle["model"], "table": table, "positions": positions,

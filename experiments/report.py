@@ -18,6 +18,7 @@ Cells already in ``data/`` are reused (the report says how many); ``--fresh`` re
 This module runs the parts and writes the folder; turning each part's results into its
 section is :mod:`kvquant_experiments.report_sections`.
 """
+import argparse
 import datetime
 import re
 import shlex
@@ -57,7 +58,7 @@ def _real_wanted(real, smoke):
 
 def run_report(out="report", smoke=None, scheduler=None, workers=None, real="auto", full=False,
                fresh=False, progress=True, figures_to=None, command=None, log=None,
-               text=None, codecs=()):
+               text=None, codecs=(), positions=None):
     """Run every section and write ``out/REPORT.md``, ``out/figures``, ``out/data``.
 
     Parameters
@@ -86,6 +87,9 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
     codecs : sequence of str
         Codec specs measured beside the built-in grid in every section (the sweeps, the
         flip tables): a registered plug-in codec, or a built-in one the grid leaves out.
+    positions : int, optional
+        Text positions of the real-model table (default
+        :data:`kvquant_experiments.flip_report.REAL_DEFAULTS`; with ``full``, that size's).
 
     Returns
     -------
@@ -164,6 +168,8 @@ def run_report(out="report", smoke=None, scheduler=None, workers=None, real="aut
             else:
                 real_codecs = flip_report.report_codecs("smollm2", smoke)
                 sizes = dict(flip_report.SMOKE_REAL if smoke else flip_report.REAL_DEFAULTS)
+            if positions is not None:
+                sizes["positions"] = int(positions)
             handles["smollm2"] = guarded("real-model flips", flip_report.submit_model,
                                          "smollm2", data, ex, smoke=smoke,
                                          codecs=extra(real_codecs) if extra else real_codecs,
@@ -346,6 +352,7 @@ def _anchor(title):
 # --------------------------------------------------------------------------------------------
 def add_cli(subparsers):
     """Register ``report`` on an argparse subparsers object (``args.func(args)`` runs it)."""
+    from kvquant_experiments.flip_report import REAL_DEFAULTS
     p = subparsers.add_parser(
         "report", help="run the sweeps and tables, write report/REPORT.md with figures and data",
         description="Run the distortion and inner-product sweeps, the token-flip tables (tiny "
@@ -370,6 +377,9 @@ def add_cli(subparsers):
                    help="the real model's text: a UTF-8 file or a built-in text (pydoc, code, "
                         "docstrings); default code, held out from the frontier's picks "
                         "(chosen on pydoc)")
+    p.add_argument("--positions", type=_positive_int, default=None,
+                   help="text positions of the real-model table (default "
+                        f"{REAL_DEFAULTS['positions']}; --full: that size's)")
     p.add_argument("--figures-to", default=None,
                    help="also copy the headline figures there (the README's: data/figures)")
     p.add_argument("--codecs", default="",
@@ -379,6 +389,16 @@ def add_cli(subparsers):
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_report)
     return p
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def cmd_report(args):
@@ -396,7 +416,7 @@ def cmd_report(args):
                          scheduler=args.scheduler, workers=args.workers, real=args.real,
                          full=args.full, fresh=args.fresh, progress=not args.no_progress,
                          figures_to=args.figures_to, command=command, text=args.text,
-                         codecs=codecs)
+                         codecs=codecs, positions=args.positions)
     except (ValueError, ImportError, OSError) as exc:
         raise SystemExit(f"kvquant report: {exc}")
     print(f"{res['report']}  ({res['seconds']:.0f} s, {len(res['unavailable'])} item(s) "

@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from _experiments_env import ROOT, ensure_importable, subprocess_env
 
 ensure_importable()
@@ -102,3 +104,23 @@ def test_a_registered_codec_joins_every_section(tmp_path):
     assert md.count("toysign") >= 2   # the sweep's table and the tiny model's flip table
     res = run_cli("report", "--codecs", "nosuch9", "--smoke", "--out", str(tmp_path / "x"))
     assert res.returncode != 0 and "nosuch9" in res.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_position_strip_cut_into_cells_is_joined_in_the_table_order():
+    """The real model's position strip runs in one cell per worker; joined, it holds every
+    codec's row in the table's order, each row the one its own cell computed."""
+    from kvquant_experiments.flip_report import merge_positions, position_cells
+    codecs = ["kv8", "tq4", "polar4", "q8_0", "tq2"]
+    cells = position_cells("tiny-mla", codecs, smoke=True, n_groups=2)
+    assert [c["codecs"] for c in cells] == [["kv8", "polar4", "tq2"], ["tq4", "q8_0"]]
+    assert len({c["group"] for c in cells}) == 2
+    results = [{"source": "s", "n_positions": 3, "codecs": c["codecs"],
+                "flipped": [[i, 0, 1] for i, _ in enumerate(c["codecs"])],
+                "kld": [[float(len(name))] * 3 for name in c["codecs"]]} for c in cells]
+    joined = merge_positions(results[::-1], codecs)
+    assert joined["codecs"] == codecs
+    assert [k[0] for k in joined["kld"]] == [float(len(c)) for c in codecs]
+    assert joined["flipped"][codecs.index("q8_0")] == [1, 0, 1]
+    results[1]["source"] = "other tokens"
+    with pytest.raises(ValueError, match="different tokens"):
+        merge_positions(results, codecs)
