@@ -34,7 +34,6 @@ the tasks data and SmolLM2::
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -48,16 +47,6 @@ RUNNING_ACC = re.compile(r"^(\d+)\t([0-9.]+)%\t\[")
 # llama.cpp's log stamps each line min.ss.mmm.uuu after start (common/log.cpp)
 SCORING_STARTS = re.compile(r"^(\d+)\.(\d\d)\.(\d{3})\.(\d{3}) I hellaswag_score : calculating",
                             re.M)
-
-
-def _cpu():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def write_task_file(items, path):
@@ -249,7 +238,7 @@ def main(argv=None):
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from kvquant.models import load_model
     from kvquant.tasks import build_items
-    from kvquant_experiments.common import spec_tag
+    from kvquant_experiments.common import cpu_model, spec_tag
 
     model = load_model(args.model)
     gguf = str(model.path)
@@ -265,7 +254,7 @@ def main(argv=None):
                       "--hellaswag and kvquant's task logs scored by llama.cpp's rule (mean "
                       "log-probability per ending token)",
               "command": "python tools/llama_cpp_hellaswag.py " + " ".join(sys.argv[1:]),
-              "gguf": os.path.basename(gguf), "cpu": _cpu(), "threads": args.threads,
+              "gguf": os.path.basename(gguf), "cpu": cpu_model(), "threads": args.threads,
               "same_split_items": sum(split_ok.values()), "caches": {}, "throughput": {}}
     stem = out / f"llama-cpp-hellaswag-{Path(args.model).stem}-n{n}"
     earlier = {}

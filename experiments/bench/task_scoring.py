@@ -17,20 +17,9 @@ Needs the hf and lmeval extras (torch, transformers, lm-eval) and SmolLM2 (llm-s
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
-
-
-def _cpu():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv=None):
@@ -58,6 +47,7 @@ def main(argv=None):
     from kvquant.specs import split_spec_text
     from kvquant.tasks import ItemScorer, build_items
     from kvquant_experiments.bench.timing import mirrored
+    from kvquant_experiments.common import cpu_model
 
     torch.set_num_threads(args.threads)
     items = build_items("hellaswag", limit=args.warm + args.items)
@@ -129,7 +119,7 @@ def main(argv=None):
                   "command": "python -m kvquant_experiments.bench.task_scoring "
                              + " ".join(sys.argv[1:]),
                   "threads": args.threads, "lm_eval_batch_size": args.lm_eval_batch,
-                  "cpu": _cpu(), "versions": {"torch": torch.__version__,
+                  "cpu": cpu_model(), "versions": {"torch": torch.__version__,
                                               "transformers": transformers.__version__,
                                               "lm_eval": lm_eval.__version__},
                   "rounds": rounds}
