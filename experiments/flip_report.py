@@ -161,13 +161,30 @@ def table_stem(cell):
 
 
 def merge_tables(results, order):
-    """One table from group results: f32 once, then the codecs in ``order``."""
+    """One table from group results: f32 once, then the codecs in ``order``.
+
+    A row carries the name ``run_flips`` gives it, the spec's canonical text (``kv8/kv8`` runs
+    as ``kv8``, any spelling of the reference as ``f32``), so ``order`` is read through the
+    parser; a codec of ``order`` without a row is an error, never a row silently left out.
+    """
+    from kvquant.specs import parse_cache_spec
     rows = {}
     for res in results:
         for row in res["rows"]:
             rows.setdefault(row["codec"], row)
+
+    def row_name(spec_text):
+        if spec_text in rows:
+            return spec_text
+        spec = parse_cache_spec(spec_text)
+        return "f32" if spec.is_reference else spec.text
+
+    names = ["f32"] + [row_name(c) for c in order]
+    missing = [c for c, name in zip(["f32"] + list(order), names) if name not in rows]
+    if missing:
+        raise ValueError(f"the flip cells returned no row for {missing}")
     meta = dict(results[0]["meta"])
-    return {"meta": meta, "rows": [rows[c] for c in order if c in rows]}
+    return {"meta": meta, "rows": [rows[n] for n in dict.fromkeys(names)]}
 
 
 def position_cell(cell):

@@ -124,3 +124,17 @@ def test_a_position_strip_cut_into_cells_is_joined_in_the_table_order():
     results[1]["source"] = "other tokens"
     with pytest.raises(ValueError, match="different tokens"):
         merge_positions(results, codecs)
+
+
+def test_merged_flip_tables_find_rows_by_canonical_spec_and_never_drop_one():
+    """A row carries its spec's canonical text (``kv8/kv8`` runs as ``kv8``, ``F32`` as
+    ``f32``): merging finds it whatever the spelling asked for; a codec without a row is an
+    error, not a table one row short."""
+    from kvquant_experiments.flip_report import merge_tables
+    results = [{"meta": {"group": 1}, "rows": [{"codec": "f32", "g": 1}, {"codec": "kv8"}]},
+               {"meta": {"group": 2}, "rows": [{"codec": "f32", "g": 2}, {"codec": "tq4"}]}]
+    table = merge_tables(results, ["F32", "tq4", "kv8/kv8"])
+    assert [r["codec"] for r in table["rows"]] == ["f32", "tq4", "kv8"]
+    assert table["rows"][0]["g"] == 1 and table["meta"] == {"group": 1}
+    with pytest.raises(ValueError, match="polar4"):
+        merge_tables(results, ["kv8", "polar4"])
