@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 import kvquant  # noqa: E402
 import kvquant.hf  # noqa: E402,F401  (registers the 'kvquant' attention)
-from kvquant.hf import HFModel, KVQuantCache, kvquant_attention_forward  # noqa: E402
+from kvquant.hf import (  # noqa: E402
+    HFModel, KVQuantCache, cache_keyword, kvquant_attention_forward)
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
 
 PROMPT = 24
@@ -58,6 +59,12 @@ def _model(kind, attn="kvquant", seed=0, **kw):
     return model
 
 
+def _kw(model, cache):
+    """The cache as the model's forward and generate() take it (``cache=``, or
+    ``past_key_values=`` on a transformers from before the rename)."""
+    return {cache_keyword(model): cache}
+
+
 def _prompt(model, seed=1, n=PROMPT):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, model.config.vocab_size, (1, n), generator=g)
@@ -67,12 +74,12 @@ def _run(model, ids, cache, tokens=None, steps=STEPS):
     """Prefill ``ids`` then ``steps`` decode steps (greedy, or teacher-forced on ``tokens``):
     the logits of every step (prefill: all positions) and the tokens fed."""
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **_kw(model, cache), use_cache=True)
         logits, fed = [out.logits[0]], []
         for s in range(steps):
             t = out.logits[0, -1].argmax() if tokens is None else tokens[s]
             fed.append(int(t))
-            out = model(torch.tensor([[int(t)]]), past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([[int(t)]]), **_kw(model, cache), use_cache=True)
             logits.append(out.logits[0])
     return logits, fed
 
@@ -130,12 +137,12 @@ def test_generate_matches_dynamic_cache(kind):
     ids = _prompt(model)
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=STEPS, do_sample=False,
-                             past_key_values=DynamicCache(config=model.config))
+                             **_kw(model, DynamicCache(config=model.config)))
         model.set_attn_implementation("kvquant")
         got = model.generate(ids, max_new_tokens=STEPS, do_sample=False,
-                             past_key_values=KVQuantCache(model.config, "f32"))
+                             **_kw(model, KVQuantCache(model.config, "f32")))
         cache = KVQuantCache(model.config, "polar5/polar4@center")
-        q = model.generate(ids, max_new_tokens=STEPS, do_sample=False, past_key_values=cache)
+        q = model.generate(ids, max_new_tokens=STEPS, do_sample=False, **_kw(model, cache))
     assert torch.equal(got, ref)
     assert q.shape == ref.shape and torch.equal(q[:, :PROMPT], ids)
     assert cache.specs[0] == ("polar5", "polar4@center")
@@ -196,7 +203,7 @@ def test_key_channels_interleaved_changes_storage_not_attention():
     with torch.no_grad():
         one = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
-        model(ids[:, :1], past_key_values=one, use_cache=True)
+        model(ids[:, :1], **_kw(model, one), use_cache=True)
     k = one.layers[0].keys[0, 0, 0].numpy()
     half = k.size // 2
     stored = cache.layers[0].kv.stream(0, "k", 0).decode(0, 1)[0]
@@ -237,10 +244,10 @@ def test_crop_and_reset():
     ids = _prompt(model)
     cache = KVQuantCache(model.config, "tq4")
     with torch.no_grad():
-        full = model(ids, past_key_values=cache, use_cache=True).logits
+        full = model(ids, **_kw(model, cache), use_cache=True).logits
         cache.crop(-4)
         assert cache.get_seq_length() == PROMPT - 4
-        again = model(ids[:, -4:], past_key_values=cache, use_cache=True).logits
+        again = model(ids[:, -4:], **_kw(model, cache), use_cache=True).logits
         cache.reset()
         assert cache.get_seq_length() == 0
     torch.testing.assert_close(again[0], full[0, -4:], rtol=1e-5, atol=1e-5)
@@ -254,12 +261,12 @@ def test_refuses_other_caches_and_attentions():
     ids = _prompt(model)
     with torch.no_grad():
         with pytest.raises(ValueError, match="KVQuantCache"):
-            model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(ids, **_kw(model, DynamicCache(config=model.config)), use_cache=True)
         with pytest.raises(ValueError, match="KVQuantCache"):
             model(ids, use_cache=False)
         model.set_attn_implementation("sdpa")
         with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-            model(ids, past_key_values=KVQuantCache(model.config, "tq4"), use_cache=True)
+            model(ids, **_kw(model, KVQuantCache(model.config, "tq4")), use_cache=True)
 
 
 def test_refuses_a_cache_built_for_fewer_layers():
@@ -269,7 +276,7 @@ def test_refuses_a_cache_built_for_fewer_layers():
     config.num_hidden_layers = 1
     with torch.no_grad(), pytest.raises(ValueError, match="layer 1, but this KVQuantCache was "
                                                           "built for 1 layers"):
-        model(_prompt(model), past_key_values=KVQuantCache(config, "tq4"), use_cache=True)
+        model(_prompt(model), **_kw(model, KVQuantCache(config, "tq4")), use_cache=True)
 
 
 def test_hfmodel_passes_the_cache_by_the_models_own_keyword():
@@ -316,22 +323,22 @@ def test_refuses_batches_padding_and_custom_masks():
     ids = _prompt(model)
     with torch.no_grad():
         with pytest.raises(ValueError, match="batch size 1"):
-            model(ids.repeat(2, 1), past_key_values=KVQuantCache(model.config), use_cache=True)
+            model(ids.repeat(2, 1), **_kw(model, KVQuantCache(model.config)), use_cache=True)
         pad = torch.ones_like(ids)
         pad[0, :3] = 0
         with pytest.raises(ValueError, match="Padding"):
-            model(ids, attention_mask=pad, past_key_values=KVQuantCache(model.config),
+            model(ids, attention_mask=pad, **_kw(model, KVQuantCache(model.config)),
                   use_cache=True)
         custom = torch.ones(1, 1, PROMPT, PROMPT, dtype=torch.bool).tril()
         with pytest.raises(ValueError, match="custom or 4D mask"):
-            model(ids, attention_mask=custom, past_key_values=KVQuantCache(model.config),
+            model(ids, attention_mask=custom, **_kw(model, KVQuantCache(model.config)),
                   use_cache=True)
         with pytest.raises(ValueError, match="beam search|one sequence"):
             model.generate(ids, max_new_tokens=2, num_beams=2, do_sample=False,
-                           past_key_values=KVQuantCache(model.config))
+                           **_kw(model, KVQuantCache(model.config)))
         # an all-ones padding mask is the causal mask: accepted
         out = model(ids, attention_mask=torch.ones_like(ids),
-                    past_key_values=KVQuantCache(model.config), use_cache=True)
+                    **_kw(model, KVQuantCache(model.config)), use_cache=True)
     assert out.logits.shape == (1, PROMPT, model.config.vocab_size)
 
 
@@ -339,16 +346,16 @@ def test_refuses_gradients_dropout_and_attention_weights():
     model = _model("llama")
     ids = _prompt(model)
     with pytest.raises(ValueError, match="no gradient"):
-        model(ids, past_key_values=KVQuantCache(model.config), use_cache=True)
+        model(ids, **_kw(model, KVQuantCache(model.config)), use_cache=True)
     with torch.no_grad():
         with pytest.raises(ValueError, match="output_attentions"):
-            model(ids, past_key_values=KVQuantCache(model.config), use_cache=True,
+            model(ids, **_kw(model, KVQuantCache(model.config)), use_cache=True,
                   output_attentions=True)
         for layer in model.model.layers:
             layer.self_attn.attention_dropout = 0.1
         model.train()
         with pytest.raises(ValueError, match="dropout"):
-            model(ids, past_key_values=KVQuantCache(model.config), use_cache=True)
+            model(ids, **_kw(model, KVQuantCache(model.config)), use_cache=True)
 
 
 def test_refuses_other_devices():
@@ -380,7 +387,7 @@ def test_hf_model_contract_runs_text_metrics():
     ids = _prompt(model, n=40).numpy()[0]
     logits = adapter.forward(ids, adapter.new_cache("f32"))
     with torch.no_grad():
-        direct = model(torch.from_numpy(ids)[None], past_key_values=KVQuantCache(model.config),
+        direct = model(torch.from_numpy(ids)[None], **_kw(model, KVQuantCache(model.config)),
                        use_cache=True).logits[0].numpy()
     np.testing.assert_array_equal(logits, direct)
     assert logits.shape == (40, adapter.vocab_size)

@@ -25,7 +25,7 @@ import torch
 
 import kvquant.hf  # noqa: F401  (registers the 'kvquant' attention)
 from kvquant_experiments.texts import pydoc_text
-from kvquant.hf import KVQuantCache
+from kvquant.hf import KVQuantCache, cache_keyword
 from kvquant.specs import split_spec_text
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,7 +45,7 @@ def base_rows(model, ids):
     from transformers import DynamicCache
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
-    out = model(torch.from_numpy(ids)[None], past_key_values=cache, use_cache=True,
+    out = model(torch.from_numpy(ids)[None], **{cache_keyword(model): cache}, use_cache=True,
                 logits_to_keep=1)
     return [(layer.keys, layer.values) for layer in cache.layers], int(out.logits[0, -1].argmax())
 
@@ -66,11 +66,11 @@ def fill(cache, rows, n_tokens):
 def time_decode(model, cache, token, warmup, steps):
     """Seconds per decode step (the mean of ``steps`` after ``warmup`` untimed ones)."""
     for _ in range(warmup):
-        out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[token]]), **{cache_keyword(model): cache}, use_cache=True)
         token = int(out.logits[0, -1].argmax())
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[token]]), **{cache_keyword(model): cache}, use_cache=True)
         token = int(out.logits[0, -1].argmax())
     return (time.perf_counter() - t0) / steps
 

@@ -41,9 +41,9 @@ if not transformers.__version__.split(".")[0] == "5":
 from kvquant.hf.attention import (  # noqa: E402
     ATTN_IMPLEMENTATION, CausalBands, kvquant_attention_forward, kvquant_mask, register)
 from kvquant.hf.cache import KVQuantCache, KVQuantLayer  # noqa: E402
-from kvquant.hf.model import HFModel, load_hf_model  # noqa: E402
+from kvquant.hf.model import HFModel, cache_keyword, load_hf_model  # noqa: E402
 
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "CausalBands", "HFModel", "KVQuantCache", "KVQuantLayer",
-           "kvquant_attention_forward", "kvquant_mask", "load_hf_model", "register"]
+           "cache_keyword", "kvquant_attention_forward", "kvquant_mask", "load_hf_model", "register"]

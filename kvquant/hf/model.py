@@ -16,6 +16,14 @@ import torch
 from kvquant.hf.cache import ATTN_IMPLEMENTATION, KVQuantCache
 
 
+def cache_keyword(model):
+    """The keyword a transformers model's forward (and ``generate``) takes its cache by:
+    ``"cache"``, or ``"past_key_values"`` on a transformers from before 5.x renamed it (the old
+    name still runs on later ones, with a FutureWarning)."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class HFModel:
     """A transformers causal LM (on CPU, batch size 1) with kvquant's model contract.
 
@@ -53,11 +61,8 @@ class HFModel:
                             or text.hidden_size // text.num_attention_heads)
         # Gemma 2 caps its logits (tanh); transformers applies it in the causal LM's forward.
         self._softcap = getattr(text, "final_logit_softcapping", None)
-        params = inspect.signature(type(model).forward).parameters
-        # transformers renamed past_key_values to cache during 5.x; take the model's own name
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        decoder_params = inspect.signature(type(model.get_decoder()).forward).parameters
-        self._decoder_cache_kw = "cache" if "cache" in decoder_params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
+        self._decoder_cache_kw = cache_keyword(model.get_decoder())
 
     @classmethod
     def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, name=None,
