@@ -126,6 +126,12 @@ def mean_token_prediction(rec):
     return max(range(len(means)), key=means.__getitem__)
 
 
+def rule_right(items, records):
+    """kvquant's right (1) or wrong (0) per item of ``items`` by llama.cpp's rule."""
+    return [int(mean_token_prediction(records[it.doc_id]) == records[it.doc_id]["gold"])
+            for it in items]
+
+
 def same_split(model, item):
     """True when the four ``query + " " + ending`` token sequences share exactly the query's
     tokens (then llama.cpp's count of tokens is the log's ``choice_tokens``)."""
@@ -147,8 +153,7 @@ def compare(items, llama_right, records, split_ok):
     for subset, keep in (("all", lambda it: True), ("same split", lambda it: split_ok[it.doc_id])):
         chosen = [it for it in items if keep(it)]
         ll = [llama_right[it.doc_id] for it in chosen]
-        kv = [int(mean_token_prediction(records[it.doc_id]) == records[it.doc_id]["gold"])
-              for it in chosen]
+        kv = rule_right(chosen, records)
         table = {"both": sum(a and b for a, b in zip(ll, kv)),
                  "only_llama_cpp": sum(a and not b for a, b in zip(ll, kv)),
                  "only_kvquant": sum(b and not a for a, b in zip(ll, kv)),
@@ -161,14 +166,14 @@ def compare(items, llama_right, records, split_ok):
     return out
 
 
-def cache_effects(items, result, logs_dir, spec_tag):
+def cache_effects(items, result, kv_records):
     """Each cache's paired accuracy difference to f32 measured inside each engine: llama.cpp's
-    runs against its f32 run, kvquant's twin logs against its f32 log (llama.cpp's rule)."""
+    runs against its f32 run, kvquant's twin logs (``kv_records``: cache -> its twin's log
+    records) against its f32 log (llama.cpp's rule)."""
     from kvquant.tasks.stats import mcnemar_exact, paired_bootstrap
     rows = result["caches"]
     if "f32" not in rows:
         return {}
-    kv_ref = read_task_log(Path(logs_dir) / "f32.jsonl")
 
     def paired(ref, other):
         b = sum(r and not o for r, o in zip(ref, other))
@@ -177,19 +182,15 @@ def cache_effects(items, result, logs_dir, spec_tag):
         return {"diff": (sum(other) - sum(ref)) / len(ref), "low": low, "high": high,
                 "only_f32": b, "only_cache": c, "mcnemar_p": mcnemar_exact(b, c)}
 
-    def kv_right(records):
-        return [int(mean_token_prediction(records[it.doc_id]) == records[it.doc_id]["gold"])
-                for it in items]
-
     effects = {}
     for cache, row in rows.items():
         if cache == "f32":
             continue
         effects[cache] = {"llama_cpp": paired(rows["f32"]["llama_cpp_right"],
                                               row["llama_cpp_right"])}
-        if "kvquant_spec" in row:
-            twin = read_task_log(Path(logs_dir) / f"{spec_tag(row['kvquant_spec'])}.jsonl")
-            effects[cache]["kvquant"] = paired(kv_right(kv_ref), kv_right(twin))
+        if cache in kv_records and "f32" in kv_records:
+            effects[cache]["kvquant"] = paired(rule_right(items, kv_records["f32"]),
+                                               rule_right(items, kv_records[cache]))
     return effects
 
 
@@ -266,6 +267,7 @@ def main(argv=None):
             raise SystemExit(f"--reuse-llama-runs: {stem}.json holds other items")
         earlier = old["caches"]
         result["llama_cpp_runs_by"] = old.get("llama_cpp_runs_by", old["command"])
+    kv_records = {}     # cache -> its kvquant twin's log, read once
     for cache in caches:
         if cache in earlier:
             row = earlier[cache]
@@ -286,7 +288,7 @@ def main(argv=None):
         log = Path(args.kvquant_logs) / f"{spec_tag(twin)}.jsonl" if twin else None
         if log is not None and log.is_file():
             row["kvquant_spec"] = twin
-            records = read_task_log(log)
+            records = kv_records[cache] = read_task_log(log)
             row["compare"] = compare(items, per_doc, records, split_ok)
             row["agreement_in_file_order"] = compare(items, unshuffled, records,
                                                      split_ok)["all"]["agreement"]
@@ -297,7 +299,7 @@ def main(argv=None):
                  f"{100 * row['agreement_in_file_order']:.1f}%)" if "compare" in row else ""),
               flush=True)
 
-    result["effects"] = cache_effects(items, result, args.kvquant_logs, spec_tag)
+    result["effects"] = cache_effects(items, result, kv_records)
     for cache, e in result["effects"].items():
         print(f"{cache} vs f32: llama.cpp {_diff(e['llama_cpp'])}"
               + (f"; kvquant {_diff(e['kvquant'])}" if "kvquant" in e else ""), flush=True)

@@ -47,6 +47,7 @@ SIDE_KINDS = ("norm", "unbiased", "match")
 # a vq codec (each worker of a report, a task run or the frontier) would repeat it.
 # Rewritten by write_stored_codebooks(); tests/test_field_codecs.py refits and compares.
 STORED = Path(__file__).with_name("vq_pair_codebooks.json")
+FIT = {"samples": FIT_SAMPLES, "seed": FIT_SEED, "iterations": FIT_ITERATIONS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,9 +67,8 @@ def pair_codebook(bits):
 @functools.lru_cache(maxsize=1)
 def _stored_codebooks():
     stored = json.loads(STORED.read_text())
-    fit = {"samples": FIT_SAMPLES, "seed": FIT_SEED, "iterations": FIT_ITERATIONS}
-    if stored.get("fit") != fit:
-        raise RuntimeError(f"{STORED} was fitted with {stored.get('fit')}, not {fit}: rewrite "
+    if stored.get("fit") != FIT:
+        raise RuntimeError(f"{STORED} was fitted with {stored.get('fit')}, not {FIT}: rewrite "
                            "it with kvquant_experiments.codecs.vector.write_stored_codebooks()")
     return stored
 
@@ -76,9 +76,8 @@ def _stored_codebooks():
 def write_stored_codebooks(path=STORED):
     """Fit every bit width's codebook and write them to ``path`` (JSON: floats written in
     Python's shortest round-trip form, so they read back bit for bit)."""
-    fit = {"samples": FIT_SAMPLES, "seed": FIT_SEED, "iterations": FIT_ITERATIONS}
     books = {f"{b:g}": fit_pair_codebook(b).tolist() for b in BITS}
-    Path(path).write_text(json.dumps({"fit": fit, "codebooks": books}) + "\n")
+    Path(path).write_text(json.dumps({"fit": FIT, "codebooks": books}) + "\n")
 
 
 def fit_pair_codebook(bits):
