@@ -160,16 +160,23 @@ def row_scaled_spec(spec):
     return _spec_text(row_base, [i for i in _option_items(spec) if i[0] in kept])
 
 
-def bit_ladder(spec):
-    """``(bits, widths)`` of a codec spec whose name carries its bit width (``tq<b>``, widths
-    1..8; ``polar<b>``, 2..6): ``"polar4:side_dtype=f16"`` -> ``(4, range(2, 7))``; None for a
-    codec whose name carries none (kv8, the llama.cpp types, f32, a registered codec)."""
+def _ladder_of(spec):
+    """``(family name, bits, widths)`` from the family whose ladder takes ``spec``'s name, or
+    None."""
     base, _ = parse_spec(spec)
     for ladder in _BIT_LADDERS:
         found = ladder(base)
         if found is not None:
-            return found[1], found[2]
+            return found
     return None
+
+
+def bit_ladder(spec):
+    """``(bits, widths)`` of a codec spec whose name carries its bit width (``tq<b>``, widths
+    1..8; ``polar<b>``, 2..6): ``"polar4:side_dtype=f16"`` -> ``(4, range(2, 7))``; None for a
+    codec whose name carries none (kv8, the llama.cpp types, f32, a registered codec)."""
+    found = _ladder_of(spec)
+    return None if found is None else (found[1], found[2])
 
 
 def spec_with_bits(spec, bits):
@@ -182,19 +189,14 @@ def spec_with_bits(spec, bits):
         The codec's name carries no bit width (:func:`bit_ladder`), or its family takes no
         codec of ``bits`` bits.
     """
-    base, _ = parse_spec(spec)
-    for ladder in _BIT_LADDERS:
-        found = ladder(base)
-        if found is None:
-            continue
-        name, _, widths = found
-        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) \
-                or bits not in widths:
-            raise ValueError(f"{spec!r}: {name} takes {widths[0]}..{widths[-1]} bits, not "
-                             f"{bits!r}")
-        return _spec_text(f"{name}{int(bits)}", _option_items(spec))
-    raise ValueError(f"{spec!r}: the codec's name carries no bit width to change (tq<b>, "
-                     "polar<b>)")
+    found = _ladder_of(spec)
+    if found is None:
+        raise ValueError(f"{spec!r}: the codec's name carries no bit width to change (tq<b>, "
+                         "polar<b>)")
+    name, _, widths = found
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in widths:
+        raise ValueError(f"{spec!r}: {name} takes {widths[0]}..{widths[-1]} bits, not {bits!r}")
+    return _spec_text(f"{name}{int(bits)}", _option_items(spec))
 
 
 def spec_with_options(spec, **options):
